@@ -1,0 +1,44 @@
+"""FixNorm word embeddings (Nguyen & Chiang 2018; Nguyen & Salazar 2019, sec. 2.3).
+
+Every word embedding is l2-normalised to unit length before use (then scaled by sqrt(d) as
+usual), and the tied output layer scores a decoder state ``h`` against the *normalised*
+embeddings: ``logit_w = h . w/||w|| + b_w``. With a ScaleNorm (or any norm) before it, ``h`` has
+the norm's learned length ``g``, so the logit is ``g * cos(h, w) + b`` (TwT eq. 5): the learned
+scale is the final norm's ``g``. Embeddings start at U(-0.01, 0.01) as in the released code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class FixNormEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose rows are used l2-normalised (unit length)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.weight, -0.01, 0.01)
+        self._fill_padding_idx_with_zero()
+
+    def normalized_weight(self) -> torch.Tensor:
+        return F.normalize(self.weight, dim=-1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.normalized_weight(), self.padding_idx)
+
+
+class FixNormOutputProjection(nn.Module):
+    """Tied output layer over normalised embeddings plus a per-word bias (TwT eq. 5)."""
+
+    def __init__(self, embedding: FixNormEmbedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
+
+    @property
+    def weight(self) -> torch.Tensor:  # fairseq's generator and adaptive code read .weight
+        return self.embedding.weight
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return F.linear(features, self.embedding.normalized_weight(), self.bias)

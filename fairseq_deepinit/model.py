@@ -1,0 +1,113 @@
+"""The ``deepinit`` fairseq model: fairseq's TransformerModel with four independent axes.
+
+- norm position per stack: fairseq's ``--encoder-normalize-before`` / ``--decoder-normalize-before``
+  (Post-LN "v1" when off, Pre-LN "v2"/T2T when on; Xu et al. 2020 eq. 1-2);
+- norm type: ``--norm-type`` (:mod:`fairseq_deepinit.norms`), plus ``--fixnorm`` embeddings;
+- residual scaling: ``--residual-scale`` (:mod:`fairseq_deepinit.residual`);
+- init scheme: ``--init-scheme`` (:mod:`fairseq_deepinit.schemes`), applied once after building.
+
+Everything is wired through fairseq's extension points (``build_embedding``,
+``build_encoder``/``build_decoder``, ``build_*_layer``, ``build_output_projection``,
+``residual_connection``); the forward passes are fairseq's own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import register_model
+from fairseq.models.transformer import (
+    TransformerConfig,
+    TransformerDecoderBase,
+    TransformerEncoderBase,
+    TransformerModel,
+)
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+
+from . import options
+from .fixnorm import FixNormEmbedding, FixNormOutputProjection
+from .layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
+from .norms import build_optional_norm
+from .schemes import apply_init_scheme
+
+logger = logging.getLogger(__name__)
+
+
+def _wrap_layer(cfg, layer):
+    """fairseq's own activation-checkpoint / FSDP wrapping of a freshly built layer."""
+    checkpoint = cfg.checkpoint_activations
+    if checkpoint:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
+def _replace_stack_norms(module, cfg, embed_dim: int) -> None:
+    """Swap the stack-level norms fairseq built (final Pre-LN norm, embedding norm)."""
+    for attr in ("layer_norm", "layernorm_embedding"):
+        if getattr(module, attr, None) is not None:
+            setattr(module, attr, build_optional_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
+
+
+class DeepInitEncoder(TransformerEncoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, return_fc: bool = False) -> None:
+        self._built_layers = 0
+        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        _replace_stack_norms(self, cfg, embed_tokens.embedding_dim)
+
+    def build_encoder_layer(self, cfg):
+        self._built_layers += 1
+        return _wrap_layer(cfg, DeepInitEncoderLayer(cfg, self._built_layers, return_fc=self.return_fc))
+
+
+class DeepInitDecoder(TransformerDecoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn: bool = False, output_projection=None) -> None:
+        self._built_layers = 0
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn, output_projection=output_projection)
+        _replace_stack_norms(self, cfg, self.embed_dim)
+
+    def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
+        self._built_layers += 1
+        layer_cls = DECODER_LAYER_TYPES[cfg.decoder_layer_type]
+        return _wrap_layer(cfg, layer_cls(cfg, self._built_layers, no_encoder_attn=no_encoder_attn))
+
+    def build_output_projection(self, cfg, dictionary, embed_tokens):
+        if cfg.fixnorm:
+            self.output_projection = FixNormOutputProjection(embed_tokens)
+            return
+        super().build_output_projection(cfg, dictionary, embed_tokens)
+
+
+@register_model("deepinit")
+class DeepInitTransformerModel(TransformerModel):
+    """fairseq's ``transformer`` with composable deep-Transformer schemes (see the README)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        options.add_model_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        options.resolve_and_validate(args)
+        model = super().build_model(args, task)
+        apply_init_scheme(model, TransformerConfig.from_namespace(args))
+        logger.info(options.describe(args))
+        return model
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        if getattr(args, "fixnorm", False):
+            if path:
+                raise ValueError("--fixnorm learns its own normalised embeddings; drop --*-embed-path")
+            return FixNormEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+        return super().build_embedding(args, dictionary, embed_dim, path)
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return DeepInitEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return DeepInitDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)

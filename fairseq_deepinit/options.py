@@ -1,0 +1,165 @@
+"""Command-line options of the ``deepinit`` model and their start-up validation.
+
+Every incompatible combination stops before the model is built, with a message that says what to
+change; nothing is silently overridden. ``auto`` values are resolved from the init scheme's needs
+(for example ``--norm-type auto`` is ``none`` under T-Fixup and ``layernorm`` otherwise) and the
+resolved values are what the checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .layers import DECODER_LAYER_TYPES
+from .norms import NORM_TYPES
+from .residual import RESIDUAL_BUILDERS
+from .schemes import SCHEMES
+
+
+class DeepInitConfigError(ValueError):
+    """An invalid or incompatible combination of deepinit options."""
+
+
+# fairseq store_true flags that named architectures set: their default becomes None so that an
+# architecture can tell "not given" from "given" (fairseq's own t2t arch cannot, see README)
+ARCH_BOOL_FLAGS = ("encoder_normalize_before", "decoder_normalize_before", "share_decoder_input_output_embed")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(**{name: None for name in ARCH_BOOL_FLAGS})
+    g = parser.add_argument_group("deepinit: normalisation, residual scaling and initialisation")
+    g.add_argument("--init-scheme", choices=sorted(SCHEMES), metavar="SCHEME",
+                   help="initialisation scheme; one of: " + ", ".join(sorted(SCHEMES)) + " (default: xavier, the "
+                   "fairseq 0.8/0.9 baseline the papers used)")
+    g.add_argument("--norm-type", choices=("auto",) + NORM_TYPES,
+                   help="normalisation layer replacing every LayerNorm (auto: what the init scheme needs; "
+                   "layernorm unless the scheme removes norms)")
+    g.add_argument("--norm-eps", type=float, help="epsilon of the normalisation layers (default 1e-5)")
+    g.add_argument("--residual-scale", choices=("auto",) + tuple(sorted(RESIDUAL_BUILDERS)),
+                   help="residual-branch scaling (auto: what the init scheme needs, none otherwise)")
+    g.add_argument("--fixnorm", action="store_true", default=None,
+                   help="FixNorm: unit-norm word embeddings and a tied output layer over them "
+                   "(needs --share-decoder-input-output-embed or --share-all-embeddings)")
+    g.add_argument("--decoder-layer-type", choices=tuple(sorted(DECODER_LAYER_TYPES)),
+                   help="decoder layer implementation (default: standard)")
+    g.add_argument("--lipschitz-bias-free", action="store_true", default=None,
+                   help="lipschitz: drop the biases of q/k/v/out projections and fc2 (released code)")
+    g.add_argument("--ds-init-variant", choices=("paper", "code"),
+                   help="ds-init: 'paper' bound gamma*alpha/sqrt(l) (eq. 15, default) or the released "
+                   "code's gamma*sqrt(alpha)*l^(-1/4)")
+    g.add_argument("--ds-init-alpha", type=float, help="ds-init: alpha in [0, 1] (default 1.0)")
+    g.add_argument("--force-norm-with-scheme", action="store_true", default=None,
+                   help="allow a --norm-type that the init scheme normally removes (e.g. LayerNorm "
+                   "under t-fixup); for ablations only")
+
+
+# defaults of options that are not scheme-specific
+_DEFAULTS = {
+    "init_scheme": "xavier",
+    "norm_type": "auto",
+    "norm_eps": 1e-5,
+    "residual_scale": "auto",
+    "fixnorm": False,
+    "decoder_layer_type": "standard",
+    "force_norm_with_scheme": False,
+}
+# scheme-specific options: name -> (scheme it belongs to, default)
+_SCHEME_OPTIONS = {
+    "lipschitz_bias_free": ("lipschitz", False),
+    "ds_init_variant": ("ds-init", "paper"),
+    "ds_init_alpha": ("ds-init", 1.0),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resolve_and_validate(args) -> None:
+    """Resolve ``auto`` values in place and reject incompatible combinations."""
+    for name, default in _DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    for name in ARCH_BOOL_FLAGS:
+        setattr(args, name, bool(getattr(args, name, False)))
+    scheme = SCHEMES.get(args.init_scheme)
+    if scheme is None:
+        raise DeepInitConfigError(
+            f"unknown --init-scheme {args.init_scheme!r}; choose from {', '.join(sorted(SCHEMES))}")
+
+    for name, (owner, default) in _SCHEME_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value is None or value is False:
+            setattr(args, name, default)
+        elif args.init_scheme != owner:
+            raise DeepInitConfigError(
+                f"{_flag(name)} only applies to --init-scheme {owner}, not {args.init_scheme}; drop it "
+                f"or use --init-scheme {owner}")
+
+    if not 0.0 <= args.ds_init_alpha <= 1.0:
+        raise DeepInitConfigError(f"--ds-init-alpha must lie in [0, 1] (DS-Init eq. 15), got {args.ds_init_alpha}")
+    if args.norm_eps <= 0:
+        raise DeepInitConfigError(f"--norm-eps must be positive, got {args.norm_eps}")
+
+    # norm type
+    if args.norm_type == "auto":
+        args.norm_type = scheme.default_norm
+    elif args.norm_type not in scheme.allowed_norms and not args.force_norm_with_scheme:
+        allowed = " or ".join(scheme.allowed_norms)
+        raise DeepInitConfigError(
+            f"--init-scheme {scheme.name} needs --norm-type {allowed} ({scheme.norm_reason}); got "
+            f"--norm-type {args.norm_type}. Drop --norm-type, or add --force-norm-with-scheme for an ablation.")
+
+    # residual scaling
+    if args.residual_scale == "auto":
+        args.residual_scale = scheme.residual
+    elif scheme.residual != "none" and args.residual_scale != scheme.residual:
+        raise DeepInitConfigError(
+            f"--init-scheme {scheme.name} needs --residual-scale {scheme.residual}; got {args.residual_scale}. "
+            f"Drop --residual-scale or set it to {scheme.residual}.")
+    if args.residual_scale not in RESIDUAL_BUILDERS:
+        raise DeepInitConfigError(
+            f"unknown --residual-scale {args.residual_scale!r}; choose from {', '.join(sorted(RESIDUAL_BUILDERS))}")
+    needs_post = scheme.needs_post_ln or args.residual_scale in POST_LN_RESIDUALS
+    if needs_post and (args.encoder_normalize_before or args.decoder_normalize_before):
+        what = f"--init-scheme {scheme.name}" if scheme.needs_post_ln else f"--residual-scale {args.residual_scale}"
+        raise DeepInitConfigError(
+            f"{what} is defined for Post-LN only; remove --encoder-normalize-before / --decoder-normalize-before")
+
+    if args.decoder_layer_type not in DECODER_LAYER_TYPES:
+        raise DeepInitConfigError(
+            f"unknown --decoder-layer-type {args.decoder_layer_type!r}; choose from "
+            f"{', '.join(sorted(DECODER_LAYER_TYPES))}")
+
+    if args.fixnorm:
+        if not (args.share_decoder_input_output_embed or args.share_all_embeddings):
+            raise DeepInitConfigError(
+                "--fixnorm scores outputs against the normalised input embeddings; add "
+                "--share-decoder-input-output-embed (or --share-all-embeddings)")
+        if getattr(args, "adaptive_softmax_cutoff", None) or getattr(args, "adaptive_input", False):
+            raise DeepInitConfigError("--fixnorm does not combine with adaptive input/softmax; drop one of them")
+    if getattr(args, "layernorm_embedding", False) and args.norm_type == "none":
+        raise DeepInitConfigError(
+            "--layernorm-embedding asks for an embedding norm but --norm-type is none; drop one of them")
+
+
+# residual scalings whose definition is Post-LN (registered by their modules)
+POST_LN_RESIDUALS: set = {"deepnorm"}
+
+
+def describe(args) -> str:
+    parts = [
+        f"init={args.init_scheme}",
+        f"norm={args.norm_type}",
+        f"encoder={'pre' if args.encoder_normalize_before else 'post'}-norm",
+        f"decoder={'pre' if args.decoder_normalize_before else 'post'}-norm",
+        f"residual={args.residual_scale}",
+        f"decoder-layer={args.decoder_layer_type}",
+    ]
+    if args.fixnorm:
+        parts.append("fixnorm")
+    if args.init_scheme == "ds-init":
+        parts.append(f"ds-init={args.ds_init_variant},alpha={args.ds_init_alpha}")
+    if args.lipschitz_bias_free:
+        parts.append("bias-free")
+    return "deepinit: " + ", ".join(parts)

@@ -1,0 +1,94 @@
+"""Residual scaling, one axis of the model (``--residual-scale``).
+
+Each sub-layer of each layer owns one :class:`Residual` module; fairseq's
+``residual_connection(x, residual)`` hook calls it with the (dropped-out) branch output ``x`` and
+the sub-layer input ``residual``. Because it is a module of its own, forward hooks on it see
+exactly the two tensors the papers' statistics are about (Admin profiling, diagnostics).
+
+- ``none``: ``residual + x`` (Vaswani et al. 2017).
+- ``deepnorm``: ``alpha * residual + x`` (Wang et al. 2022, DeepNet eq. (2), Table 1
+  encoder-decoder constants: alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4)).
+- ``rezero``: ``residual + a * x`` with one learned scalar ``a`` per sub-layer initialised to 0
+  (Bachlechner et al. 2020, eq. (5); the Admin paper's Table 3 baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import torch.nn as nn
+
+RESIDUAL_SCALES = ("none", "deepnorm", "rezero")
+
+
+class Residual(nn.Module):
+    """``residual + x``."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + x
+
+
+class ConstantResidual(Residual):
+    """``alpha * residual + x`` with a constant (not learned) ``alpha`` (DeepNorm)."""
+
+    def __init__(self, alpha: float) -> None:
+        super().__init__()
+        self.alpha = float(alpha)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual * self.alpha + x
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:.6g}"
+
+
+class ReZeroResidual(Residual):
+    """``residual + a * x``, ``a`` a learned scalar starting at 0 (ReZero, eq. 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self.alpha * x
+
+
+def deepnorm_alpha(stack: str, encoder_layers: int, decoder_layers: int) -> float:
+    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: alpha for ``stack``."""
+    n, m = encoder_layers, decoder_layers
+    if stack == "encoder":
+        return 0.81 * (n**4 * m) ** (1.0 / 16)
+    return (3.0 * m) ** 0.25
+
+
+def deepnorm_beta(stack: str, encoder_layers: int, decoder_layers: int) -> float:
+    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: init gain beta for ``stack``."""
+    n, m = encoder_layers, decoder_layers
+    if stack == "encoder":
+        return 0.87 * (n**4 * m) ** (-1.0 / 16)
+    return (12.0 * m) ** -0.25
+
+
+ResidualBuilder = Callable[[object, str, str, int], Residual]
+
+# name -> builder(cfg, stack, sublayer, layer_idx); other modules (Admin) register here too
+RESIDUAL_BUILDERS: Dict[str, ResidualBuilder] = {
+    "none": lambda cfg, stack, sub, idx: Residual(),
+    "deepnorm": lambda cfg, stack, sub, idx: ConstantResidual(
+        deepnorm_alpha(stack, cfg.encoder.layers, cfg.decoder.layers)
+    ),
+    "rezero": lambda cfg, stack, sub, idx: ReZeroResidual(),
+}
+
+
+def register_residual(name: str, builder: ResidualBuilder) -> None:
+    if name in RESIDUAL_BUILDERS:
+        raise ValueError(f"residual scale {name!r} is already registered")
+    RESIDUAL_BUILDERS[name] = builder
+
+
+def build_residuals(cfg, stack: str, sublayers: tuple, layer_idx: int) -> nn.ModuleDict:
+    """One residual module per sub-layer name, for ``cfg.residual_scale``."""
+    builder = RESIDUAL_BUILDERS[cfg.residual_scale]
+    return nn.ModuleDict({name: builder(cfg, stack, name, layer_idx) for name in sublayers})

@@ -1,0 +1,60 @@
+"""T-Fixup (Huang et al. 2020, "Improving Transformer Optimization Through Better Initialization").
+
+Sec. 3.2 / released code, starting from the fairseq 0.8/0.9 baseline with embeddings N(0, d^-1/2):
+
+- encoder layers: fc1, fc2, self_attn.out_proj scaled by 0.67 N_e^(-1/4);
+  self_attn.v_proj by 0.67 N_e^(-1/4) * sqrt(2) (undoing the baseline's 1/sqrt(2) gain);
+- decoder layers: fc1, fc2, self_attn.out_proj, encoder_attn.out_proj by (9 N_d)^(-1/4);
+  self_attn.v_proj and encoder_attn.v_proj by (9 N_d)^(-1/4) * sqrt(2);
+- q and k projections are not scaled;
+- input embeddings: encoder x (9 N_e)^(-1/4) (the released code uses the encoder depth), decoder
+  x (9 N_d)^(-1/4) unless all embeddings are shared;
+- every LayerNorm removed (``--norm-type none``) and no warmup (``--lr-scheduler tfixup``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import SchemeSpec, iter_layers, register_scheme
+from .baseline import apply_baseline
+
+
+def tfixup_factors(stack: str, encoder_layers: int, decoder_layers: int) -> tuple:
+    """(scale of fc1/fc2/out_proj, scale of v_proj) for a layer of ``stack`` (Huang et al. sec. 3.2)."""
+    if stack == "encoder":
+        s = 0.67 * encoder_layers ** -0.25
+    else:
+        s = (9.0 * decoder_layers) ** -0.25
+    return s, s * math.sqrt(2.0)
+
+
+def embedding_factor(stack: str, encoder_layers: int, decoder_layers: int) -> float:
+    n = encoder_layers if stack == "encoder" else decoder_layers
+    return (9.0 * n) ** -0.25
+
+
+@torch.no_grad()
+def apply_tfixup(model, cfg) -> None:
+    apply_baseline(model, cfg)
+    n_e, n_d = cfg.encoder.layers, cfg.decoder.layers
+    for stack, _l, layer in iter_layers(model):
+        s, s_v = tfixup_factors(stack, n_e, n_d)
+        layer.fc1.weight.mul_(s)
+        layer.fc2.weight.mul_(s)
+        for attn in (getattr(layer, "self_attn", None), getattr(layer, "encoder_attn", None)):
+            if attn is not None:
+                attn.out_proj.weight.mul_(s)
+                attn.v_proj.weight.mul_(s_v)
+    model.encoder.embed_tokens.weight.mul_(embedding_factor("encoder", n_e, n_d))
+    if model.decoder.embed_tokens is not model.encoder.embed_tokens:
+        model.decoder.embed_tokens.weight.mul_(embedding_factor("decoder", n_e, n_d))
+
+
+register_scheme(SchemeSpec(
+    "t-fixup", apply_tfixup,
+    "T-Fixup (Huang et al. 2020): depth-scaled init, no LayerNorm, no warmup",
+    default_norm="none", allowed_norms=("none",), norm_reason="T-Fixup removes every LayerNorm",
+))

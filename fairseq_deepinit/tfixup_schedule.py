@@ -1,0 +1,42 @@
+"""T-Fixup's warmup-free learning-rate schedule (Huang et al. 2020, sec. 4, released code):
+``lr_t = lr * sqrt(P / (P + t))`` with decay period P (4000 in the paper), t the update number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List
+
+from fairseq.dataclass import FairseqDataclass
+from fairseq.optim.lr_scheduler import FairseqLRScheduler, register_lr_scheduler
+from omegaconf import II
+
+
+@dataclass
+class TFixupScheduleConfig(FairseqDataclass):
+    decay_period: int = field(default=4000, metadata={"help": "P in lr * sqrt(P / (P + t))"})
+    lr: List[float] = II("optimization.lr")
+
+
+def tfixup_lr(lr: float, decay_period: int, num_updates: int) -> float:
+    return lr * math.sqrt(decay_period / (decay_period + num_updates))
+
+
+@register_lr_scheduler("tfixup", dataclass=TFixupScheduleConfig)
+class TFixupSchedule(FairseqLRScheduler):
+    """No warmup: the learning rate starts at ``--lr`` and decays as sqrt(P / (P + t))."""
+
+    def __init__(self, cfg: TFixupScheduleConfig, optimizer) -> None:
+        super().__init__(cfg, optimizer)
+        if isinstance(cfg.lr, (list, tuple)) and len(cfg.lr) > 1:
+            raise ValueError("--lr-scheduler tfixup takes one --lr value, not a list")
+        if cfg.decay_period <= 0:
+            raise ValueError(f"--decay-period must be positive, got {cfg.decay_period}")
+        self.base_lr = cfg.lr[0] if isinstance(cfg.lr, (list, tuple)) else cfg.lr
+        self.optimizer.set_lr(self.base_lr)
+
+    def step_update(self, num_updates: int) -> float:
+        lr = tfixup_lr(self.base_lr, self.cfg.decay_period, num_updates)
+        self.optimizer.set_lr(lr)
+        return lr

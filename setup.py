@@ -1,0 +1,25 @@
+"""fairseq-deepinit: deep-Transformer initialisation and normalisation schemes for fairseq."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fairseq-deepinit",
+    version="0.1.0",
+    description=(
+        "A fairseq --user-dir plugin with the published fixes for deep Transformer training: "
+        "Lipschitz init, T-Fixup, Admin, DS-Init/MAtt, Transformers without Tears, DeepNorm, ReZero."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11,<3.13",
+    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*"]),
+    install_requires=[
+        # exact pins; ve-fairseq's wheel hashes are in requirements/fairseq.txt
+        "ve-fairseq==0.12.3",
+        "torch==2.13.0",
+        "sacrebleu==2.6.0",
+        "subword-nmt==0.3.8",
+    ],
+    extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
+    entry_points={"console_scripts": []},
+)
