@@ -57,7 +57,7 @@ class DeepInitLayerMixin:
         self.residuals = build_residuals(cfg, self.stack, sublayers, layer_idx)
         self._sublayer_names = list(sublayers)
         self._next_sublayer = 0
-        if cfg.lipschitz_bias_free:
+        if getattr(cfg, "lipschitz_bias_free", None):
             # Xu et al. 2020, released code ("ease_optimization"): no bias in q/k/v/out and fc2
             for attn_name in ("self_attn", "encoder_attn"):
                 attn = getattr(self, attn_name, None)

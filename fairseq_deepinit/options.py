@@ -87,16 +87,20 @@ def resolve_and_validate(args) -> None:
         raise DeepInitConfigError(
             f"unknown --init-scheme {args.init_scheme!r}; choose from {', '.join(sorted(SCHEMES))}")
 
+    # scheme-specific options stay None under other schemes, so that re-validating the resolved
+    # arguments stored in a checkpoint (generate, resume) gives the same answer
     for name, (owner, default) in _SCHEME_OPTIONS.items():
         value = getattr(args, name, None)
-        if value is None or value is False:
-            setattr(args, name, default)
-        elif args.init_scheme != owner:
+        if args.init_scheme == owner:
+            setattr(args, name, default if value is None else value)
+        elif value is not None and value is not False:
             raise DeepInitConfigError(
                 f"{_flag(name)} only applies to --init-scheme {owner}, not {args.init_scheme}; drop it "
                 f"or use --init-scheme {owner}")
+        else:
+            setattr(args, name, None)
 
-    if not 0.0 <= args.ds_init_alpha <= 1.0:
+    if args.init_scheme == "ds-init" and not 0.0 <= args.ds_init_alpha <= 1.0:
         raise DeepInitConfigError(f"--ds-init-alpha must lie in [0, 1] (DS-Init eq. 15), got {args.ds_init_alpha}")
     if args.norm_eps <= 0:
         raise DeepInitConfigError(f"--norm-eps must be positive, got {args.norm_eps}")

@@ -2,10 +2,10 @@
 ``lr_t = lr * sqrt(P / (P + t))`` with decay period P (4000 in the paper), t the update number.
 """
 
-from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field  # no `from __future__ import annotations`: fairseq reads real types
 from typing import List
 
 from fairseq.dataclass import FairseqDataclass
@@ -29,11 +29,12 @@ class TFixupSchedule(FairseqLRScheduler):
 
     def __init__(self, cfg: TFixupScheduleConfig, optimizer) -> None:
         super().__init__(cfg, optimizer)
-        if isinstance(cfg.lr, (list, tuple)) and len(cfg.lr) > 1:
+        lrs = list(cfg.lr) if isinstance(cfg.lr, Sequence) and not isinstance(cfg.lr, str) else [cfg.lr]
+        if len(lrs) != 1:
             raise ValueError("--lr-scheduler tfixup takes one --lr value, not a list")
         if cfg.decay_period <= 0:
             raise ValueError(f"--decay-period must be positive, got {cfg.decay_period}")
-        self.base_lr = cfg.lr[0] if isinstance(cfg.lr, (list, tuple)) else cfg.lr
+        self.base_lr = float(lrs[0])
         self.optimizer.set_lr(self.base_lr)
 
     def step_update(self, num_updates: int) -> float:
