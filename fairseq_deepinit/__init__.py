@@ -7,7 +7,10 @@ from . import checkpoint_compat
 
 checkpoint_compat.install()
 
-from . import model  # noqa: E402  (registers the model before its architectures)
+# isort: off
+# the model must be registered before its architectures
+from . import model  # noqa: E402,F401
 from . import architectures, tfixup_schedule  # noqa: E402,F401
+# isort: on
 
 __version__ = "0.1.0"

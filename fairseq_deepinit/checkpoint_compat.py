@@ -11,6 +11,7 @@ imported (``--user-dir``). Anything else in a checkpoint is still refused.
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 # Exactly what fairseq 0.12's ``save_checkpoint`` pickles besides tensors and plain containers

@@ -13,7 +13,7 @@ only what fairseq exposes for extension:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+from typing import Dict, List, Type
 
 import torch
 import torch.nn as nn
@@ -87,7 +87,7 @@ class DeepInitEncoderLayer(DeepInitLayerMixin, TransformerEncoderLayerBase):
         super().__init__(cfg, return_fc=return_fc)
         self._setup_axes(cfg, layer_idx, self.SUBLAYERS)
 
-    def forward(self, x, encoder_padding_mask: Optional[torch.Tensor], attn_mask=None):
+    def forward(self, x, encoder_padding_mask: torch.Tensor | None, attn_mask=None):
         self._start_forward(list(self.SUBLAYERS))
         return super().forward(x, encoder_padding_mask, attn_mask=attn_mask)
 

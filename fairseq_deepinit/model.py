@@ -63,7 +63,9 @@ class DeepInitEncoder(TransformerEncoderBase):
 class DeepInitDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn: bool = False, output_projection=None) -> None:
         self._built_layers = 0
-        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn, output_projection=output_projection)
+        super().__init__(
+            cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn, output_projection=output_projection
+        )
         _replace_stack_norms(self, cfg, self.embed_dim)
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):

@@ -31,10 +31,10 @@ def ds_init_bound(d_in: int, d_out: int, layer: int, alpha: float = 1.0, variant
 @torch.no_grad()
 def apply_dsinit(model: nn.Module, cfg) -> None:
     apply_baseline(model, cfg)  # zero biases, as the baseline
-    for _stack, l, layer in iter_layers(model):
+    for _stack, depth, layer in iter_layers(model):
         for m in layer.modules():
             if isinstance(m, nn.Linear):
-                b = ds_init_bound(m.in_features, m.out_features, l, cfg.ds_init_alpha, cfg.ds_init_variant)
+                b = ds_init_bound(m.in_features, m.out_features, depth, cfg.ds_init_alpha, cfg.ds_init_variant)
                 nn.init.uniform_(m.weight, -b, b)
 
 
