@@ -34,9 +34,14 @@ FAMILIES: Dict[str, dict] = {
     # Zhang et al. 2019
     "dsinit": dict(init_scheme="ds-init"),
     # Nguyen & Salazar 2019: PreNorm + ScaleNorm + FixNorm + SmallInit, tied output layer
-    "twt": dict(init_scheme="smallinit", norm_type="scalenorm", fixnorm=True,
-                encoder_normalize_before=True, decoder_normalize_before=True,
-                share_decoder_input_output_embed=True),
+    "twt": dict(
+        init_scheme="smallinit",
+        norm_type="scalenorm",
+        fixnorm=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        share_decoder_input_output_embed=True,
+    ),
     # Wang et al. 2022
     "deepnorm": dict(init_scheme="deepnorm"),
     # Liu et al. 2020, Table 3 baselines
@@ -65,6 +70,7 @@ def register_family(family: str, axes: dict) -> None:
                 _set(args, encoder_layers=layers, decoder_layers=layers)
             _set(args, **dims)
             size_fn(args)
+
         return arch
 
     for size, (size_fn, dims) in SIZES.items():
@@ -82,8 +88,17 @@ def deepinit_base(args):
 @register_model_architecture("deepinit", "deepinit_tiny")
 def deepinit_tiny(args):
     """d=64, FFN 128, 2 heads, 2+2 layers: for tests and smoke runs."""
-    _set(args, encoder_embed_dim=64, encoder_ffn_embed_dim=128, encoder_attention_heads=2, encoder_layers=2,
-         decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_attention_heads=2, decoder_layers=2)
+    _set(
+        args,
+        encoder_embed_dim=64,
+        encoder_ffn_embed_dim=128,
+        encoder_attention_heads=2,
+        encoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=128,
+        decoder_attention_heads=2,
+        decoder_layers=2,
+    )
     base_architecture(args)
 
 
@@ -95,6 +110,15 @@ for _family, _axes in list(FAMILIES.items()):
 def tfixup_200l(args):
     """T-Fixup Fig. 4b: 200 encoder + 200 decoder layers of d=64, FFN 128, 2 heads."""
     _set(args, **FAMILIES["tfixup"])
-    _set(args, encoder_embed_dim=64, encoder_ffn_embed_dim=128, encoder_attention_heads=2, encoder_layers=200,
-         decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_attention_heads=2, decoder_layers=200)
+    _set(
+        args,
+        encoder_embed_dim=64,
+        encoder_ffn_embed_dim=128,
+        encoder_attention_heads=2,
+        encoder_layers=200,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=128,
+        decoder_attention_heads=2,
+        decoder_layers=200,
+    )
     transformer_iwslt_de_en(args)

@@ -28,29 +28,57 @@ ARCH_BOOL_FLAGS = ("encoder_normalize_before", "decoder_normalize_before", "shar
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**{name: None for name in ARCH_BOOL_FLAGS})
     g = parser.add_argument_group("deepinit: normalisation, residual scaling and initialisation")
-    g.add_argument("--init-scheme", choices=sorted(SCHEMES), metavar="SCHEME",
-                   help="initialisation scheme; one of: " + ", ".join(sorted(SCHEMES)) + " (default: xavier, the "
-                   "fairseq 0.8/0.9 baseline the papers used)")
-    g.add_argument("--norm-type", choices=("auto",) + NORM_TYPES,
-                   help="normalisation layer replacing every LayerNorm (auto: what the init scheme needs; "
-                   "layernorm unless the scheme removes norms)")
+    g.add_argument(
+        "--init-scheme",
+        choices=sorted(SCHEMES),
+        metavar="SCHEME",
+        help="initialisation scheme; one of: " + ", ".join(sorted(SCHEMES)) + " (default: xavier, the "
+        "fairseq 0.8/0.9 baseline the papers used)",
+    )
+    g.add_argument(
+        "--norm-type",
+        choices=("auto",) + NORM_TYPES,
+        help="normalisation layer replacing every LayerNorm (auto: what the init scheme needs; "
+        "layernorm unless the scheme removes norms)",
+    )
     g.add_argument("--norm-eps", type=float, help="epsilon of the normalisation layers (default 1e-5)")
-    g.add_argument("--residual-scale", choices=("auto",) + tuple(sorted(RESIDUAL_BUILDERS)),
-                   help="residual-branch scaling (auto: what the init scheme needs, none otherwise)")
-    g.add_argument("--fixnorm", action="store_true", default=None,
-                   help="FixNorm: unit-norm word embeddings and a tied output layer over them "
-                   "(needs --share-decoder-input-output-embed or --share-all-embeddings)")
-    g.add_argument("--decoder-layer-type", choices=tuple(sorted(DECODER_LAYER_TYPES)),
-                   help="decoder layer implementation (default: standard)")
-    g.add_argument("--lipschitz-bias-free", action="store_true", default=None,
-                   help="lipschitz: drop the biases of q/k/v/out projections and fc2 (released code)")
-    g.add_argument("--ds-init-variant", choices=("paper", "code"),
-                   help="ds-init: 'paper' bound gamma*alpha/sqrt(l) (eq. 15, default) or the released "
-                   "code's gamma*sqrt(alpha)*l^(-1/4)")
+    g.add_argument(
+        "--residual-scale",
+        choices=("auto",) + tuple(sorted(RESIDUAL_BUILDERS)),
+        help="residual-branch scaling (auto: what the init scheme needs, none otherwise)",
+    )
+    g.add_argument(
+        "--fixnorm",
+        action="store_true",
+        default=None,
+        help="FixNorm: unit-norm word embeddings and a tied output layer over them "
+        "(needs --share-decoder-input-output-embed or --share-all-embeddings)",
+    )
+    g.add_argument(
+        "--decoder-layer-type",
+        choices=tuple(sorted(DECODER_LAYER_TYPES)),
+        help="decoder layer implementation (default: standard)",
+    )
+    g.add_argument(
+        "--lipschitz-bias-free",
+        action="store_true",
+        default=None,
+        help="lipschitz: drop the biases of q/k/v/out projections and fc2 (released code)",
+    )
+    g.add_argument(
+        "--ds-init-variant",
+        choices=("paper", "code"),
+        help="ds-init: 'paper' bound gamma*alpha/sqrt(l) (eq. 15, default) or the released "
+        "code's gamma*sqrt(alpha)*l^(-1/4)",
+    )
     g.add_argument("--ds-init-alpha", type=float, help="ds-init: alpha in [0, 1] (default 1.0)")
-    g.add_argument("--force-norm-with-scheme", action="store_true", default=None,
-                   help="allow a --norm-type that the init scheme normally removes (e.g. LayerNorm "
-                   "under t-fixup); for ablations only")
+    g.add_argument(
+        "--force-norm-with-scheme",
+        action="store_true",
+        default=None,
+        help="allow a --norm-type that the init scheme normally removes (e.g. LayerNorm "
+        "under t-fixup); for ablations only",
+    )
 
 
 # defaults of options that are not scheme-specific
@@ -85,7 +113,8 @@ def resolve_and_validate(args) -> None:
     scheme = SCHEMES.get(args.init_scheme)
     if scheme is None:
         raise DeepInitConfigError(
-            f"unknown --init-scheme {args.init_scheme!r}; choose from {', '.join(sorted(SCHEMES))}")
+            f"unknown --init-scheme {args.init_scheme!r}; choose from {', '.join(sorted(SCHEMES))}"
+        )
 
     # scheme-specific options stay None under other schemes, so that re-validating the resolved
     # arguments stored in a checkpoint (generate, resume) gives the same answer
@@ -96,7 +125,8 @@ def resolve_and_validate(args) -> None:
         elif value is not None and value is not False:
             raise DeepInitConfigError(
                 f"{_flag(name)} only applies to --init-scheme {owner}, not {args.init_scheme}; drop it "
-                f"or use --init-scheme {owner}")
+                f"or use --init-scheme {owner}"
+            )
         else:
             setattr(args, name, None)
 
@@ -112,7 +142,8 @@ def resolve_and_validate(args) -> None:
         allowed = " or ".join(scheme.allowed_norms)
         raise DeepInitConfigError(
             f"--init-scheme {scheme.name} needs --norm-type {allowed} ({scheme.norm_reason}); got "
-            f"--norm-type {args.norm_type}. Drop --norm-type, or add --force-norm-with-scheme for an ablation.")
+            f"--norm-type {args.norm_type}. Drop --norm-type, or add --force-norm-with-scheme for an ablation."
+        )
 
     # residual scaling
     if args.residual_scale == "auto":
@@ -120,31 +151,37 @@ def resolve_and_validate(args) -> None:
     elif scheme.residual != "none" and args.residual_scale != scheme.residual:
         raise DeepInitConfigError(
             f"--init-scheme {scheme.name} needs --residual-scale {scheme.residual}; got {args.residual_scale}. "
-            f"Drop --residual-scale or set it to {scheme.residual}.")
+            f"Drop --residual-scale or set it to {scheme.residual}."
+        )
     if args.residual_scale not in RESIDUAL_BUILDERS:
         raise DeepInitConfigError(
-            f"unknown --residual-scale {args.residual_scale!r}; choose from {', '.join(sorted(RESIDUAL_BUILDERS))}")
+            f"unknown --residual-scale {args.residual_scale!r}; choose from {', '.join(sorted(RESIDUAL_BUILDERS))}"
+        )
     needs_post = scheme.needs_post_ln or args.residual_scale in POST_LN_RESIDUALS
     if needs_post and (args.encoder_normalize_before or args.decoder_normalize_before):
         what = f"--init-scheme {scheme.name}" if scheme.needs_post_ln else f"--residual-scale {args.residual_scale}"
         raise DeepInitConfigError(
-            f"{what} is defined for Post-LN only; remove --encoder-normalize-before / --decoder-normalize-before")
+            f"{what} is defined for Post-LN only; remove --encoder-normalize-before / --decoder-normalize-before"
+        )
 
     if args.decoder_layer_type not in DECODER_LAYER_TYPES:
         raise DeepInitConfigError(
             f"unknown --decoder-layer-type {args.decoder_layer_type!r}; choose from "
-            f"{', '.join(sorted(DECODER_LAYER_TYPES))}")
+            f"{', '.join(sorted(DECODER_LAYER_TYPES))}"
+        )
 
     if args.fixnorm:
         if not (args.share_decoder_input_output_embed or args.share_all_embeddings):
             raise DeepInitConfigError(
                 "--fixnorm scores outputs against the normalised input embeddings; add "
-                "--share-decoder-input-output-embed (or --share-all-embeddings)")
+                "--share-decoder-input-output-embed (or --share-all-embeddings)"
+            )
         if getattr(args, "adaptive_softmax_cutoff", None) or getattr(args, "adaptive_input", False):
             raise DeepInitConfigError("--fixnorm does not combine with adaptive input/softmax; drop one of them")
     if getattr(args, "layernorm_embedding", False) and args.norm_type == "none":
         raise DeepInitConfigError(
-            "--layernorm-embedding asks for an embedding norm but --norm-type is none; drop one of them")
+            "--layernorm-embedding asks for an embedding norm but --norm-type is none; drop one of them"
+        )
 
 
 # residual scalings whose definition is Post-LN (registered by their modules)

@@ -2,7 +2,6 @@
 ``lr_t = lr * sqrt(P / (P + t))`` with decay period P (4000 in the paper), t the update number.
 """
 
-
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field  # no `from __future__ import annotations`: fairseq reads real types

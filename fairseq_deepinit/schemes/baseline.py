@@ -45,7 +45,7 @@ def apply_baseline(model: nn.Module, cfg=None) -> None:
             zero_bias(lin)
 
 
-register_scheme(SchemeSpec("fairseq", lambda model, cfg: None,
-                           "today's fairseq 0.12 initialisation, untouched"))
-register_scheme(SchemeSpec("xavier", apply_baseline,
-                           "fairseq 0.8/0.9 baseline: xavier_uniform, zero biases (the papers' baseline)"))
+register_scheme(SchemeSpec("fairseq", lambda model, cfg: None, "today's fairseq 0.12 initialisation, untouched"))
+register_scheme(
+    SchemeSpec("xavier", apply_baseline, "fairseq 0.8/0.9 baseline: xavier_uniform, zero biases (the papers' baseline)")
+)

@@ -30,9 +30,14 @@ def apply_deepnorm(model: nn.Module, cfg) -> None:
             nn.init.xavier_normal_(lin.weight, gain=beta)
 
 
-register_scheme(SchemeSpec(
-    "deepnorm", apply_deepnorm,
-    "DeepNorm (Wang et al. 2022): residual alpha and init gain beta, Post-LN",
-    allowed_norms=WITH_NORM, norm_reason="DeepNorm is a Post-LN scheme", residual="deepnorm",
-    needs_post_ln=True,
-))
+register_scheme(
+    SchemeSpec(
+        "deepnorm",
+        apply_deepnorm,
+        "DeepNorm (Wang et al. 2022): residual alpha and init gain beta, Post-LN",
+        allowed_norms=WITH_NORM,
+        norm_reason="DeepNorm is a Post-LN scheme",
+        residual="deepnorm",
+        needs_post_ln=True,
+    )
+)

@@ -24,7 +24,7 @@ def ds_init_bound(d_in: int, d_out: int, layer: int, alpha: float = 1.0, variant
     if variant == "paper":
         return gamma * alpha / math.sqrt(layer)
     if variant == "code":
-        return gamma * math.sqrt(alpha) * layer ** -0.25
+        return gamma * math.sqrt(alpha) * layer**-0.25
     raise ValueError(f"unknown DS-Init variant {variant!r}; choose paper or code")
 
 
@@ -38,7 +38,10 @@ def apply_dsinit(model: nn.Module, cfg) -> None:
                 nn.init.uniform_(m.weight, -b, b)
 
 
-register_scheme(SchemeSpec(
-    "ds-init", apply_dsinit,
-    "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l",
-))
+register_scheme(
+    SchemeSpec(
+        "ds-init",
+        apply_dsinit,
+        "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l",
+    )
+)

@@ -47,7 +47,11 @@ def apply_lipschitz(model: nn.Module, cfg) -> None:
             zero_bias(m)
 
 
-register_scheme(SchemeSpec(
-    "lipschitz", apply_lipschitz,
-    "Lipschitz-constrained init (Xu et al. 2020): U(+-1/sqrt(fan_in)); --lipschitz-bias-free for the released variant",
-))
+register_scheme(
+    SchemeSpec(
+        "lipschitz",
+        apply_lipschitz,
+        "Lipschitz-constrained init (Xu et al. 2020): U(+-1/sqrt(fan_in)); "
+        "--lipschitz-bias-free for the released variant",
+    )
+)

@@ -10,15 +10,25 @@ from __future__ import annotations
 from . import WITH_NORM, SchemeSpec, register_scheme
 from .baseline import apply_baseline
 
-register_scheme(SchemeSpec(
-    "rezero", apply_baseline,
-    "ReZero (Bachlechner et al. 2020): x + a*f(x), a=0 at start, no norm",
-    default_norm="none", allowed_norms=("none",), norm_reason="ReZero replaces normalisation",
-    residual="rezero",
-))
-register_scheme(SchemeSpec(
-    "rezero+postln", apply_baseline,
-    "ReZero with Post-LN: LN(x + a*f(x)) (Liu et al. 2020, Table 3)",
-    allowed_norms=WITH_NORM, norm_reason="this variant keeps Post-LN", residual="rezero",
-    needs_post_ln=True,
-))
+register_scheme(
+    SchemeSpec(
+        "rezero",
+        apply_baseline,
+        "ReZero (Bachlechner et al. 2020): x + a*f(x), a=0 at start, no norm",
+        default_norm="none",
+        allowed_norms=("none",),
+        norm_reason="ReZero replaces normalisation",
+        residual="rezero",
+    )
+)
+register_scheme(
+    SchemeSpec(
+        "rezero+postln",
+        apply_baseline,
+        "ReZero with Post-LN: LN(x + a*f(x)) (Liu et al. 2020, Table 3)",
+        allowed_norms=WITH_NORM,
+        norm_reason="this variant keeps Post-LN",
+        residual="rezero",
+        needs_post_ln=True,
+    )
+)

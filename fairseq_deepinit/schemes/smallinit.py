@@ -32,7 +32,10 @@ def apply_smallinit(model: nn.Module, cfg) -> None:
             nn.init.xavier_normal_(lin.weight)
 
 
-register_scheme(SchemeSpec(
-    "smallinit", apply_smallinit,
-    "SmallInit (Nguyen & Salazar 2019): attention N(0, sqrt(2/5d)), FFN Xavier normal",
-))
+register_scheme(
+    SchemeSpec(
+        "smallinit",
+        apply_smallinit,
+        "SmallInit (Nguyen & Salazar 2019): attention N(0, sqrt(2/5d)), FFN Xavier normal",
+    )
+)

@@ -25,7 +25,7 @@ from .baseline import apply_baseline
 def tfixup_factors(stack: str, encoder_layers: int, decoder_layers: int) -> tuple:
     """(scale of fc1/fc2/out_proj, scale of v_proj) for a layer of ``stack`` (Huang et al. sec. 3.2)."""
     if stack == "encoder":
-        s = 0.67 * encoder_layers ** -0.25
+        s = 0.67 * encoder_layers**-0.25
     else:
         s = (9.0 * decoder_layers) ** -0.25
     return s, s * math.sqrt(2.0)
@@ -53,8 +53,13 @@ def apply_tfixup(model, cfg) -> None:
         model.decoder.embed_tokens.weight.mul_(embedding_factor("decoder", n_e, n_d))
 
 
-register_scheme(SchemeSpec(
-    "t-fixup", apply_tfixup,
-    "T-Fixup (Huang et al. 2020): depth-scaled init, no LayerNorm, no warmup",
-    default_norm="none", allowed_norms=("none",), norm_reason="T-Fixup removes every LayerNorm",
-))
+register_scheme(
+    SchemeSpec(
+        "t-fixup",
+        apply_tfixup,
+        "T-Fixup (Huang et al. 2020): depth-scaled init, no LayerNorm, no warmup",
+        default_norm="none",
+        allowed_norms=("none",),
+        norm_reason="T-Fixup removes every LayerNorm",
+    )
+)

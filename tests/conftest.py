@@ -1,0 +1,127 @@
+"""Shared test fixtures: the checkout's plugin, fairseq CLIs as subprocesses, small corpora.
+
+Every CLI call passes ``--user-dir`` as the absolute path of *this checkout's* package, so tests
+never exercise a stale installed copy. Corpora are built by the tests themselves:
+
+- :func:`synthetic_corpus`: a deterministic, learnable toy translation task (reverse + shift),
+  independent of any data on disk;
+- :func:`multi30k_bin`: the first lines of Multi30k de-en read in place from
+  ``../shared/data/multi30k`` (skipped, with the reason, where that folder is absent).
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = str(REPO / "fairseq_deepinit")
+MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
+
+# tiny dimensions shared by CLI tests: d=64, FFN 128, 2 heads, 2+2 layers
+TINY_DIMS = [
+    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+    "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--encoder-layers", "2", "--decoder-layers", "2",
+]  # fmt: skip
+
+
+def run_cli(
+    tool: str,
+    *args: str,
+    cwd: str | os.PathLike | None = None,
+    check: bool = True,
+    env: dict | None = None,
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    """Run ``fairseq-<tool>`` (train, generate, preprocess, interactive) in a subprocess.
+
+    Returns the completed process (stdout and stderr merged into ``.stdout``); on failure with
+    ``check`` the assertion shows the command and the tail of its output.
+    """
+    cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    full_env.update(env or {})
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stdout[-4000:]}")
+    return proc
+
+
+def write_synthetic_corpus(
+    folder: Path, n_train: int = 2000, n_valid: int = 100, n_test: int = 100, vocab: int = 40, seed: int = 0
+) -> Path:
+    """A toy translation task: target = reversed source with every token id shifted by one.
+
+    Learnable by any working model in a few hundred updates, so it tells a broken model from a
+    working one; writes ``{train,valid,test}.{src,tgt}`` and returns ``folder``.
+    """
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        with open(folder / f"{split}.src", "w") as fs, open(folder / f"{split}.tgt", "w") as ft:
+            for _ in range(n):
+                toks = [rng.randrange(vocab) for _ in range(rng.randint(3, 12))]
+                fs.write(" ".join(f"w{t}" for t in toks) + "\n")
+                ft.write(" ".join(f"w{(t + 1) % vocab}" for t in reversed(toks)) + "\n")
+    return folder
+
+
+def preprocess(raw: Path, dest: Path, src: str, tgt: str, test: bool = True, extra: tuple = ()) -> Path:
+    args = [
+        "--source-lang",
+        src,
+        "--target-lang",
+        tgt,
+        "--trainpref",
+        raw / "train",
+        "--validpref",
+        raw / "valid",
+        "--destdir",
+        dest,
+        "--workers",
+        "1",
+        *extra,
+    ]
+    if test:
+        args += ["--testpref", raw / "test"]
+    run_cli("preprocess", *args)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def synthetic_bin(tmp_path_factory) -> Path:
+    """Binarised synthetic corpus (src -> tgt), shared by every test of the session."""
+    root = tmp_path_factory.mktemp("synthetic")
+    raw = write_synthetic_corpus(root / "raw")
+    return preprocess(raw, root / "bin", "src", "tgt", extra=("--joined-dictionary",))
+
+
+def read_multi30k(split: str, lang: str, limit: int | None = None) -> list[str]:
+    """Lower-cased lines of a Multi30k split, read in place (never copied into the project)."""
+    with gzip.open(MULTI30K / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [line.strip().lower() for line in itertools.islice(f, limit)]
+
+
+@pytest.fixture(scope="session")
+def multi30k_bin(tmp_path_factory) -> Path:
+    """The first 3000 training and 200 validation sentences of Multi30k de-en, word level."""
+    if not (MULTI30K / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
+    root = tmp_path_factory.mktemp("multi30k")
+    raw = root / "raw"
+    raw.mkdir()
+    for split, out, n in (("train", "train", 3000), ("val", "valid", 200), ("test_2016_flickr", "test", 200)):
+        for lang in ("de", "en"):
+            (raw / f"{out}.{lang}").write_text("\n".join(read_multi30k(split, lang, n)) + "\n", encoding="utf-8")
+    return preprocess(raw, root / "bin", "de", "en", extra=("--thresholdsrc", "2", "--thresholdtgt", "2"))
