@@ -23,10 +23,18 @@ RESIDUAL_SCALES = ("none", "deepnorm", "rezero")
 
 
 class Residual(nn.Module):
-    """``residual + x``."""
+    """``residual + x``.
+
+    Subclasses scale either term by overriding :meth:`skip` (the scaled sub-layer input) or
+    :meth:`forward`; :mod:`fairseq_deepinit.hooks` reads :meth:`skip` to measure the skip path.
+    """
+
+    def skip(self, residual: torch.Tensor) -> torch.Tensor:
+        """The skip-path term as it enters the sum (``residual`` scaled as this module does)."""
+        return residual
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + x
+        return self.skip(residual) + x
 
 
 class ConstantResidual(Residual):
@@ -36,8 +44,8 @@ class ConstantResidual(Residual):
         super().__init__()
         self.alpha = float(alpha)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual * self.alpha + x
+    def skip(self, residual: torch.Tensor) -> torch.Tensor:
+        return residual * self.alpha
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.6g}"

@@ -125,3 +125,48 @@ def multi30k_bin(tmp_path_factory) -> Path:
         for lang in ("de", "en"):
             (raw / f"{out}.{lang}").write_text("\n".join(read_multi30k(split, lang, n)) + "\n", encoding="utf-8")
     return preprocess(raw, root / "bin", "de", "en", extra=("--thresholdsrc", "2", "--thresholdtgt", "2"))
+
+
+def make_dictionary(n_symbols: int = 50):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(n_symbols):
+        d.add_symbol(f"w{i}")
+    d.finalize(padding_factor=8)
+    return d
+
+
+def build_model(arch: str = "deepinit_tiny", *cli: str, n_symbols: int = 50, seed: int = 1):
+    """Build a ``deepinit`` (or stock fairseq) model in-process exactly as fairseq-train would.
+
+    ``cli`` are extra fairseq-train model flags (``"--init-scheme", "t-fixup"``); returns
+    ``(model, args)`` with ``args`` the resolved namespace. Seeds torch first, so two calls with the
+    same seed and dims give the same pre-scheme weights.
+    """
+    import torch
+    from fairseq import options, tasks
+    from fairseq.tasks.translation import TranslationTask
+
+    import fairseq_deepinit  # noqa: F401  (registers the model)
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, ["/nonexistent", "--task", "translation", "--arch", arch, "-s", "src", "-t", "tgt", *cli]
+    )
+    d = make_dictionary(n_symbols)
+    task = TranslationTask(args, d, d)
+    torch.manual_seed(seed)
+    model = task.build_model(args) if hasattr(task, "build_model") else tasks.setup_task(args).build_model(args)
+    return model, args
+
+
+def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int = 6, seed: int = 0) -> dict:
+    """A random ``net_input`` for a model built by :func:`build_model` (no padding)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lo = 4  # after bos, pad, eos, unk
+    src = torch.randint(lo, lo + n_symbols, (bsz, src_len), generator=g)
+    prev = torch.randint(lo, lo + n_symbols, (bsz, tgt_len), generator=g)
+    return {"src_tokens": src, "src_lengths": torch.full((bsz,), src_len), "prev_output_tokens": prev}

@@ -1,0 +1,140 @@
+"""Residual-branch statistics gathered by forward hooks, shared by Admin profiling and diagnostics.
+
+Every sub-layer of a ``deepinit`` layer ends in one :class:`~fairseq_deepinit.residual.Residual`
+module called as ``residual_module(x, residual)``, with ``x`` the (dropped-out) branch output
+f_i(x_{i-1}) and ``residual`` the sub-layer input x_{i-1}. A forward hook on those modules sees
+exactly the two quantities the papers reason about, without touching any layer's code path:
+
+- ``branch``: f_i(x_{i-1}), whose variance Admin's omega is built from (Liu et al. 2020, eq. 6 and
+  the released code's recurrence) and DS-Init's Var(r) (Zhang et al. 2019, Table 1);
+- ``skip``: the skip term as it enters the sum, ``module.skip(residual)`` (x_{i-1} * omega_i under
+  Admin, alpha * x_{i-1} under DeepNorm, x_{i-1} otherwise).
+
+Moments are accumulated in float64 over every element (the released Admin code's convention), so
+statistics from several batches or several ranks combine exactly: :meth:`ResidualStatistics.all_reduce`
+sums the raw moments across ranks before any variance is taken. Variances are population variances.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from .residual import Residual
+
+# moment slots: element count, sum and sum of squares of the branch, then of the skip term
+_N, _SB, _QB, _SS, _QS = range(5)
+
+
+def residual_modules(model: nn.Module) -> OrderedDict[str, Residual]:
+    """Every residual module of ``model`` by name (``encoder.layers.0.residuals.self_attn``), module order."""
+    return OrderedDict((name, m) for name, m in model.named_modules() if isinstance(m, Residual))
+
+
+def sublayer_name(module_name: str) -> str:
+    """``encoder.layers.3.residuals.ffn`` -> ``encoder.layers.3.ffn`` (wrappers' prefixes dropped)."""
+    return module_name.replace("._checkpoint_wrapped_module", "").replace(".residuals.", ".")
+
+
+class ResidualStatistics:
+    """Accumulate moments of every residual branch and skip term while attached.
+
+    Use as a context manager around forward passes::
+
+        with ResidualStatistics(model) as stats:
+            model(**batch["net_input"])
+        stats.all_reduce(group)          # optional: combine ranks
+        stats.variances()                # {name: {"branch": var, "skip": var}}
+
+    ``order`` lists the sub-layers in the order their forward first ran, which is the order of
+    the Admin recurrence within each stack.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = residual_modules(model)
+        if not self.modules:
+            raise ValueError(
+                "this model has no deepinit residual modules to measure; use an architecture of the "
+                "'deepinit' model (--arch <family>_<size>, see the README)"
+            )
+        self.moments: Dict[str, torch.Tensor] = {}
+        self.order: List[str] = []
+        self._handles: list = []
+
+    def _hook(self, name: str):
+        def hook(module: Residual, inputs, output) -> None:
+            x, residual = inputs[0], inputs[1]
+            with torch.no_grad():
+                b = x.detach().double()
+                s = module.skip(residual.detach()).double()
+                row = torch.stack(
+                    [torch.tensor(float(b.numel()), dtype=torch.float64, device=b.device),
+                     b.sum(), b.pow(2).sum(), s.sum(), s.pow(2).sum()]
+                )  # fmt: skip
+            if name not in self.moments:
+                self.moments[name] = torch.zeros(5, dtype=torch.float64, device=b.device)
+                self.order.append(name)
+            self.moments[name] += row
+
+        return hook
+
+    def attach(self) -> ResidualStatistics:
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._hook(sublayer_name(n))) for n, m in self.modules.items()]
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> ResidualStatistics:
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        self.moments.clear()
+        self.order.clear()
+
+    def all_reduce(self, group=None) -> None:
+        """Sum the raw moments over the ranks of ``group`` (no-op without torch.distributed).
+
+        Every rank must have run the same sub-layers (always true for one encoder-decoder model);
+        the names are taken in model order so that the stacked tensor lines up across ranks.
+        """
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        names = [sublayer_name(n) for n in self.modules]
+        missing = [n for n in names if n not in self.moments]
+        if missing and len(missing) != len(names):
+            # a sub-layer that never ran (decoder without cross-attention input): zero moments
+            for n in missing:
+                self.moments[n] = torch.zeros(5, dtype=torch.float64, device=next(iter(self.moments.values())).device)
+        if not self.moments:
+            raise RuntimeError("no statistics to reduce: run at least one forward pass while attached")
+        stacked = torch.stack([self.moments[n] for n in names])
+        from fairseq.distributed import utils as dist_utils
+
+        dist_utils.all_reduce(stacked, group=group)
+        for i, n in enumerate(names):
+            self.moments[n] = stacked[i]
+
+    def variances(self) -> OrderedDict[str, Dict[str, float]]:
+        """``{sub-layer: {"branch": Var(f_i), "skip": Var(skip term), "count": n}}`` in forward order."""
+        out: OrderedDict[str, Dict[str, float]] = OrderedDict()
+        for name in self.order:
+            m = self.moments[name]
+            n = m[_N].item()
+            if n == 0:
+                continue
+            out[name] = {
+                "branch": (m[_QB] / n - (m[_SB] / n) ** 2).item(),
+                "skip": (m[_QS] / n - (m[_SS] / n) ** 2).item(),
+                "count": n,
+            }
+        return out
