@@ -17,12 +17,28 @@ import torch.nn.functional as F
 class FixNormEmbedding(nn.Embedding):
     """An ``nn.Embedding`` whose rows are used l2-normalised (unit length)."""
 
+    # floor of a row's norm: only a row that collapsed to ~0 (never the padding row) reaches it
+    eps: float = 1e-12
+
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -0.01, 0.01)
         self._fill_padding_idx_with_zero()
 
     def normalized_weight(self) -> torch.Tensor:
-        return F.normalize(self.weight, dim=-1)
+        """Rows divided by their l2 norm; the padding row is exactly zero and receives no gradient.
+
+        ``F.normalize`` would divide the all-zero padding row by ``eps``: its gradient there is
+        ~1/eps (1e12), and because the tied output layer scores the padding symbol too, the first
+        updates of a FixNorm model saw gradient norms around 1e8-1e10. Masking the row with a
+        constant 0 (and dividing it by 1) keeps it at zero with a zero gradient.
+        """
+        w = self.weight
+        norm = w.norm(dim=-1, keepdim=True).clamp(min=self.eps)
+        if self.padding_idx is None:
+            return w / norm
+        keep = torch.ones_like(norm)
+        keep[self.padding_idx] = 0.0
+        return w / torch.where(keep.bool(), norm, torch.ones_like(norm)) * keep
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.normalized_weight(), self.padding_idx)

@@ -2,7 +2,8 @@
 Table 1, encoder-decoder).
 
 From the baseline, v_proj, out_proj, fc1 and fc2 of every layer ~ xavier_normal with gain
-beta_enc = 0.87 (N^4 M)^(-1/16) (encoder) or beta_dec = (12 M)^(-1/4) (decoder, both attentions);
+beta_enc = 0.87 (N^4 M)^(-1/16) (encoder) or beta_dec = (12 M)^(-1/4) (decoder, both attentions),
+and q_proj, k_proj ~ xavier_normal with gain 1 (the paper's Figure 2 pseudocode, ``deepnorm_init``);
 the residual is ``LN(alpha * x + f(x))`` (``--residual-scale deepnorm``, Post-LN) with
 alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3 M)^(1/4). N = encoder, M = decoder layers.
 """
@@ -26,6 +27,9 @@ def apply_deepnorm(model: nn.Module, cfg) -> None:
         for attn in (getattr(layer, "self_attn", None), getattr(layer, "encoder_attn", None)):
             if attn is not None:
                 targets += [attn.v_proj, attn.out_proj]
+                # Figure 2: q, k are xavier_normal with gain 1 (not the baseline's uniform 1/sqrt(2))
+                nn.init.xavier_normal_(attn.q_proj.weight, gain=1.0)
+                nn.init.xavier_normal_(attn.k_proj.weight, gain=1.0)
         for lin in targets:
             nn.init.xavier_normal_(lin.weight, gain=beta)
 

@@ -29,16 +29,19 @@ def embedding_bound(num_embeddings: int, dim: int) -> float:
 @torch.no_grad()
 def apply_lipschitz(model: nn.Module, cfg) -> None:
     seen = set()
+    # word embeddings (V x d); learned positional embeddings keep fairseq's init, the paper has
+    # sinusoidal positions and gives no rule for them
+    for stack in ("encoder", "decoder"):
+        emb = getattr(model, stack).embed_tokens
+        if id(emb.weight) in seen:
+            continue  # shared embeddings are initialised once
+        seen.add(id(emb.weight))
+        b = embedding_bound(emb.num_embeddings, emb.embedding_dim)
+        nn.init.uniform_(emb.weight, -b, b)
+        if emb.padding_idx is not None:
+            emb.weight[emb.padding_idx].zero_()
     for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            if id(m.weight) in seen:
-                continue  # shared embeddings are initialised once
-            seen.add(id(m.weight))
-            b = embedding_bound(m.num_embeddings, m.embedding_dim)
-            nn.init.uniform_(m.weight, -b, b)
-            if m.padding_idx is not None:
-                m.weight[m.padding_idx].zero_()
-        elif isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear):
             if id(m.weight) in seen:
                 continue  # a tied output projection is the embedding
             seen.add(id(m.weight))
