@@ -130,12 +130,16 @@ def resolve_and_validate(args) -> None:
         else:
             setattr(args, name, None)
 
+    if args.init_scheme == "ds-init" and args.ds_init_variant not in ("paper", "code"):
+        raise DeepInitConfigError(f"unknown --ds-init-variant {args.ds_init_variant!r}; choose from code, paper")
     if args.init_scheme == "ds-init" and not 0.0 <= args.ds_init_alpha <= 1.0:
         raise DeepInitConfigError(f"--ds-init-alpha must lie in [0, 1] (DS-Init eq. 15), got {args.ds_init_alpha}")
     if args.norm_eps <= 0:
         raise DeepInitConfigError(f"--norm-eps must be positive, got {args.norm_eps}")
 
     # norm type
+    if args.norm_type not in ("auto",) + NORM_TYPES:
+        raise DeepInitConfigError(f"unknown --norm-type {args.norm_type!r}; choose from auto, {', '.join(NORM_TYPES)}")
     if args.norm_type == "auto":
         args.norm_type = scheme.default_norm
     elif args.norm_type not in scheme.allowed_norms and not args.force_norm_with_scheme:
@@ -178,6 +182,13 @@ def resolve_and_validate(args) -> None:
             )
         if getattr(args, "adaptive_softmax_cutoff", None) or getattr(args, "adaptive_input", False):
             raise DeepInitConfigError("--fixnorm does not combine with adaptive input/softmax; drop one of them")
+        if args.init_scheme == "t-fixup":
+            # FixNorm divides every embedding row by its norm, which would silently undo T-Fixup's
+            # (9N)^(-1/4) embedding scaling (Huang et al. 2020, sec. 3.2)
+            raise DeepInitConfigError(
+                "--fixnorm normalises the embeddings and would undo T-Fixup's embedding scaling; drop --fixnorm "
+                "or use another --init-scheme"
+            )
     if getattr(args, "layernorm_embedding", False) and args.norm_type == "none":
         raise DeepInitConfigError(
             "--layernorm-embedding asks for an embedding norm but --norm-type is none; drop one of them"
