@@ -11,6 +11,7 @@ checkpoint_compat.install()
 # the model must be registered before its architectures
 from . import model  # noqa: E402,F401
 from . import architectures, tfixup_schedule  # noqa: E402,F401
+from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
 # isort: on
 
 __version__ = "0.1.0"

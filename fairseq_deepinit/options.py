@@ -79,6 +79,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="allow a --norm-type that the init scheme normally removes (e.g. LayerNorm "
         "under t-fixup); for ablations only",
     )
+    for add_args, _validate, _describe in _LAYER_TYPE_HOOKS.values():
+        add_args(g)
 
 
 # defaults of options that are not scheme-specific
@@ -97,6 +99,19 @@ _SCHEME_OPTIONS = {
     "ds_init_variant": ("ds-init", "paper"),
     "ds_init_alpha": ("ds-init", 1.0),
 }
+# decoder-layer-type-specific options, registered by the layer type's module: name -> (layer type,
+# default), None under other layer types (as scheme options); and per layer type its
+# (add_args(group), validate(args), describe(args) -> str) hooks
+_LAYER_TYPE_OPTIONS: dict = {}
+_LAYER_TYPE_HOOKS: dict = {}
+
+
+def register_layer_type_options(layer_type: str, defaults: dict, add_args, validate, describe) -> None:
+    """Options of one ``--decoder-layer-type``, added, resolved and validated with the others."""
+    if layer_type in _LAYER_TYPE_HOOKS:
+        raise ValueError(f"options of decoder layer type {layer_type!r} are already registered")
+    _LAYER_TYPE_OPTIONS.update({name: (layer_type, default) for name, default in defaults.items()})
+    _LAYER_TYPE_HOOKS[layer_type] = (add_args, validate, describe)
 
 
 def _flag(name: str) -> str:
@@ -173,6 +188,19 @@ def resolve_and_validate(args) -> None:
             f"unknown --decoder-layer-type {args.decoder_layer_type!r}; choose from "
             f"{', '.join(sorted(DECODER_LAYER_TYPES))}"
         )
+    for name, (owner, default) in _LAYER_TYPE_OPTIONS.items():
+        value = getattr(args, name, None)
+        if args.decoder_layer_type == owner:
+            setattr(args, name, default if value is None else value)
+        elif value is not None and value is not False:
+            raise DeepInitConfigError(
+                f"{_flag(name)} only applies to --decoder-layer-type {owner}, not {args.decoder_layer_type}; "
+                f"drop it or use --decoder-layer-type {owner}"
+            )
+        else:
+            setattr(args, name, None)
+    if args.decoder_layer_type in _LAYER_TYPE_HOOKS:
+        _LAYER_TYPE_HOOKS[args.decoder_layer_type][1](args)
 
     if args.fixnorm:
         if not (args.share_decoder_input_output_embed or args.share_all_embeddings):
@@ -214,4 +242,6 @@ def describe(args) -> str:
         parts.append(f"ds-init={args.ds_init_variant},alpha={args.ds_init_alpha}")
     if args.lipschitz_bias_free:
         parts.append("bias-free")
+    if args.decoder_layer_type in _LAYER_TYPE_HOOKS:
+        parts.append(_LAYER_TYPE_HOOKS[args.decoder_layer_type][2](args))
     return "deepinit: " + ", ".join(parts)

@@ -1,0 +1,492 @@
+"""Merged attention (MAtt), a decoder layer type (``--decoder-layer-type matt``).
+
+Zhang, Titov & Sennrich 2019, "Improving Deep Transformer with Depth-Scaled Initialization and
+Merged Attention", sec. 4. The decoder's self-attention is replaced by a simplified average
+attention (SAAN, a cumulative average with no gate and no FFN) and merged with the
+encoder-decoder attention into one sub-layer with one shared output projection W_o:
+
+    SAAN(x)_t   = (1/t) sum_{j<=t} x_j W_v
+    MAtt(x, H)  = W_o ( SAAN(x) + CrossAttn(x, H) )      (CrossAttn: heads concatenated, before W_o)
+    y           = LN(x + dropout(MAtt(x, H)))            (Post-LN; Pre-LN: x + dropout(MAtt(LN(x), H)))
+    out         = LN(y + dropout(FFN(y)))
+
+so a decoder layer has two sub-layers (``matt``, ``ffn``) instead of three. ``--matt-share-v`` uses
+the cross-attention's value projection as W_v (the released code; the paper's 72.3M -> 66.0M).
+The paper's ablations (Table 3) are options of the same layer (``--matt-self-branch``):
+
+- ``aan`` (default): SAAN above;
+- ``self-attn``: masked multi-head self-attention in place of SAAN, still merged through W_o;
+- ``gated-aan``: the original AAN gate on the average (Zhang, Xiong & Su 2018, eq. 5):
+  [i; f] = sigmoid([x_t; a_t] W_g + b_g), g_t = i * x_t + f * a_t, with a_t = SAAN(x)_t.
+
+Incremental decoding keeps, per layer and hypothesis, only the running sum of x_j W_v and the
+step count (O(1) state, no growing key/value cache; :class:`AverageBranch`); the encoder-decoder
+attention is fairseq's :class:`~fairseq.modules.MultiheadAttention` with its cache of static
+encoder keys/values. The norms, residual scaling and init schemes are the plugin's other axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+import torch.nn as nn
+from fairseq import utils
+from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.models import register_model_architecture
+from fairseq.models.transformer.transformer_legacy import transformer_iwslt_de_en
+from fairseq.modules import LayerNorm
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from fairseq.modules.quant_noise import quant_noise
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+from torch import Tensor
+
+from . import options
+from .architectures import register_family
+from .layers import DeepInitLayerMixin, drop_bias, register_decoder_layer_type
+
+SELF_BRANCHES = ("aan", "self-attn", "gated-aan")
+# fairseq (NormFormer) options that change the standard layer's sub-layers; MAtt has no counterpart
+_UNSUPPORTED_FAIRSEQ_FLAGS = ("cross_self_attention", "scale_attn", "scale_heads", "scale_fc", "scale_resids")
+
+
+class SharedOutputProjection(nn.Linear):
+    """MAtt's shared W_o: ``W_o (x + pending) + b`` in one matmul.
+
+    It sits in the cross-attention as its ``out_proj``, so fairseq's MultiheadAttention (with its
+    static encoder key/value cache) computes ``W_o CrossAttn + b``; the layer hands the self
+    branch in as ``pending`` for the duration of that call, which makes the output
+    ``W_o (SAAN + CrossAttn) + b`` exactly as in the paper, without a second d x d product.
+    """
+
+    pending: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pending is not None:
+            x = x + self.pending
+        return super().forward(x)
+
+
+@with_incremental_state
+class AverageBranch(nn.Module):
+    """SAAN, the cumulative average of ``x_j W_v`` (optionally with the original AAN gate).
+
+    ``forward`` takes the sub-layer input ``x`` and its value projection ``v = x W_v`` (the
+    projection may be shared with the cross-attention, so the layer applies it). Positions marked
+    in ``padding_mask`` take no part in any average. During incremental decoding the state is the
+    running sum (fp32) and the count of non-padding steps: (B, d) + (B, 1) per layer.
+    """
+
+    def __init__(
+        self, embed_dim: int, gated: bool, own_value: bool, q_noise: float = 0.0, qn_block_size: int = 8
+    ) -> None:
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim), q_noise, qn_block_size) if own_value else None
+        # Zhang, Xiong & Su 2018 eq. 5: input and forget gates from [x_t; a_t]
+        self.gate = quant_noise(nn.Linear(2 * embed_dim, 2 * embed_dim), q_noise, qn_block_size) if gated else None
+        self.init_incremental_state()
+
+    def forward(
+        self,
+        x: Tensor,
+        v: Tensor,
+        padding_mask: Tensor | None = None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None = None,
+        causal: bool = True,
+    ) -> Tensor:
+        """``x``, ``v``: (T, B, d); ``padding_mask``: (B, T), True at padding. Returns (T, B, d)."""
+        # the sums are kept in fp32: a running fp16 sum over a long prefix loses the new terms
+        vf = v.float()
+        keep = None
+        if padding_mask is not None and padding_mask.any():
+            keep = (~padding_mask).transpose(0, 1).unsqueeze(-1).to(vf.dtype)  # (T, B, 1)
+            vf = vf * keep
+        if incremental_state is not None:
+            state = self.get_incremental_state(incremental_state, "running_sum")
+            if vf.size(0) == 1:
+                total = vf[0]
+                count = keep[0] if keep is not None else vf.new_ones(vf.size(1), 1)
+                if state is not None:
+                    total = total + state["sum"]
+                    count = count + state["count"]
+                total, count = total.unsqueeze(0), count.unsqueeze(0)
+            else:
+                total = vf.cumsum(0)
+                count = keep.cumsum(0) if keep is not None else self._positions(vf)
+                if state is not None:
+                    total = total + state["sum"]
+                    count = count + state["count"]
+            self.set_incremental_state(incremental_state, "running_sum", {"sum": total[-1], "count": count[-1]})
+        elif causal:
+            total = vf.cumsum(0)
+            count = keep.cumsum(0) if keep is not None else self._positions(vf)
+        else:  # full-context alignment: fairseq's decoder passes no causal mask
+            total = vf.sum(0, keepdim=True)
+            count = keep.sum(0, keepdim=True) if keep is not None else vf.new_full((1, 1, 1), vf.size(0))
+        avg = (total / count.clamp(min=1.0)).type_as(v)
+        if avg.size(0) != v.size(0):
+            avg = avg.expand_as(v)
+        if self.gate is None:
+            return avg
+        i, f = torch.sigmoid(self.gate(torch.cat([x, avg], dim=-1))).chunk(2, dim=-1)
+        return i * x + f * avg
+
+    @staticmethod
+    def _positions(vf: Tensor) -> Tensor:
+        return torch.arange(1, vf.size(0) + 1, device=vf.device, dtype=vf.dtype).view(-1, 1, 1)
+
+    def reorder_incremental_state(
+        self, incremental_state: Dict[str, Dict[str, Tensor | None]], new_order: Tensor
+    ) -> Dict[str, Dict[str, Tensor | None]]:
+        """Beam search: hypothesis ``i`` continues from hypothesis ``new_order[i]``."""
+        state = self.get_incremental_state(incremental_state, "running_sum")
+        if state is not None:
+            state = {k: t.index_select(0, new_order) for k, t in state.items()}
+            incremental_state = self.set_incremental_state(incremental_state, "running_sum", state)
+        return incremental_state
+
+
+class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
+    """A MAtt decoder layer: sub-layers ``matt`` (self branch + cross-attention, shared W_o) and ``ffn``.
+
+    Reuses fairseq's builders (``build_encoder_attention``, ``build_self_attention``,
+    ``build_fc1``/``build_fc2``) and forward conventions (``(x, attn, None)``), and the plugin's
+    axes through :class:`~fairseq_deepinit.layers.DeepInitLayerMixin`: ``--norm-type`` norms,
+    Post-/Pre-LN from ``--decoder-normalize-before``, one residual module per sub-layer (so
+    DeepNorm/ReZero/Admin scaling and :mod:`~fairseq_deepinit.hooks` statistics apply).
+
+    Attributes seen by the init schemes: ``encoder_attn`` (fairseq MultiheadAttention; its
+    ``out_proj`` is the shared W_o, its ``v_proj`` also W_v under ``--matt-share-v``),
+    ``self_branch`` (:class:`AverageBranch` with ``v_proj`` = W_v and ``gate``, or a fairseq
+    MultiheadAttention for the ``self-attn`` ablation, its ``out_proj`` weight tied to W_o),
+    ``self_attn = None`` (there is no separate self-attention sub-layer), ``fc1``, ``fc2``.
+    """
+
+    stack = "decoder"
+    SUBLAYERS = ("matt", "ffn")
+    _norm_attrs = ("matt_layer_norm", "final_layer_norm")
+
+    def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False) -> None:
+        # fairseq's __init__ would build a self-attention and three norms MAtt does not have;
+        # everything is built here with fairseq's own build_* methods instead
+        nn.Module.__init__(self)
+        if no_encoder_attn:
+            raise ValueError(
+                "--decoder-layer-type matt merges the self branch into the encoder-decoder attention and needs "
+                "cross-attention; drop --no-cross-attention or use --decoder-layer-type standard"
+            )
+        self.embed_dim = cfg.decoder.embed_dim
+        self.self_branch_type = cfg.matt_self_branch or "aan"
+        self.share_v = bool(cfg.matt_share_v)
+        self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
+        self.quant_noise = cfg.quant_noise.pq
+        self.quant_noise_block_size = cfg.quant_noise.pq_block_size
+        self.cross_self_attention = False
+        self.normalize_before = cfg.decoder.normalize_before
+        self.activation_fn = utils.get_activation_fn(activation=cfg.activation_fn)
+        activation_dropout_p = cfg.activation_dropout or cfg.relu_dropout or 0
+        self.activation_dropout_module = FairseqDropout(
+            float(activation_dropout_p), module_name=self.__class__.__name__
+        )
+        self.attn_ln = self.c_attn = self.ffn_layernorm = self.w_resid = None  # NormFormer: not supported
+
+        self.encoder_attn = self.build_encoder_attention(self.embed_dim, cfg)
+        w_o = SharedOutputProjection(self.embed_dim, self.embed_dim)
+        w_o.load_state_dict(self.encoder_attn.out_proj.state_dict())  # keep fairseq's init of out_proj
+        self.encoder_attn.out_proj = quant_noise(w_o, self.quant_noise, self.quant_noise_block_size)
+        if self.share_v and self.encoder_attn.vdim != self.embed_dim:
+            raise ValueError(
+                f"--matt-share-v uses the cross-attention's value projection ({self.encoder_attn.vdim} -> "
+                f"{self.embed_dim}) on decoder states of size {self.embed_dim}; use equal encoder and decoder "
+                "embedding dims or drop --matt-share-v"
+            )
+        self.self_attn = None
+        if self.self_branch_type == "self-attn":
+            attn = self.build_self_attention(self.embed_dim, cfg)
+            attn.out_proj.weight = w_o.weight  # the paper's single W_o; its bias enters once, via the cross branch
+            drop_bias(attn.out_proj)
+            if self.share_v:
+                attn.v_proj = self.encoder_attn.v_proj
+            self.self_branch = attn
+        elif self.self_branch_type in ("aan", "gated-aan"):
+            self.self_branch = AverageBranch(
+                self.embed_dim,
+                gated=self.self_branch_type == "gated-aan",
+                own_value=not self.share_v,
+                q_noise=self.quant_noise,
+                qn_block_size=self.quant_noise_block_size,
+            )
+        else:
+            raise ValueError(f"unknown --matt-self-branch {self.self_branch_type!r}; choose from {SELF_BRANCHES}")
+        self.nh = self.encoder_attn.num_heads
+        self.head_dim = self.encoder_attn.head_dim
+
+        self.fc1 = self.build_fc1(
+            self.embed_dim, cfg.decoder.ffn_embed_dim, self.quant_noise, self.quant_noise_block_size
+        )
+        self.fc2 = self.build_fc2(
+            cfg.decoder.ffn_embed_dim, self.embed_dim, self.quant_noise, self.quant_noise_block_size
+        )
+        self.matt_layer_norm = LayerNorm(self.embed_dim, export=cfg.export)
+        self.final_layer_norm = LayerNorm(self.embed_dim, export=cfg.export)
+        self.need_attn = True
+        self.onnx_trace = False
+        self._setup_axes(cfg, layer_idx, self.SUBLAYERS)  # norm type, residual modules, bias-free
+        if getattr(cfg, "lipschitz_bias_free", None):
+            # the released Lipschitz code drops the biases of every attention projection: W_v and
+            # the self-attention ablation's q/k/v are attention projections
+            branch = self.self_branch
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                if getattr(branch, proj, None) is not None:
+                    drop_bias(getattr(branch, proj))
+
+    def value_projection(self) -> nn.Module:
+        """W_v of the average branch: its own, or the cross-attention's under ``--matt-share-v``."""
+        return self.encoder_attn.v_proj if self.share_v else self.self_branch.v_proj
+
+    def forward(
+        self,
+        x: Tensor,
+        encoder_out: Tensor | None = None,
+        encoder_padding_mask: Tensor | None = None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None = None,
+        prev_self_attn_state: list | None = None,
+        prev_attn_state: list | None = None,
+        self_attn_mask: Tensor | None = None,
+        self_attn_padding_mask: Tensor | None = None,
+        need_attn: bool = False,
+        need_head_weights: bool = False,
+    ):
+        """fairseq's decoder-layer call; returns ``(x, cross-attention weights, None)``."""
+        if prev_self_attn_state is not None or prev_attn_state is not None:
+            raise NotImplementedError("MAtt keeps a running sum, not key/value states; prev_*_state is unsupported")
+        if need_head_weights:
+            need_attn = True
+        self._start_forward(list(self.SUBLAYERS))
+
+        residual = x
+        if self.normalize_before:
+            x = self.matt_layer_norm(x)
+        if self.self_branch_type == "self-attn":
+            # W_o (heads) without bias: the tied out_proj of the self-attention
+            branch, _ = self.self_branch(
+                query=x,
+                key=x,
+                value=x,
+                key_padding_mask=self_attn_padding_mask,
+                incremental_state=incremental_state,
+                need_weights=False,
+                attn_mask=self_attn_mask,
+            )
+            pending = None
+        else:
+            # fairseq passes no causal mask only for full-context alignment training
+            causal = incremental_state is not None or self_attn_mask is not None
+            branch = self.self_branch(
+                x, self.value_projection()(x), self_attn_padding_mask, incremental_state, causal=causal
+            )
+            pending = branch
+        w_o = self.encoder_attn.out_proj
+        attn = None
+        if encoder_out is not None:
+            w_o.pending = pending
+            try:
+                out, attn = self.encoder_attn(
+                    query=x,
+                    key=encoder_out,
+                    value=encoder_out,
+                    key_padding_mask=encoder_padding_mask,
+                    incremental_state=incremental_state,
+                    static_kv=True,
+                    need_weights=need_attn or (not self.training and self.need_attn),
+                    need_head_weights=need_head_weights,
+                )
+            finally:
+                w_o.pending = None
+            if pending is None:
+                out = out + branch
+        else:  # no encoder output (decoder used alone): only the self branch
+            out = w_o(branch) if pending is not None else branch + w_o.bias
+        x = self.dropout_module(out)
+        x = self.residual_connection(x, residual)
+        if not self.normalize_before:
+            x = self.matt_layer_norm(x)
+
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.activation_fn(self.fc1(x))
+        x = self.activation_dropout_module(x)
+        x = self.fc2(x)
+        x = self.dropout_module(x)
+        x = self.residual_connection(x, residual)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x, attn, None
+
+
+register_decoder_layer_type("matt", MAttDecoderLayer)
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+def add_args(group) -> None:
+    group.add_argument(
+        "--matt-self-branch",
+        choices=SELF_BRANCHES,
+        help="matt: the self branch merged with the encoder-decoder attention: aan (the paper's simplified "
+        "average attention, default), self-attn or gated-aan (the paper's Table 3 ablations)",
+    )
+    group.add_argument(
+        "--matt-share-v",
+        action="store_true",
+        default=None,
+        help="matt: use the cross-attention's value projection as the average branch's W_v (released code; "
+        "the paper's parameter count)",
+    )
+
+
+def validate(args) -> None:
+    """Start-up checks of ``--decoder-layer-type matt`` (its own options are resolved by options.py)."""
+    for name in _UNSUPPORTED_FAIRSEQ_FLAGS:
+        if getattr(args, name, False):
+            raise options.DeepInitConfigError(
+                f"--{name.replace('_', '-')} changes the standard decoder layer's sub-layers and has no MAtt "
+                "counterpart; drop it or use --decoder-layer-type standard"
+            )
+    if getattr(args, "no_cross_attention", False):
+        raise options.DeepInitConfigError(
+            "--decoder-layer-type matt merges the self branch into the encoder-decoder attention; drop "
+            "--no-cross-attention or use --decoder-layer-type standard"
+        )
+    if args.matt_share_v:
+        enc = getattr(args, "encoder_embed_dim", None)
+        dec = getattr(args, "decoder_embed_dim", None)
+        if enc is not None and dec is not None and enc != dec:
+            raise options.DeepInitConfigError(
+                f"--matt-share-v applies the cross-attention's value projection ({enc} -> {dec}) to decoder "
+                f"states of size {dec}; use equal --encoder-embed-dim and --decoder-embed-dim or drop --matt-share-v"
+            )
+
+
+def describe(args) -> str:
+    return f"matt={args.matt_self_branch}" + (",shared-v" if args.matt_share_v else "")
+
+
+options.register_layer_type_options(
+    "matt", {"matt_self_branch": "aan", "matt_share_v": False}, add_args, validate, describe
+)
+
+
+# --- parameter counts (closed form) ------------------------------------------------------------
+
+
+def norm_params(norm_type: str, d: int) -> int:
+    """Parameters of one ``--norm-type`` norm of width d (:mod:`fairseq_deepinit.norms`)."""
+    return {"layernorm": 2 * d, "rmsnorm": d, "scalenorm": 1, "none": 0}[norm_type]
+
+
+def standard_decoder_layer_params(d: int, ffn: int, d_enc: int | None = None, norm_type: str = "layernorm") -> int:
+    """fairseq's decoder layer: self-attention 4(d^2+d), cross-attention 2d^2 + 2 d d_enc + 4d,
+    FFN 2 d ffn + ffn + d, three norms."""
+    d_enc = d if d_enc is None else d_enc
+    return (
+        (4 * d * d + 4 * d)
+        + (2 * d * d + 2 * d * d_enc + 4 * d)
+        + (2 * d * ffn + ffn + d)
+        + 3 * norm_params(norm_type, d)
+    )
+
+
+def matt_decoder_layer_params(
+    d: int,
+    ffn: int,
+    d_enc: int | None = None,
+    self_branch: str = "aan",
+    share_v: bool = False,
+    norm_type: str = "layernorm",
+) -> int:
+    """A MAtt decoder layer: cross-attention (whose out_proj is the shared W_o), FFN, two norms, and
+    the self branch: W_v (d^2 + d, none when shared); ``gated-aan`` adds the gate 4d^2 + 2d;
+    ``self-attn`` has q and k (2d^2 + 2d) and W_v, its output projection being W_o."""
+    d_enc = d if d_enc is None else d_enc
+    w_v = 0 if share_v else d * d + d
+    branch = {"aan": w_v, "gated-aan": w_v + 4 * d * d + 2 * d, "self-attn": 2 * d * d + 2 * d + w_v}[self_branch]
+    return branch + (2 * d * d + 2 * d * d_enc + 4 * d) + (2 * d * ffn + ffn + d) + 2 * norm_params(norm_type, d)
+
+
+def encoder_layer_params(d: int, ffn: int, norm_type: str = "layernorm") -> int:
+    return (4 * d * d + 4 * d) + (2 * d * ffn + ffn + d) + 2 * norm_params(norm_type, d)
+
+
+def transformer_params(
+    vocab: int,
+    d: int,
+    ffn: int,
+    layers: int,
+    decoder_layer_type: str = "standard",
+    embeddings: str = "shared-all",
+    final_norms: bool = False,
+    norm_type: str = "layernorm",
+    **matt_kwargs,
+) -> int:
+    """Parameters of an encoder-decoder Transformer with sinusoidal positions and a tied output layer.
+
+    ``embeddings``: ``shared-all`` (one V x d matrix for source, target and output layer),
+    ``tied-target`` (source and target matrices of V rows each, output tied to the target) or
+    ``untied`` (three). ``final_norms``: the Pre-LN stacks' final norms.
+    """
+    emb = {"shared-all": 1, "tied-target": 2, "untied": 3}[embeddings] * vocab * d
+    dec = (
+        matt_decoder_layer_params(d, ffn, norm_type=norm_type, **matt_kwargs)
+        if decoder_layer_type == "matt"
+        else standard_decoder_layer_params(d, ffn, norm_type=norm_type)
+    )
+    final = 2 * norm_params(norm_type, d) if final_norms else 0
+    return emb + layers * (encoder_layer_params(d, ffn, norm_type) + dec) + final
+
+
+def vocab_for_total(total: float, d: int, ffn: int, layers: int, embeddings: str = "shared-all") -> float:
+    """The vocabulary size V at which the standard model has ``total`` parameters."""
+    rest = transformer_params(0, d, ffn, layers)
+    per_row = {"shared-all": 1, "tied-target": 2, "untied": 3}[embeddings] * d
+    return (total - rest) / per_row
+
+
+# --- named architectures ----------------------------------------------------------------------
+
+# DS-Init + MAtt, the paper's model; MAtt alone (fairseq 0.8/0.9 baseline init) for its ablation rows
+register_family("dsinit_matt", dict(init_scheme="ds-init", decoder_layer_type="matt"))
+register_family("matt", dict(decoder_layer_type="matt"))
+
+
+@register_model_architecture("deepinit", "dsinit_matt_iwslt_de_en_12l")
+def dsinit_matt_iwslt_12l(args) -> None:
+    """IWSLT14 De-En, 12 + 12 layers of the IWSLT small dims (the paper's 35.63 BLEU row)."""
+    for key, value in dict(
+        init_scheme="ds-init", decoder_layer_type="matt", encoder_layers=12, decoder_layers=12
+    ).items():
+        if getattr(args, key, None) is None:  # command-line values win, as in every named architecture
+            setattr(args, key, value)
+    transformer_iwslt_de_en(args)
+
+
+def paper_param_relation(total_baseline: float = 72.3e6) -> Dict[str, float]:
+    """WMT14 En-De base 6L (d=512, FFN 2048): the baseline's 72.3M and what MAtt gives.
+
+    The vocabulary is not in the paper; it is solved from the baseline's count for each embedding
+    layout. The MAtt difference does not depend on it: 6 (3d^2 + 5d) = 4.73M fewer parameters with
+    a separate W_v, 6 (4d^2 + 6d) = 6.31M fewer with the released code's shared W_v.
+    """
+    d, ffn, n = 512, 2048, 6
+    out: Dict[str, float] = {}
+    for layout in ("shared-all", "tied-target", "untied"):
+        out[f"vocab_{layout}"] = vocab_for_total(total_baseline, d, ffn, n, layout)
+    v = math.floor(out["vocab_shared-all"])
+    out["baseline"] = transformer_params(v, d, ffn, n)
+    out["matt"] = transformer_params(v, d, ffn, n, "matt")
+    out["matt_shared_v"] = transformer_params(v, d, ffn, n, "matt", share_v=True)
+    return out
