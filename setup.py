@@ -19,7 +19,8 @@ setup(
         "torch==2.13.0",
         "sacrebleu==2.6.0",
         "subword-nmt==0.3.8",
+        "matplotlib==3.11.2",  # deepinit-diagnose plots
     ],
     extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["deepinit-diagnose = fairseq_deepinit.diagnose:main"]},
 )

@@ -23,6 +23,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from .norms import ScaleNorm, is_norm
 from .residual import Residual
 
 # moment slots: element count, sum and sum of squares of the branch, then of the skip term
@@ -138,3 +139,161 @@ class ResidualStatistics:
                 "count": n,
             }
         return out
+
+
+# --------------------------------------------------------------------------------------------
+# Normalisation-layer inputs (T-Fixup Fig. 3), learned scalars of residual and norm modules
+# --------------------------------------------------------------------------------------------
+
+
+def _fused_layernorm_classes() -> tuple:
+    """apex's FusedLayerNorm, which fairseq's ``LayerNorm()`` returns on GPU when apex is installed.
+
+    It derives from ``nn.Module``, not ``nn.LayerNorm``, so :func:`fairseq_deepinit.norms.is_norm`
+    alone would miss every sub-layer norm of a model built on such a machine.
+    """
+    from fairseq.modules import layer_norm
+
+    return tuple(c for c in (getattr(layer_norm, "_FusedLayerNorm", None),) if isinstance(c, type))
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """A normalisation layer of any kind the model can hold (LayerNorm, fused LayerNorm, ScaleNorm, RMSNorm)."""
+    return is_norm(module) or isinstance(module, _fused_layernorm_classes())
+
+
+def norm_modules(model: nn.Module) -> OrderedDict[str, nn.Module]:
+    """Every normalisation layer of ``model`` by name (``encoder.layers.0.final_layer_norm``), module order."""
+    return OrderedDict((clean_name(n), m) for n, m in model.named_modules() if is_norm_module(m))
+
+
+def clean_name(module_name: str) -> str:
+    """Drop the prefixes that activation checkpointing and FSDP put into module names."""
+    return module_name.replace("._checkpoint_wrapped_module", "").replace("_fsdp_wrapped_module.", "")
+
+
+# moment slots of a norm input: vectors, sum of ||x||_2, sum of ||x||_2^2, elements, sum of elements
+_NV, _NS, _NQ, _NE, _NX = range(5)
+
+
+class NormInputStatistics:
+    """Accumulate moments of the input of every normalisation layer while attached.
+
+    The quantity T-Fixup (Huang et al. 2020, Fig. 3) plots is the size of what enters each
+    LayerNorm; here it is kept per position as the l2 norm over the model dimension, so that
+    :meth:`statistics` gives the mean norm, its root mean square and the element variance.
+    Moments are float64 sums, so batches and ranks combine exactly (:meth:`all_reduce`), exactly as
+    :class:`ResidualStatistics` does. Use as a context manager around forward passes.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = norm_modules(model)
+        self.moments: Dict[str, torch.Tensor] = {}
+        self.order: List[str] = []
+        self._handles: list = []
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, inputs, output) -> None:
+            with torch.no_grad():
+                x = inputs[0].detach().double()
+                norms = x.norm(dim=-1)
+                row = torch.stack(
+                    [torch.tensor(float(norms.numel()), dtype=torch.float64, device=x.device), norms.sum(),
+                     x.pow(2).sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum()]
+                )  # fmt: skip
+            if name not in self.moments:
+                self.moments[name] = torch.zeros(5, dtype=torch.float64, device=x.device)
+                self.order.append(name)
+            self.moments[name] += row
+
+        return hook
+
+    def attach(self) -> NormInputStatistics:
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules.items()]
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> NormInputStatistics:
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        self.moments.clear()
+        self.order.clear()
+
+    def all_reduce(self, group=None) -> None:
+        """Sum the raw moments over the ranks of ``group`` (no-op without torch.distributed)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if not self.moments:
+            raise RuntimeError("no statistics to reduce: run at least one forward pass while attached")
+        device = next(iter(self.moments.values())).device
+        names = list(self.modules)
+        for n in names:
+            self.moments.setdefault(n, torch.zeros(5, dtype=torch.float64, device=device))
+        stacked = torch.stack([self.moments[n] for n in names])
+        from fairseq.distributed import utils as dist_utils
+
+        dist_utils.all_reduce(stacked, group=group)
+        for i, n in enumerate(names):
+            self.moments[n] = stacked[i]
+
+    def statistics(self) -> OrderedDict[str, Dict[str, float]]:
+        """``{norm: {"mean_norm", "rms_norm", "var", "count"}}`` in forward order (count: vectors)."""
+        return OrderedDict((name, norm_input_statistics(self.moments[name])) for name in self.order)
+
+
+def norm_input_statistics(moments: torch.Tensor) -> Dict[str, float]:
+    """Mean and root-mean-square l2 norm of the input vectors, and the element variance, from raw moments."""
+    n, e = moments[_NV].item(), moments[_NE].item()
+    if n == 0:
+        return {"mean_norm": float("nan"), "rms_norm": float("nan"), "var": float("nan"), "count": 0.0}
+    return {
+        "mean_norm": (moments[_NS] / n).item(),
+        "rms_norm": (moments[_NQ] / n).sqrt().item(),
+        "var": (moments[_NQ] / e - (moments[_NX] / e) ** 2).item(),
+        "count": n,
+    }
+
+
+def residual_variances(moments: torch.Tensor) -> Dict[str, float]:
+    """Population variances of branch and skip term from one row of :class:`ResidualStatistics` moments."""
+    n = moments[_N].item()
+    if n == 0:
+        return {"branch": float("nan"), "skip": float("nan"), "count": 0.0}
+    return {
+        "branch": (moments[_QB] / n - (moments[_SB] / n) ** 2).item(),
+        "skip": (moments[_QS] / n - (moments[_SS] / n) ** 2).item(),
+        "count": n,
+    }
+
+
+def residual_parameters(model: nn.Module) -> OrderedDict[str, Dict[str, torch.Tensor]]:
+    """The learned parameters that residual modules own themselves, by sub-layer.
+
+    Read generically (``named_parameters(recurse=False)``) so that any residual scaling shows up
+    without this module knowing it: Admin's per-sub-layer vector ``omega`` (Liu et al. 2020,
+    eq. 6), ReZero's scalar ``alpha`` (Bachlechner et al. 2020, eq. 5), and any added later.
+    """
+    out: OrderedDict[str, Dict[str, torch.Tensor]] = OrderedDict()
+    for name, module in residual_modules(model).items():
+        params = {p_name: p for p_name, p in module.named_parameters(recurse=False)}
+        if params:
+            out[clean_name(sublayer_name(name))] = params
+    return out
+
+
+def scalenorm_gains(model: nn.Module) -> OrderedDict[str, float]:
+    """The learned scale ``g`` of every ScaleNorm (Nguyen & Salazar 2019, eq. 3; their Fig. 3), by norm name."""
+    return OrderedDict(
+        (clean_name(n), float(m.g.detach().float().item()))
+        for n, m in model.named_modules()
+        if isinstance(m, ScaleNorm)
+    )

@@ -1,0 +1,553 @@
+"""``deepinit-diagnose``: measure at initialisation (or on a checkpoint) what the papers plot.
+
+::
+
+    deepinit-diagnose DATA --arch postln_iwslt_de_en --encoder-layers 18 --decoder-layers 18 \\
+        --output-dir diag/postln18 [--measure grad,flow,norm,change,scalenorm] [fairseq-train options]
+    deepinit-diagnose DATA --checkpoint checkpoints/checkpoint_best.pt --output-dir diag/trained
+    deepinit-diagnose --compare diag/postln18 diag/dsinit18 --output-dir diag/compare
+
+Writes ``diagnostics.json`` and PNG plots (matplotlib, Agg backend) into ``--output-dir``:
+
+- ``grad_norm.png``: gradient norm of every encoder and decoder layer (DS-Init, Zhang et al. 2019, Fig. 1);
+- ``gradient_flow.png``: beta_LN, beta_RC, beta and Var(r) of every sub-layer, with the per-type means
+  of DS-Init's Table 1 in the JSON (definitions: :mod:`fairseq_deepinit.diagnostics`);
+- ``norm_input.png``: mean l2 norm of the input of every normalisation layer (T-Fixup, Huang et al. 2020, Fig. 3);
+- ``output_change.png``: ``|F(x, W) - F(x, W + delta)|^2`` against depth N for a random delta and for
+  one Adam step, encoder and decoder output, with fitted slopes (Admin, Liu et al. 2020, Fig. 4);
+- ``scalenorm_g.png``: the learned ScaleNorm g against depth (Transformers without Tears, Fig. 3),
+  for models with ``--norm-type scalenorm``.
+
+Every option this command does not know is a ``fairseq-train`` option (model, task, criterion), so a
+model is described exactly as for training. Measurements use the first ``--num-batches`` batches of
+``--subset`` (``--max-tokens`` each), in training mode (dropout as configured) for gradients, and with
+dropout off for the output change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import sys
+from typing import Dict, List, Sequence
+
+import torch
+
+logger = logging.getLogger("fairseq_deepinit.diagnose")
+
+MEASURES = ("grad", "flow", "norm", "change", "scalenorm")
+FLOW_KEYS = ("beta_ln", "beta_rc", "beta", "var_r")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="deepinit-diagnose",
+        description="Measure gradient norms per layer (DS-Init Fig. 1), beta_LN/beta_RC/Var(r) (DS-Init Table 1), "
+        "norm-layer input norms (T-Fixup Fig. 3), output change against depth (Admin Fig. 4) and ScaleNorm g "
+        "(TwT Fig. 3). Unknown options are passed to fairseq-train's parser (--arch, --encoder-layers, ...).",
+        allow_abbrev=False,
+    )
+    p.add_argument("data", nargs="?", help="fairseq-preprocess output folder (not needed with --compare)")
+    p.add_argument("--output-dir", required=True, help="where diagnostics.json and the PNG plots go")
+    p.add_argument("--checkpoint", help="measure a trained checkpoint instead of a freshly initialised model")
+    p.add_argument(
+        "--measure",
+        default=None,
+        help=f"comma-separated subset of {','.join(MEASURES)} (default: all; without 'change' for --checkpoint)",
+    )
+    p.add_argument("--subset", default="train", help="data split to take batches from (default: train)")
+    p.add_argument("--num-batches", type=int, default=1, help="batches to pool for gradients and statistics")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the model initialisation and the batch order")
+    p.add_argument(
+        "--depths", default="2,4,8,16", help="layers per stack for the output-change sweep (default 2,4,8,16)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="initialisations averaged per depth (default 3)")
+    p.add_argument("--perturb-scale", type=float, default=1e-4, help="std of the random perturbation (default 1e-4)")
+    p.add_argument("--adam-lr", type=float, default=1e-4, help="learning rate of the one Adam step (default 1e-4)")
+    p.add_argument("--change-batches", type=int, default=1, help="batches the output change is measured on")
+    p.add_argument("--label", help="name of this run in plots and in --compare (default: the model description)")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="overlay the results of earlier runs")
+    return p
+
+
+def _measures(spec: str | None, checkpoint: bool) -> List[str]:
+    if spec is None:
+        return [m for m in MEASURES if not (checkpoint and m == "change")]
+    chosen = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = sorted(set(chosen) - set(MEASURES))
+    if unknown:
+        raise SystemExit(
+            f"deepinit-diagnose: unknown --measure {', '.join(unknown)}; choose from {', '.join(MEASURES)}"
+        )
+    if checkpoint and "change" in chosen:
+        raise SystemExit(
+            "deepinit-diagnose: --measure change sweeps depths from freshly built models; it cannot use "
+            "--checkpoint. Drop one of them."
+        )
+    return chosen
+
+
+def _parse_depths(spec: str) -> List[int]:
+    try:
+        depths = sorted({int(d) for d in spec.split(",") if d.strip()})
+    except ValueError:
+        raise SystemExit(f"deepinit-diagnose: --depths must be comma-separated integers, got {spec!r}") from None
+    if len(depths) < 2 or depths[0] < 1:
+        raise SystemExit("deepinit-diagnose: --depths needs at least two depths >= 1 to fit a slope")
+    return depths
+
+
+# --------------------------------------------------------------------------------------------
+# set-up: fairseq task, model, criterion, batches
+# --------------------------------------------------------------------------------------------
+
+
+class Setup:
+    """Everything a measurement needs, built the way fairseq-train builds it."""
+
+    def __init__(self, opts: argparse.Namespace, fairseq_argv: List[str]) -> None:
+        from fairseq import checkpoint_utils, options, tasks
+        from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+        import fairseq_deepinit  # noqa: F401  (registers the model, architectures, criterion)
+
+        if not opts.data or not os.path.isdir(opts.data):
+            raise SystemExit(
+                f"deepinit-diagnose: data folder {opts.data!r} not found (the output of fairseq-preprocess)"
+            )
+        self.opts = opts
+        if opts.checkpoint:
+            if not os.path.isfile(opts.checkpoint):
+                raise SystemExit(f"deepinit-diagnose: checkpoint {opts.checkpoint!r} not found")
+            if [a for a in fairseq_argv if a.startswith("--")]:
+                raise SystemExit(
+                    "deepinit-diagnose: with --checkpoint the model comes from the checkpoint; drop the model "
+                    f"options {' '.join(a for a in fairseq_argv if a.startswith('--'))}"
+                )
+            models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+                [opts.checkpoint], arg_overrides={"data": opts.data}
+            )
+            self.args = cfg.model
+            self.model = models[0]
+            self.task = task
+            self.criterion = task.build_criterion(cfg.criterion)
+        else:
+            parser = options.get_training_parser()
+            argv = [opts.data, *fairseq_argv, "--max-tokens", str(opts.max_tokens), "--seed", str(opts.seed)]
+            self.args = options.parse_args_and_arch(parser, argv)
+            cfg = convert_namespace_to_omegaconf(self.args)
+            self.task = tasks.setup_task(cfg.task)
+            self.criterion = self.task.build_criterion(cfg.criterion)
+            self.model = None
+        self.task.load_dataset(opts.subset, combine=False, epoch=1)
+        self.batches = self._batches(max(opts.num_batches, opts.change_batches))
+        if self.model is None:
+            self.model = self.build(None, opts.seed)
+
+    def _batches(self, count: int) -> List[dict]:
+        from fairseq import utils
+
+        dataset = self.task.dataset(self.opts.subset)
+        itr = self.task.get_batch_iterator(
+            dataset=dataset,
+            max_tokens=self.opts.max_tokens,
+            max_positions=utils.resolve_max_positions(self.task.max_positions(), (1024, 1024)),
+            ignore_invalid_inputs=True,
+            seed=self.opts.seed,
+            num_workers=0,
+        ).next_epoch_itr(shuffle=True)
+        batches = []
+        for sample in itr:
+            if sample and "net_input" in sample:
+                batches.append(sample)
+            if len(batches) == count:
+                break
+        if not batches:
+            raise SystemExit(f"deepinit-diagnose: no batch in subset {self.opts.subset!r} of {self.opts.data}")
+        return batches
+
+    def build(self, layers: int | None, seed: int):
+        """A freshly initialised model (``layers`` per stack if given), Admin omega profiled when needed."""
+        args = copy.deepcopy(self.args)
+        if layers is not None:
+            args.encoder_layers = args.decoder_layers = layers
+        torch.manual_seed(seed)
+        model = self.task.build_model(args)
+        _profile_admin(model, args, self.batches[0])
+        return model
+
+    def loss(self, model, batch: dict, total_sample_size: float) -> torch.Tensor:
+        loss, _, _ = self.criterion(model, batch)
+        return loss / total_sample_size
+
+    def sample_size(self, batches: Sequence[dict]) -> float:
+        key = "target" if getattr(self.criterion, "sentence_avg", False) else "ntokens"
+        return float(sum(b[key].size(0) if key == "target" else b[key] for b in batches))
+
+    def describe(self) -> str:
+        from . import options
+
+        try:
+            return options.describe(self.args).replace("deepinit: ", "")
+        except AttributeError:
+            return str(getattr(self.args, "arch", "model"))
+
+
+def _profile_admin(model, args, batch: dict) -> None:
+    """Admin's omega is set from a profiling forward pass before training (Liu et al. 2020, sec. 4.3);
+    measure the model as fairseq-train would train it, so profile it here as ``--task translation_admin`` does."""
+    try:
+        from . import admin
+    except ImportError:  # Admin not available in this version
+        return
+    if admin.admin_residuals(model) and not admin.is_profiled(model):
+        model.train()
+        admin.profile_model(model, batch["net_input"], getattr(args, "admin_formula", "code"))
+
+
+# --------------------------------------------------------------------------------------------
+# measurements
+# --------------------------------------------------------------------------------------------
+
+
+def measure_gradients(setup: Setup, measures: Sequence[str]) -> dict:
+    """Gradient norm per layer, gradient flow and norm-input statistics from one pooled backward pass."""
+    from .diagnostics import GradientFlow, grad_norms_per_layer, per_type_means, stack_layers
+    from .hooks import NormInputStatistics
+
+    model = setup.model
+    batches = setup.batches[: setup.opts.num_batches]
+    total = setup.sample_size(batches)
+    model.train()
+    model.zero_grad()
+    flow = GradientFlow(model) if "flow" in measures else None
+    norms = NormInputStatistics(model) if "norm" in measures else None
+    torch.manual_seed(setup.opts.seed)
+    loss_sum = 0.0
+    for s in (flow, norms):
+        if s is not None:
+            s.attach()
+    try:
+        for batch in batches:
+            loss = setup.loss(model, batch, total)
+            loss.backward()
+            loss_sum += loss.item()
+    finally:
+        for s in (flow, norms):
+            if s is not None:
+                s.detach()
+    out: dict = {"loss_per_token": loss_sum}
+    if "grad" in measures:
+        per_layer = grad_norms_per_layer(model)
+        out["grad_norm"] = {
+            "per_layer": per_layer,
+            "encoder": stack_layers(per_layer, "encoder"),
+            "decoder": stack_layers(per_layer, "decoder"),
+        }
+    if flow is not None:
+        per_sub = flow.results()
+        out["gradient_flow"] = {"per_sublayer": per_sub, "per_type": per_type_means(per_sub, FLOW_KEYS)}
+    if norms is not None:
+        out["norm_input"] = norms.statistics()
+    model.zero_grad()
+    return out
+
+
+def measure_output_change(setup: Setup) -> dict:
+    """Admin Fig. 4: output change against depth, averaged over ``--repeats`` initialisations, with fits."""
+    from .diagnostics import fit_growth, output_change
+
+    opts = setup.opts
+    depths = _parse_depths(opts.depths)
+    batches = setup.batches[: opts.change_batches]
+    total = setup.sample_size(batches)
+    pad = setup.task.source_dictionary.pad()
+    result: dict = {"depths": depths, "repeats": opts.repeats, "positions": "non-padding target/source positions"}
+    for kind, scale in (("random", opts.perturb_scale), ("adam", opts.adam_lr)):
+        curves: Dict[str, List[float]] = {"encoder": [], "decoder": []}
+        for n in depths:
+            acc = {"encoder": 0.0, "decoder": 0.0}
+            for r in range(opts.repeats):
+                model = setup.build(n, opts.seed + r)
+                change = output_change(
+                    model,
+                    batches,
+                    kind,
+                    scale,
+                    seed=1000 + r,
+                    loss_fn=lambda m, b: setup.loss(m, b, total),
+                    pad=pad,
+                )
+                for k in acc:
+                    acc[k] += change[k] / opts.repeats
+            for k in acc:
+                curves[k].append(acc[k])
+            logger.info(f"output change ({kind}) N={n}: encoder {acc['encoder']:.4g}, decoder {acc['decoder']:.4g}")
+        result[kind] = {
+            "scale": scale,
+            **curves,
+            "fit": {k: fit_growth(depths, v) for k, v in curves.items()},
+        }
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _plt().close(fig)
+    return path
+
+
+def plot_grad_norm(runs: List[dict], path: str) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, stack in zip(axes, ("encoder", "decoder"), strict=True):
+        for run in runs:
+            values = run["grad_norm"][stack]
+            ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=run["label"])
+        ax.set_yscale("log")
+        ax.set_xlabel(f"{stack} layer")
+        ax.set_ylabel("gradient norm")
+        ax.set_title(f"{stack} (DS-Init Fig. 1)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _depth_of(sub: str) -> int:
+    return int(sub.split(".")[2]) + 1
+
+
+def plot_gradient_flow(run: dict, path: str) -> str:
+    from .diagnostics import sublayer_type
+
+    plt = _plt()
+    per_sub = run["gradient_flow"]["per_sublayer"]
+    fig, axes = plt.subplots(1, 4, figsize=(11, 3.0))
+    titles = {"beta_ln": "beta_LN", "beta_rc": "beta_RC", "beta": "beta", "var_r": "Var(r)"}
+    types: Dict[str, List[str]] = {}
+    for sub in per_sub:
+        types.setdefault(sublayer_type(sub), []).append(sub)
+    for ax, key in zip(axes, FLOW_KEYS, strict=True):
+        for t, subs in types.items():
+            ax.plot([_depth_of(s) for s in subs], [per_sub[s][key] for s in subs], marker="o", ms=3, label=t)
+        if key != "var_r":
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(titles[key] + " (DS-Init Tab. 1)", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=6)
+    fig.suptitle(run["label"], fontsize=9)
+    return _save(fig, path)
+
+
+def plot_norm_input(run: dict, path: str) -> str:
+    plt = _plt()
+    stats = run["norm_input"]
+    groups: Dict[str, List[tuple]] = {}
+    for name, s in stats.items():
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[1] == "layers":
+            groups.setdefault(f"{parts[0]} {parts[3]}", []).append((int(parts[2]) + 1, s["mean_norm"]))
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for g, pts in groups.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=g)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean ||input||_2")
+    ax.set_title(f"norm-layer input (T-Fixup Fig. 3)\n{run['label']}", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    return _save(fig, path)
+
+
+def plot_output_change(runs: List[dict], path: str) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(8, 5.6))
+    for row, kind in enumerate(("random", "adam")):
+        for col, stack in enumerate(("encoder", "decoder")):
+            ax = axes[row][col]
+            for run in runs:
+                oc = run["output_change"]
+                depths, values, fit = oc["depths"], oc[kind][stack], oc[kind]["fit"][stack]
+                line = ax.plot(depths, values, marker="o", ms=3, label=f"{run['label']} (N^{fit['exponent']:.2f})")
+                xs = [min(depths), max(depths)]
+                ax.plot(xs, [fit["intercept"] + fit["slope"] * x for x in xs], ls=":", color=line[0].get_color())
+            what = "random delta" if kind == "random" else "one Adam step"
+            ax.set_title(f"{stack} output, {what}", fontsize=9)
+            ax.set_xlabel("layers per stack N")
+            ax.set_ylabel("|F(x,W) - F(x,W+delta)|^2")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle("output change against depth (Admin Fig. 4); dotted: linear fit", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_scalenorm(run: dict, path: str) -> str:
+    plt = _plt()
+    groups: Dict[str, List[tuple]] = {}
+    for name, g in run["scalenorm_g"].items():
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[1] == "layers":
+            groups.setdefault(f"{parts[0]} {parts[3]}", []).append((int(parts[2]) + 1, g))
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for g, pts in groups.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=g)
+    for name, g in run["scalenorm_g"].items():
+        if ".layers." not in name:
+            ax.axhline(g, ls=":", lw=0.8, color="grey")
+            ax.annotate(name, (1, g), fontsize=6)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("ScaleNorm g")
+    ax.set_title(f"learned ScaleNorm g (TwT Fig. 3)\n{run['label']}", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------------------------
+
+
+def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
+    from .hooks import residual_parameters, scalenorm_gains
+
+    measures = _measures(opts.measure, bool(opts.checkpoint))
+    os.makedirs(opts.output_dir, exist_ok=True)
+    setup = Setup(opts, fairseq_argv)
+    n_tokens = sum(int(b["ntokens"]) for b in setup.batches[: opts.num_batches])
+    result: dict = {
+        "label": opts.label or setup.describe(),
+        "model": setup.describe(),
+        "arch": getattr(setup.args, "arch", None),
+        "encoder_layers": getattr(setup.args, "encoder_layers", None),
+        "decoder_layers": getattr(setup.args, "decoder_layers", None),
+        "checkpoint": opts.checkpoint,
+        "data": opts.data,
+        "batches": {"count": min(opts.num_batches, len(setup.batches)), "target_tokens": n_tokens},
+        "command": ["deepinit-diagnose", *sys.argv[1:]],
+        "plots": [],
+    }
+    if any(m in measures for m in ("grad", "flow", "norm")):
+        result.update(measure_gradients(setup, measures))
+    if "scalenorm" in measures:
+        gains = scalenorm_gains(setup.model)
+        result["scalenorm_g"] = gains if gains else None
+    result["residual_parameters"] = {
+        sub: {k: p.detach().double().mean().item() for k, p in params.items()}
+        for sub, params in residual_parameters(setup.model).items()
+    }
+    if "change" in measures:
+        result["output_change"] = measure_output_change(setup)
+    out = opts.output_dir
+    if "grad_norm" in result:
+        result["plots"].append(plot_grad_norm([result], os.path.join(out, "grad_norm.png")))
+    if "gradient_flow" in result:
+        result["plots"].append(plot_gradient_flow(result, os.path.join(out, "gradient_flow.png")))
+    if result.get("norm_input"):
+        result["plots"].append(plot_norm_input(result, os.path.join(out, "norm_input.png")))
+    if "output_change" in result:
+        result["plots"].append(plot_output_change([result], os.path.join(out, "output_change.png")))
+    if result.get("scalenorm_g"):
+        result["plots"].append(plot_scalenorm(result, os.path.join(out, "scalenorm_g.png")))
+    with open(os.path.join(out, "diagnostics.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(summary(result))
+    return result
+
+
+def compare(opts: argparse.Namespace) -> List[str]:
+    """Overlay gradient norms and output changes of several earlier runs (their ``diagnostics.json``)."""
+    runs = []
+    for d in opts.compare:
+        path = os.path.join(d, "diagnostics.json") if os.path.isdir(d) else d
+        if not os.path.isfile(path):
+            raise SystemExit(f"deepinit-diagnose --compare: {path} not found (run deepinit-diagnose first)")
+        with open(path) as f:
+            runs.append(json.load(f))
+    os.makedirs(opts.output_dir, exist_ok=True)
+    written = []
+    with_grad = [r for r in runs if "grad_norm" in r]
+    if with_grad:
+        written.append(plot_grad_norm(with_grad, os.path.join(opts.output_dir, "grad_norm.png")))
+    with_change = [r for r in runs if "output_change" in r]
+    if with_change:
+        written.append(plot_output_change(with_change, os.path.join(opts.output_dir, "output_change.png")))
+    if not written:
+        raise SystemExit("deepinit-diagnose --compare: none of the runs has gradient norms or output changes")
+    for p in written:
+        print(p)
+    return written
+
+
+def summary(result: dict) -> str:
+    lines = [f"deepinit-diagnose: {result['label']}"]
+    if "grad_norm" in result:
+        for stack in ("encoder", "decoder"):
+            v = result["grad_norm"][stack]
+            if v:
+                lines.append(f"  grad norm {stack} layers 1..{len(v)}: " + " ".join(f"{x:.3g}" for x in v))
+    if "gradient_flow" in result:
+        lines.append("  DS-Init Table 1 (mean per sub-layer type): beta_LN beta_RC beta Var(r)")
+        for t, row in result["gradient_flow"]["per_type"].items():
+            lines.append(f"    {t:<22} {row['beta_ln']:.3f} {row['beta_rc']:.3f} {row['beta']:.3f} {row['var_r']:.3f}")
+    if "output_change" in result:
+        oc = result["output_change"]
+        for kind in ("random", "adam"):
+            for stack in ("encoder", "decoder"):
+                fit = oc[kind]["fit"][stack]
+                lines.append(
+                    f"  output change {kind:<6} {stack}: slope {fit['slope']:.3g}/layer, relative slope "
+                    f"{fit['relative_slope']:.3g}, exponent {fit['exponent']:.2f} (R2 linear {fit['r2_linear']:.2f},"
+                    f" log {fit['r2_log']:.2f})"
+                )
+    if result.get("plots"):
+        lines.append("  plots: " + ", ".join(result["plots"]))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the console command: fairseq's imports leave the root logger at DEBUG
+        argv = sys.argv[1:]
+        logging.basicConfig(
+            format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+            level=os.environ.get("LOGLEVEL", "INFO").upper(),
+            stream=sys.stdout,
+            force=True,
+        )
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    parser = build_parser()
+    opts, rest = parser.parse_known_args(list(argv))
+    if opts.compare:
+        if rest or opts.data:
+            parser.error("--compare takes run folders only; drop the data folder and the model options")
+        compare(opts)
+        return 0
+    if opts.num_batches < 1 or opts.change_batches < 1 or opts.repeats < 1:
+        parser.error("--num-batches, --change-batches and --repeats must be >= 1")
+    if not opts.data:
+        parser.error("the data folder is required (the output of fairseq-preprocess)")
+    run(opts, rest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

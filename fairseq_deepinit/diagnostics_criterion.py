@@ -1,0 +1,430 @@
+"""Training-time diagnostics and a divergence guard: ``--criterion label_smoothed_cross_entropy_diagnostics``.
+
+fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``deepinit`` architecture:
+
+1. every ``--diagnostics-interval`` updates, per-sub-layer statistics go into fairseq's metrics, so
+   they appear in the training log and under ``--tensorboard-logdir``:
+
+   - ``diag_var/<sub-layer>``: variance of the residual-branch output f_i(x_{i-1}) (Admin, Liu et
+     al. 2020, eq. 6; DS-Init, Zhang et al. 2019, Table 1);
+   - ``diag_norm_in/<norm>``: mean l2 norm of the input vectors of every normalisation layer
+     (T-Fixup, Huang et al. 2020, Fig. 3);
+   - ``diag_<param>/<sub-layer>``: the mean of every parameter a residual module owns (Admin's
+     ``omega``, ReZero's ``alpha``);
+   - ``diag_scalenorm_g/<norm>``: ScaleNorm's learned g (Nguyen & Salazar 2019, Fig. 3);
+   - ``diag_gnorm/<layer>``: the l2 norm of the gradient of each layer's parameters (DS-Init Fig. 1),
+     taken before clipping, with fairseq's own ``gnorm`` as the total.
+
+   Moments travel in the logging outputs and are combined in :meth:`reduce_metrics`, so gradient
+   accumulation and data parallelism give exact statistics. On other updates nothing is computed.
+
+2. a divergence guard: when the loss or the gradients go non-finite in a way fairseq's fp16/AMP loss
+   scaling does not absorb (fp32 training, or the minimum loss scale reached), training stops with a
+   :class:`DivergenceError` naming the update and the first layer, in forward order, whose output went
+   non-finite (found by replaying the update's batches with hooks), the non-finite weights, and the
+   first layer with non-finite gradients. A checkpoint save of a non-finite model is refused, so
+   ``checkpoint_last.pt`` keeps the last good state.
+
+Gradients exist only after the backward pass, which fairseq's task runs; the criterion therefore
+gives the task a small mixin (:class:`DiagnosticsTaskMixin`) that tells it the update number, and
+wraps the optimizer's ``clip_grad_norm`` — the one point where the gradients of an update are
+complete (summed over accumulation steps and ranks, divided by the sample size) and where fairseq
+decides that they are non-finite.
+"""
+
+import logging
+import math
+from collections import OrderedDict
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.logging import metrics
+
+from . import hooks
+from .diagnostics import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
+
+logger = logging.getLogger(__name__)
+
+STATS = ("var", "norm", "residual", "scalenorm", "grad")
+DEFAULT_STATS = ",".join(STATS)
+_KEY = "_diag|"  # logging-output keys that carry raw moments
+PRIORITY = 2000  # after fairseq's own metrics in a log line
+
+
+class DivergenceError(RuntimeError):
+    """Training diverged (non-finite loss, gradients or weights) beyond what loss scaling absorbs."""
+
+
+@dataclass
+class DiagnosticsCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    diagnostics_interval: int = field(
+        default=100,
+        metadata={
+            "help": "log per-sub-layer statistics every N updates, on updates N, 2N, ... (0: never; the "
+            "divergence guard stays on). A multiple of --log-interval puts them on a log line."
+        },
+    )
+    diagnostics_stats: str = field(
+        default=DEFAULT_STATS,
+        metadata={
+            "help": "comma-separated statistics to log: var (residual-branch variance), norm (norm-layer "
+            "input norm), residual (Admin omega, ReZero alpha), scalenorm (ScaleNorm g), grad (gradient "
+            "norm per layer)"
+        },
+    )
+    no_divergence_guard: bool = field(
+        default=False, metadata={"help": "do not stop training on non-finite loss, gradients or weights"}
+    )
+    diagnostics_inject_nan: str = field(
+        default="",
+        metadata={
+            "help": "for testing the divergence guard only: 'UPDATE:PARAM' fills parameter PARAM with NaN "
+            "before update UPDATE; 'UPDATE:PARAM:after' does it after that update's optimizer step"
+        },
+    )
+
+
+class _RunState:
+    """Per-run state kept outside ``nn.Module`` attributes (a model stored on the criterion would
+    become one of its sub-modules, and fairseq would save and all-reduce it as the criterion's)."""
+
+    def __init__(self) -> None:
+        self.update_num = -1
+        self.collect = False
+        self.samples: List[dict] = []
+        self.model: nn.Module | None = None
+        self.optimizer = None
+        self.last_loss: torch.Tensor | None = None
+        self.diverged = False
+        self.injected = False
+        self.warned_sharded = False
+        self.metrics_dirty = False
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The fairseq model inside DDP / ModuleProxy wrappers."""
+    from fairseq.models import BaseFairseqModel
+
+    while not isinstance(model, BaseFairseqModel) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _drop_printed_meters() -> bool:
+    """Remove ``diag_*`` meters that fairseq has printed and reset; True while some still hold data.
+
+    fairseq resets a meter after printing it but keeps it, so a statistic logged every N updates
+    would show as ``None`` on every log line in between. ``MetersDict`` keeps a priority list
+    beside its keys, which must lose the entry too.
+    """
+    remaining = False
+    for name in ("train_inner", "train"):
+        meters = metrics.get_meters(name)
+        if meters is None:
+            continue
+        stale = [k for k, m in meters.items() if k.startswith("diag_") and getattr(m, "count", 1) == 0]
+        remaining |= any(k.startswith("diag_") for k in meters if k not in stale)
+        if stale:
+            meters.priorities[:] = [p for p in meters.priorities if p[2] not in stale]
+            for k in stale:
+                OrderedDict.__delitem__(meters, k)
+    return remaining
+
+
+def _parse_inject(spec: str) -> tuple | None:
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[0].isdigit() or int(parts[0]) < 1 or not parts[1]:
+        raise ValueError(
+            f"--diagnostics-inject-nan {spec!r}: expected UPDATE:PARAM or UPDATE:PARAM:after with UPDATE >= 1, "
+            "e.g. 5:encoder.layers.0.fc1.weight"
+        )
+    when = parts[2] if len(parts) == 3 else "before"
+    if when not in ("before", "after"):
+        raise ValueError(f"--diagnostics-inject-nan {spec!r}: the third field must be 'after' (or absent)")
+    return int(parts[0]), parts[1], when
+
+
+@register_criterion("label_smoothed_cross_entropy_diagnostics", dataclass=DiagnosticsCriterionConfig)
+class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
+    """Label-smoothed cross-entropy with per-sub-layer diagnostics and a divergence guard (module docstring)."""
+
+    def __init__(
+        self,
+        task,
+        sentence_avg,
+        label_smoothing,
+        ignore_prefix_size=0,
+        report_accuracy=False,
+        diagnostics_interval=100,
+        diagnostics_stats=DEFAULT_STATS,
+        no_divergence_guard=False,
+        diagnostics_inject_nan="",
+    ):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        if diagnostics_interval < 0:
+            raise ValueError(f"--diagnostics-interval must be >= 0 (0 turns logging off), got {diagnostics_interval}")
+        stats = tuple(s.strip() for s in str(diagnostics_stats).split(",") if s.strip())
+        unknown = sorted(set(stats) - set(STATS))
+        if unknown:
+            raise ValueError(f"--diagnostics-stats: unknown {', '.join(unknown)}; choose from {', '.join(STATS)}")
+        self.interval = int(diagnostics_interval)
+        self.stats = stats
+        self.guard = not no_divergence_guard
+        self.inject = _parse_inject(diagnostics_inject_nan)
+        self._run = _RunState()
+        install_task_mixin(task, self)
+
+    # ---- called by the task mixin -------------------------------------------------------------
+
+    def begin_update(self, update_num: int, model: nn.Module, optimizer, sample: dict) -> None:
+        run = self._run
+        if update_num != run.update_num:
+            run.update_num = update_num
+            run.samples = []
+        if self.guard:
+            run.samples.append(sample)  # a reference only: replayed if this update diverges
+        run.model = unwrap_model(model)
+        if run.metrics_dirty:
+            run.metrics_dirty = _drop_printed_meters()
+        run.collect = self.interval > 0 and (update_num + 1) % self.interval == 0 and not run.diverged
+        run.metrics_dirty |= run.collect
+        if optimizer is not None and run.optimizer is not optimizer:
+            run.optimizer = optimizer
+            self._wrap_clip(optimizer)
+        self._maybe_inject(update_num, "before")
+
+    def after_step(self, update_num: int) -> None:
+        self._maybe_inject(update_num, "after")
+
+    def check_before_save(self) -> None:
+        """Refuse to let a checkpoint be written from non-finite weights."""
+        run = self._run
+        if not self.guard or run.diverged or run.model is None:
+            return
+        if nonfinite_parameters(run.model):
+            self._diverge(
+                "its optimizer step left non-finite weights, and fairseq was about to save a checkpoint of them "
+                "(not written)",
+                replay=True,
+            )
+
+    # ---- loss and statistics ------------------------------------------------------------------
+
+    def forward(self, model, sample, reduce=True):
+        run = self._run
+        if not (run.collect and model.training):
+            loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+            run.last_loss = loss.detach()
+            return loss, sample_size, logging_output
+        net = unwrap_model(model)
+        res = hooks.ResidualStatistics(net) if "var" in self.stats and hooks.residual_modules(net) else None
+        nrm = hooks.NormInputStatistics(net) if "norm" in self.stats else None
+        with ExitStack() as stack:
+            for s in (res, nrm):
+                if s is not None:
+                    stack.enter_context(s)
+            loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        run.last_loss = loss.detach()
+        logging_output.update(self._statistics(net, res, nrm))
+        return loss, sample_size, logging_output
+
+    def _statistics(self, net: nn.Module, res, nrm) -> Dict[str, torch.Tensor]:
+        out: Dict[str, torch.Tensor] = {}
+        if res is not None:
+            for name in res.order:
+                out[f"{_KEY}var|{name}"] = res.moments[name].detach().cpu()
+        if nrm is not None:
+            for name in nrm.order:
+                out[f"{_KEY}norm|{name}"] = nrm.moments[name].detach().cpu()
+        if "residual" in self.stats:
+            for sub, params in hooks.residual_parameters(net).items():
+                for p_name, p in params.items():
+                    value = p.detach().double().mean().item()
+                    out[f"{_KEY}param|{p_name}|{sub}"] = torch.tensor([1.0, value], dtype=torch.float64)
+        if "scalenorm" in self.stats:
+            for name, g in hooks.scalenorm_gains(net).items():
+                out[f"{_KEY}g|{name}"] = torch.tensor([1.0, g], dtype=torch.float64)
+        return out
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        keys: List[str] = []
+        for log in logging_outputs:
+            keys += [k for k in log if k.startswith(_KEY) and k not in keys]
+        for key in keys:
+            total = sum(log[key] for log in logging_outputs if key in log)
+            total = total.double().cpu() if torch.is_tensor(total) else torch.as_tensor(total, dtype=torch.float64)
+            _, kind, rest = key.split("|", 2)
+            if kind == "var":
+                name, value = f"diag_var/{rest}", hooks.residual_variances(total)["branch"]
+            elif kind == "norm":
+                name, value = f"diag_norm_in/{rest}", hooks.norm_input_statistics(total)["mean_norm"]
+            elif kind == "param":
+                p_name, sub = rest.split("|", 1)
+                name, value = f"diag_{p_name}/{sub}", (total[1] / total[0]).item()
+            elif kind == "g":
+                name, value = f"diag_scalenorm_g/{rest}", (total[1] / total[0]).item()
+            else:
+                continue
+            metrics.log_scalar(name, value, priority=PRIORITY, round=None)
+
+    # ---- gradients: per-layer norms and the guard ---------------------------------------------
+
+    def _wrap_clip(self, optimizer) -> None:
+        original = optimizer.clip_grad_norm
+
+        def clip_grad_norm(max_norm, aggregate_norm_fn=None):
+            return self._clip(original, max_norm, aggregate_norm_fn)
+
+        optimizer.clip_grad_norm = clip_grad_norm
+
+    def _clip(self, original, max_norm, aggregate_norm_fn):
+        run = self._run
+        try:
+            grad_norm = original(max_norm, aggregate_norm_fn)
+        except FloatingPointError as e:  # fp16/AMP: the minimum loss scale was reached
+            if self.guard and not run.diverged:
+                self._diverge(f"fairseq's loss scaling gave up ({e})", replay=True)
+            raise
+        if not (self.guard or run.collect):
+            return grad_norm
+        finite = bool(torch.isfinite(grad_norm).all()) if torch.is_tensor(grad_norm) else math.isfinite(grad_norm)
+        if not finite:
+            # with a loss scaler (--fp16, --amp) fairseq skips the update and lowers the scale
+            absorbed = getattr(run.optimizer, "scaler", None) is not None
+            if self.guard and not absorbed and not run.diverged:
+                loss = "" if run.last_loss is None else f", last loss {float(run.last_loss.float().sum()):.6g}"
+                self._diverge(f"the gradient norm is {float(grad_norm)}{loss}", replay=True)
+            return grad_norm
+        if run.collect and "grad" in self.stats:
+            self._log_grad_norms(float(grad_norm), sharded=aggregate_norm_fn is not None)
+        return grad_norm
+
+    def _log_grad_norms(self, grad_norm: float, sharded: bool) -> None:
+        run = self._run
+        if sharded:  # FSDP: each rank holds a shard of every gradient
+            if not run.warned_sharded:
+                logger.warning("diagnostics: per-layer gradient norms are not available with sharded gradients (FSDP)")
+                run.warned_sharded = True
+            return
+        sq = _grad_squares(run.model)
+        if not sq:
+            return
+        values = torch.stack(list(sq.values()))
+        total = values.sum().sqrt()
+        # the gradients here may still carry a uniform factor (fp16 loss scale, clipping, lazy
+        # division by the sample size); fairseq's grad_norm is the true total before clipping
+        scale = grad_norm / total.item() if total.item() > 0 else 0.0
+        for key, value in zip(sq.keys(), (values.sqrt() * scale).tolist(), strict=True):
+            metrics.log_scalar(f"diag_gnorm/{key}", value, priority=PRIORITY, round=None)
+
+    # ---- divergence ---------------------------------------------------------------------------
+
+    def _maybe_inject(self, update_num: int, when: str) -> None:
+        run = self._run
+        if self.inject is None or run.injected:
+            return
+        k, p_name, at = self.inject
+        if update_num + 1 != k or at != when:
+            return
+        params = dict(run.model.named_parameters())
+        if p_name not in params:
+            examples = ", ".join(list(params)[:3])
+            raise ValueError(
+                f"--diagnostics-inject-nan: the model has no parameter {p_name!r} (names look like {examples})"
+            )
+        with torch.no_grad():
+            params[p_name].fill_(float("nan"))
+        run.injected = True
+        logger.warning(f"diagnostics: filled {p_name} with NaN {when} update {k} (--diagnostics-inject-nan)")
+
+    def _diverge(self, reason: str, replay: bool) -> None:
+        run = self._run
+        run.diverged = True
+        run.collect = False
+        model = run.model
+        lines = [f"divergence guard: training stopped at update {run.update_num + 1}: {reason}."]
+        culprit = None
+        first_sub = None
+        if replay and run.samples and model is not None:
+            res = hooks.ResidualStatistics(model) if hooks.residual_modules(model) else None
+            with ExitStack() as stack:
+                if res is not None:
+                    stack.enter_context(res)
+                culprit = first_nonfinite_output(model, lambda: [model(**s["net_input"]) for s in run.samples])
+            if res is not None:
+                for sub, v in res.variances().items():
+                    if not (math.isfinite(v["branch"]) and math.isfinite(v["skip"])):
+                        first_sub = (sub, v)
+                        break
+        if culprit is not None:
+            line = f"First layer whose statistics went non-finite (forward order): {layer_key(culprit + '._')}"
+            line += f" (first module with a NaN/Inf output: {culprit}"
+            if first_sub is not None:
+                sub, v = first_sub
+                line += f"; first sub-layer: {sub}, Var(branch)={v['branch']:.4g}, Var(skip)={v['skip']:.4g}"
+            lines.append(line + ").")
+        elif model is not None:
+            grads = grad_norms_per_layer(model)
+            bad = [k for k, v in grads.items() if not math.isfinite(v)]
+            if bad:
+                lines.append(
+                    f"The forward pass is finite; the gradients first go non-finite (forward order) in layer "
+                    f"{bad[0]} ({len(bad)} of {len(grads)} layers affected)."
+                )
+        bad_params = nonfinite_parameters(model) if model is not None else []
+        if bad_params:
+            more = f" and {len(bad_params) - 5} more" if len(bad_params) > 5 else ""
+            lines.append(f"Non-finite weights: {', '.join(bad_params[:5])}{more}.")
+        lines.append(
+            "No checkpoint is written from this state, so checkpoint_last.pt (if any) holds the last good one. "
+            "To go on, resume from it with a lower --lr, a longer --warmup-updates, --clip-norm, or a "
+            "deep-Transformer scheme (see docs/diagnostics.md)."
+        )
+        msg = "\n".join(lines)
+        logger.error(msg)
+        raise DivergenceError(msg)
+
+
+class DiagnosticsTaskMixin:
+    """Put in front of the task's class by :func:`install_task_mixin`: reports the update number to
+    the criterion before fairseq's forward/backward, and lets it veto checkpoints of a diverged model."""
+
+    _deepinit_criterion: DiagnosticsCriterion
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
+        self._deepinit_criterion.begin_update(update_num, model, optimizer, sample)
+        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+
+    def optimizer_step(self, optimizer, model, update_num):
+        super().optimizer_step(optimizer, model, update_num)
+        self._deepinit_criterion.after_step(update_num)
+
+    def state_dict(self):
+        # fairseq's Trainer.state_dict() asks the task for its state on every checkpoint save
+        self._deepinit_criterion.check_before_save()
+        return super().state_dict()
+
+
+_MIXED: Dict[type, type] = {}
+
+
+def install_task_mixin(task, criterion: DiagnosticsCriterion) -> None:
+    """Give ``task`` (an instance of any fairseq task) the :class:`DiagnosticsTaskMixin` behaviour."""
+    cls = task.__class__
+    if not issubclass(cls, DiagnosticsTaskMixin):
+        if cls not in _MIXED:
+            _MIXED[cls] = type(f"Diagnostics{cls.__name__}", (DiagnosticsTaskMixin, cls), {"__module__": __name__})
+        task.__class__ = _MIXED[cls]
+    task._deepinit_criterion = criterion
