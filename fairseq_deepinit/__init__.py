@@ -12,6 +12,7 @@ checkpoint_compat.install()
 from . import model  # noqa: E402,F401
 from . import architectures, tfixup_schedule  # noqa: E402,F401
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
+from . import diagnostics_criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 # isort: on
 
 __version__ = "0.1.0"
