@@ -32,8 +32,14 @@ class ScaleNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the norm is taken in fp32: in fp16 ||x||^2 overflows for d >= 256 at moderate scale
-        norm = x.float().norm(dim=-1, keepdim=True).clamp(min=self.eps)
-        return (self.g * x.float() / norm).type_as(x)
+        # (.float() is free for fp32 input, and done once for fp16)
+        xf = x.float()
+        # g / max(||x||, eps) per position first, then a single full-size multiply with the scale as
+        # first operand: one elementwise pass fewer than g * x / norm, and the output is laid out
+        # like the (contiguous) scale, as LayerNorm's is, so that on fairseq's transposed (T, B, C)
+        # input the next Linear still runs as one addmm instead of a copy + mm + add
+        scale = self.g / xf.norm(dim=-1, keepdim=True).clamp(min=self.eps)
+        return (scale * xf).type_as(x)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

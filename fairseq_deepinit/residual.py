@@ -34,7 +34,10 @@ class Residual(nn.Module):
         return residual
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.skip(residual) + x
+        # branch first: the sum takes the layout of its first operand, and the branch output is
+        # contiguous while fairseq's residual stream starts as a transposed (T, B, C) view; a
+        # contiguous stream keeps every later Linear on the addmm fast path (same values: + commutes)
+        return x + self.skip(residual)
 
 
 class ConstantResidual(Residual):
@@ -59,7 +62,7 @@ class ReZeroResidual(Residual):
         self.alpha = nn.Parameter(torch.zeros(()))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self.alpha * x
+        return self.alpha * x + residual  # branch first: contiguous output, see Residual.forward
 
 
 def deepnorm_alpha(stack: str, encoder_layers: int, decoder_layers: int) -> float:
