@@ -22,5 +22,10 @@ setup(
         "matplotlib==3.11.2",  # deepinit-diagnose plots
     ],
     extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
-    entry_points={"console_scripts": ["deepinit-diagnose = fairseq_deepinit.diagnose:main"]},
+    entry_points={
+        "console_scripts": [
+            "deepinit-diagnose = fairseq_deepinit.diagnose:main",
+            "deepinit-export-admin = fairseq_deepinit.export_admin:main",
+        ]
+    },
 )

@@ -11,6 +11,7 @@ checkpoint_compat.install()
 # the model must be registered before its architectures
 from . import model  # noqa: E402,F401
 from . import architectures, tfixup_schedule  # noqa: E402,F401
+from . import admin, admin_task  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin)
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
 from . import diagnostics_criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 # isort: on

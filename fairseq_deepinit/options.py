@@ -81,6 +81,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     for add_args, _validate, _describe in _LAYER_TYPE_HOOKS.values():
         add_args(g)
+    for add_args, _validate, _describe in _RESIDUAL_HOOKS.values():
+        add_args(g)
 
 
 # defaults of options that are not scheme-specific
@@ -112,6 +114,20 @@ def register_layer_type_options(layer_type: str, defaults: dict, add_args, valid
         raise ValueError(f"options of decoder layer type {layer_type!r} are already registered")
     _LAYER_TYPE_OPTIONS.update({name: (layer_type, default) for name, default in defaults.items()})
     _LAYER_TYPE_HOOKS[layer_type] = (add_args, validate, describe)
+
+
+# residual-scale-specific options (Admin's --admin-*), registered by the residual's module in the same
+# way: name -> (residual scale, default), None under other residual scales
+_RESIDUAL_OPTIONS: dict = {}
+_RESIDUAL_HOOKS: dict = {}
+
+
+def register_residual_options(residual: str, defaults: dict, add_args, validate, describe) -> None:
+    """Options of one ``--residual-scale``, added, resolved and validated with the others."""
+    if residual in _RESIDUAL_HOOKS:
+        raise ValueError(f"options of residual scale {residual!r} are already registered")
+    _RESIDUAL_OPTIONS.update({name: (residual, default) for name, default in defaults.items()})
+    _RESIDUAL_HOOKS[residual] = (add_args, validate, describe)
 
 
 def _flag(name: str) -> str:
@@ -202,6 +218,20 @@ def resolve_and_validate(args) -> None:
     if args.decoder_layer_type in _LAYER_TYPE_HOOKS:
         _LAYER_TYPE_HOOKS[args.decoder_layer_type][1](args)
 
+    for name, (owner, default) in _RESIDUAL_OPTIONS.items():
+        value = getattr(args, name, None)
+        if args.residual_scale == owner:
+            setattr(args, name, default if value is None else value)
+        elif value is not None and value is not False:
+            raise DeepInitConfigError(
+                f"{_flag(name)} only applies to --residual-scale {owner}, not {args.residual_scale}; "
+                f"drop it or use --residual-scale {owner}"
+            )
+        else:
+            setattr(args, name, None)
+    if args.residual_scale in _RESIDUAL_HOOKS:
+        _RESIDUAL_HOOKS[args.residual_scale][1](args)
+
     if args.fixnorm:
         if not (args.share_decoder_input_output_embed or args.share_all_embeddings):
             raise DeepInitConfigError(
@@ -244,4 +274,6 @@ def describe(args) -> str:
         parts.append("bias-free")
     if args.decoder_layer_type in _LAYER_TYPE_HOOKS:
         parts.append(_LAYER_TYPE_HOOKS[args.decoder_layer_type][2](args))
+    if args.residual_scale in _RESIDUAL_HOOKS:
+        parts.append(_RESIDUAL_HOOKS[args.residual_scale][2](args))
     return "deepinit: " + ", ".join(parts)

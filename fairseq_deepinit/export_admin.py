@@ -1,0 +1,372 @@
+"""Fold Admin's omega into a plain Post-LN ``transformer`` checkpoint (Liu et al. 2020, appendix C).
+
+``deepinit-export-admin ADMIN.pt OUT.pt`` (or ``python -m fairseq_deepinit.export_admin``) writes a
+checkpoint of fairseq's own ``transformer`` that stock ``fairseq-generate`` loads without
+``--user-dir`` and that computes the same function. The derivation, per stack, for sub-layers
+k = 1..K in forward order, with LN_k the norm after sub-layer k (gamma_k, beta_k)::
+
+    Admin:     x_k  = LN_k(x_{k-1} * w_k + f_k(x_{k-1}))
+    exported:  x'_k = LN'_k(x'_{k-1} + f'_k(x'_{k-1}))       with x'_{k-1} = x_{k-1} * w_k
+
+- f'_k(y) = f_k(y / w_k): the sub-layer's input projections take 1/w_k on their input columns
+  (FFN: fc1; self-attention: q, k, v; cross-attention: q only, its keys and values read the encoder
+  output, which stays unscaled);
+- LN'_{k-1} = w_k * LN_{k-1}: gamma_{k-1} and beta_{k-1} times w_k, so that its output is already
+  the next sub-layer's scaled input; the last norm of each stack is unchanged (the encoder output
+  feeds the cross-attention keys/values, the decoder output the output projection);
+- the first sub-layer's input is the embedding, x_0 = embed_scale * E[token] + P[position] (then
+  dropout, which commutes with the scaling). x_0 * w_1 is ``layernorm_embedding`` scaled by w_1 when
+  the model has one; otherwise E's columns and the position table are scaled by w_1: sinusoidal
+  positions become a learned table (sinusoid * w_1, ``--*-learned-pos``), since a fixed sinusoid
+  cannot carry a per-dimension scale. When the decoder's output projection is tied to its scaled
+  embedding, the decoder's last norm is divided by w_1 (logits = E (w_1 * x / w_1)); when encoder
+  and decoder shared one embedding but their w_1 differ, the export un-shares them. Nothing changes
+  where w_1 = 1 exactly (the default start of the recurrence, kept when omega is frozen).
+
+The fold is computed in float64 and written in float32. The exported checkpoint holds only
+tensors and plain containers (no pickled ``argparse.Namespace``), so torch >= 2.6's
+``weights_only`` loading accepts it without this plugin. Unless ``--no-check``, both models are
+built and run on a random batch, and the export fails if their log-probabilities differ by more than
+``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+from types import SimpleNamespace
+from typing import Dict, List, Tuple
+
+import torch
+
+from . import admin, options
+
+logger = logging.getLogger("fairseq_deepinit.export_admin")
+
+SUBLAYER_NORMS = {
+    "self_attn": "self_attn_layer_norm",
+    "encoder_attn": "encoder_attn_layer_norm",
+    "ffn": "final_layer_norm",
+}
+SUBLAYER_INPUTS = {
+    ("encoder", "self_attn"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("encoder", "ffn"): ("fc1",),
+    ("decoder", "self_attn"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("decoder", "encoder_attn"): ("encoder_attn.q_proj",),
+    ("decoder", "ffn"): ("fc1",),
+}
+
+
+class AdminExportError(ValueError):
+    """The checkpoint cannot be folded into a plain Post-LN transformer."""
+
+
+def _deepinit_option_names() -> set:
+    """Every ``dest`` the deepinit model adds to fairseq's parser (dropped from the exported args)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    options.add_model_args(parser)
+    return {a.dest for a in parser._actions if a.dest != "help"}
+
+
+def check_exportable(args) -> None:
+    """Clear errors for configurations a stock ``transformer`` cannot represent."""
+    if getattr(args, "residual_scale", None) != "admin":
+        raise AdminExportError(
+            f"this checkpoint uses --residual-scale {getattr(args, 'residual_scale', None)}, not Admin; "
+            "nothing to fold (only Admin checkpoints can be exported)"
+        )
+    problems = []
+    if args.norm_type != "layernorm":
+        problems.append(f"--norm-type {args.norm_type} (stock transformer has LayerNorm)")
+    if args.norm_eps != 1e-5:
+        problems.append(f"--norm-eps {args.norm_eps} (stock transformer's LayerNorm uses 1e-5)")
+    if args.encoder_normalize_before or args.decoder_normalize_before:
+        problems.append("Pre-LN")
+    if args.fixnorm:
+        problems.append("--fixnorm")
+    if args.decoder_layer_type != "standard":
+        problems.append(f"--decoder-layer-type {args.decoder_layer_type}")
+    for flag in ("adaptive_input", "cross_self_attention", "no_cross_attention", "adaptive_softmax_cutoff"):
+        if getattr(args, flag, None):
+            problems.append("--" + flag.replace("_", "-"))
+    if getattr(args, "quant_noise_pq", 0):
+        problems.append("--quant-noise-pq")
+    if getattr(args, "decoder_input_dim", args.decoder_embed_dim) != args.decoder_embed_dim:
+        problems.append("--decoder-input-dim different from --decoder-embed-dim")
+    if getattr(args, "decoder_output_dim", args.decoder_embed_dim) != args.decoder_embed_dim:
+        problems.append("--decoder-output-dim different from --decoder-embed-dim")
+    if problems:
+        raise AdminExportError("cannot fold Admin into a stock transformer with: " + "; ".join(problems))
+
+
+def _omega_groups(sd: Dict[str, torch.Tensor]) -> Dict[str, List[Tuple[str, str]]]:
+    """Per stack, ``(layer prefix, sub-layer)`` in forward order, read from the omega keys."""
+    found: Dict[str, Dict[int, List[str]]] = {"encoder": {}, "decoder": {}}
+    for key in sd:
+        if key.endswith(".omega") and ".residuals." in key:
+            prefix, sub = key[: -len(".omega")].split(".residuals.")
+            stack, _, idx = prefix.split(".")
+            found[stack].setdefault(int(idx), []).append(sub)
+    order = {"encoder": ("self_attn", "ffn"), "decoder": ("self_attn", "encoder_attn", "ffn")}
+    out = {}
+    for stack, layers in found.items():
+        out[stack] = [(f"{stack}.layers.{i}", sub) for i in sorted(layers) for sub in order[stack] if sub in layers[i]]
+    return out
+
+
+def fold_state_dict(
+    sd: Dict[str, torch.Tensor], args, dtype: torch.dtype = torch.float32
+) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """The plain Post-LN state dict (floating tensors in ``dtype``) and the argument changes.
+
+    See the module docstring for the derivation; the arithmetic is done in float64.
+    """
+    sd = {k: v.detach().to(torch.float64).clone() if v.is_floating_point() else v.clone() for k, v in sd.items()}
+    changes: dict = {}
+    groups = _omega_groups(sd)
+    pad = 1  # fairseq's Dictionary: <s>=0, <pad>=1
+
+    def omega(prefix: str, sub: str) -> torch.Tensor:
+        w = sd[f"{prefix}.residuals.{sub}.omega"]
+        if not torch.isfinite(w).all() or (w == 0).any():
+            raise AdminExportError(f"omega of {prefix}.{sub} has zero or non-finite entries; it cannot be folded")
+        return w
+
+    first = {}
+    for stack, subs in groups.items():
+        for k, (prefix, sub) in enumerate(subs):
+            w = omega(prefix, sub)
+            for proj in SUBLAYER_INPUTS[(stack, sub)]:
+                sd[f"{prefix}.{proj}.weight"] = sd[f"{prefix}.{proj}.weight"] / w[None, :]
+            if k == 0:
+                first[stack] = w
+            else:
+                prev_prefix, prev_sub = subs[k - 1]
+                for p in ("weight", "bias"):
+                    key = f"{prev_prefix}.{SUBLAYER_NORMS[prev_sub]}.{p}"
+                    sd[key] = sd[key] * w
+
+    # the embeddings carry the first sub-layer's omega
+    ln_emb = bool(getattr(args, "layernorm_embedding", False))
+    shared = bool(args.share_all_embeddings)
+    tied = bool(args.share_decoder_input_output_embed or shared)
+    unshare = shared and not ln_emb and not torch.equal(first["encoder"], first["decoder"])
+    if unshare:
+        changes.update(share_all_embeddings=False, share_decoder_input_output_embed=True)
+    for stack, w in first.items():
+        if ln_emb:
+            for p in ("weight", "bias"):
+                key = f"{stack}.layernorm_embedding.{p}"
+                sd[key] = sd[key] * w
+            continue
+        if bool((w == 1).all()):
+            continue
+        emb_key = f"{stack}.embed_tokens.weight"
+        sd[emb_key] = sd[emb_key] * w[None, :]
+        if not getattr(args, "no_token_positional_embeddings", False):
+            pos_key = f"{stack}.embed_positions.weight"
+            if getattr(args, f"{stack}_learned_pos", False):
+                sd[pos_key] = sd[pos_key] * w[None, :]
+            else:
+                from fairseq.modules import SinusoidalPositionalEmbedding
+
+                max_pos = args.max_source_positions if stack == "encoder" else args.max_target_positions
+                table = SinusoidalPositionalEmbedding.get_embedding(max_pos + pad + 1, w.numel(), pad)
+                sd[pos_key] = table.to(torch.float64) * w[None, :]
+                changes[f"{stack}_learned_pos"] = True
+        if stack == "decoder" and tied:
+            sd["decoder.output_projection.weight"] = sd[emb_key]
+            last_prefix, last_sub = groups["decoder"][-1]
+            for p in ("weight", "bias"):
+                key = f"{last_prefix}.{SUBLAYER_NORMS[last_sub]}.{p}"
+                sd[key] = sd[key] / w
+    if shared and not unshare:
+        # one embedding for both stacks, scaled by the same omega_1 (or not at all)
+        sd["decoder.embed_tokens.weight"] = sd["encoder.embed_tokens.weight"]
+        sd["decoder.output_projection.weight"] = sd["encoder.embed_tokens.weight"]
+
+    if getattr(args, "lipschitz_bias_free", None):
+        # the bias-free variant keeps these biases as non-persistent zero buffers; stock layers have them
+        for key in [k for k in sd if k.endswith(("_proj.weight", "fc2.weight")) and ".layers." in k]:
+            bias = key[: -len("weight")] + "bias"
+            if bias not in sd:
+                sd[bias] = torch.zeros(sd[key].size(0), dtype=torch.float64)
+
+    out = {k: v for k, v in sd.items() if ".residuals." not in k}  # omega and the profiled flags
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}, changes
+
+
+def export_args(args, changes: dict) -> dict:
+    """Plain, fairseq-``transformer`` model arguments (a dict of primitives, no Namespace)."""
+    drop = _deepinit_option_names()
+    out = {}
+    for key, value in vars(args).items():
+        if key in drop or key.startswith("_"):
+            continue
+        if isinstance(value, tuple):
+            value = list(value)
+        if not (value is None or isinstance(value, (str, int, float, bool, list, dict))):
+            value = str(value)
+        out[key] = value
+    out.update(changes)
+    out.update(_name="transformer", arch="transformer", task="translation", user_dir=None)
+    out["checkpoint_activations"] = False
+    out["offload_activations"] = False
+    return out
+
+
+def _primitive(obj):
+    if isinstance(obj, argparse.Namespace):
+        return _primitive(vars(obj))
+    if isinstance(obj, dict):
+        return {k: _primitive(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_primitive(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if torch.is_tensor(obj):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    return str(obj)
+
+
+def _load(path: str) -> dict:
+    from . import checkpoint_compat
+
+    checkpoint_compat.install()
+    with open(path, "rb") as f:
+        return torch.load(f, map_location="cpu")
+
+
+def _model_args(state: dict):
+    cfg = state.get("cfg") or {}
+    args = cfg.get("model") if isinstance(cfg, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise AdminExportError("the checkpoint has no model arguments of the deepinit model (was it written by it?)")
+    return args
+
+
+def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4) -> dict:
+    """Fold ``src`` (an Admin checkpoint) into ``dst``; returns a summary (changes, check result)."""
+    state = _load(src)
+    args = copy.deepcopy(_model_args(state))
+    check_exportable(args)
+    if "encoder.layers.0.residuals.self_attn.profiled" in state["model"] and not bool(
+        state["model"]["encoder.layers.0.residuals.self_attn.profiled"]
+    ):
+        raise AdminExportError(f"{src}: omega was never profiled; this is not a trained Admin model")
+    model_sd, changes = fold_state_dict(state["model"], args)
+    model_args = export_args(args, changes)
+
+    cfg = _primitive(state.get("cfg") or {})
+    cfg["model"] = model_args
+    if isinstance(cfg.get("task"), dict):
+        cfg["task"]["_name"] = "translation"
+    if isinstance(cfg.get("common"), dict):
+        cfg["common"]["user_dir"] = None
+    history = state.get("optimizer_history") or [{}]
+    last = {k: v for k, v in history[-1].items() if k != "optimizer"}
+    out = {
+        "args": None,
+        "cfg": cfg,
+        "model": model_sd,
+        "criterion": None,
+        "optimizer_history": [_primitive(last) | {"num_updates": int(last.get("num_updates", 0) or 0)}],
+        "task_state": {},
+        "extra_state": {"deepinit_export": {"source": src, "from": "admin", "changes": _primitive(changes)}},
+    }
+    summary = {"changes": changes}
+    if check:
+        summary["max_abs_diff"] = verify(state["model"], args, model_sd, model_args, tolerance)
+    torch.save(out, dst)
+    return summary
+
+
+def _dictionary(size: int):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    i = 0
+    while len(d) < size:
+        d.add_symbol(f"w{i}")
+        i += 1
+    return d
+
+
+def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, seed: int = 0) -> float:
+    """Build both models, run them on one random batch (with padding), compare log-probabilities."""
+    from fairseq.models import build_model
+    from omegaconf import OmegaConf
+
+    from .model import DeepInitTransformerModel
+
+    src_dict = _dictionary(admin_sd["encoder.embed_tokens.weight"].size(0))
+    tgt_dict = (
+        src_dict if admin_args.share_all_embeddings else _dictionary(admin_sd["decoder.embed_tokens.weight"].size(0))
+    )
+    task = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
+    a_args = copy.deepcopy(admin_args)
+    a_args.task = None  # no profiling-task checks: this model is only evaluated
+    # in float64 before loading, so that a float64 state dict is compared without rounding
+    admin_model = DeepInitTransformerModel.build_model(a_args, task).double()
+    admin_model.load_state_dict(admin_sd, strict=True, model_cfg=a_args)
+    plain_model = build_model(OmegaConf.create(plain_args), task).double()
+    plain_model.load_state_dict(plain_sd, strict=True)
+    if type(plain_model).__module__.startswith("fairseq_deepinit"):
+        raise AdminExportError("the exported model was built by the plugin, not by stock fairseq")
+
+    g = torch.Generator().manual_seed(seed)
+    bsz, src_len, tgt_len = 4, 9, 7
+    src = torch.randint(4, len(src_dict), (bsz, src_len), generator=g)
+    src[0, :3] = src_dict.pad()  # left padding, as fairseq's translation batches
+    prev = torch.randint(4, len(tgt_dict), (bsz, tgt_len), generator=g)
+    prev[1, -2:] = tgt_dict.pad()
+    prev[:, 0] = tgt_dict.eos()
+    lengths = src.ne(src_dict.pad()).sum(1)
+    outs = []
+    for m in (admin_model, plain_model):
+        m.eval()
+        with torch.no_grad():
+            logits, _ = m(src, lengths, prev)
+            outs.append(torch.log_softmax(logits, -1))
+    diff = (outs[0] - outs[1]).abs()
+    diff = diff[prev.ne(tgt_dict.pad())].max().item()
+    if not diff <= tolerance:
+        raise AdminExportError(f"the exported model's log-probabilities differ by {diff:.3g} > {tolerance}")
+    return diff
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="deepinit-export-admin",
+        description="Fold Admin's omega into a plain Post-LN fairseq 'transformer' checkpoint (Liu et al. 2020, "
+        "appendix C) that stock fairseq-generate loads without --user-dir.",
+    )
+    parser.add_argument("checkpoint", help="an Admin checkpoint written by fairseq-train (--arch admin_*)")
+    parser.add_argument("output", help="where to write the plain transformer checkpoint")
+    parser.add_argument("--no-check", action="store_true", help="skip building both models and comparing their outputs")
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default 1e-4)"
+    )
+    a = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
+    try:
+        summary = export_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
+    except (AdminExportError, admin.AdminConfigError, FileNotFoundError) as e:
+        print(f"deepinit-export-admin: error: {e}", file=sys.stderr)
+        return 2
+    changes = ", ".join(f"{k}={v}" for k, v in summary["changes"].items()) or "none"
+    check = (
+        f"max |log-prob difference| on a random batch {summary['max_abs_diff']:.2e}"
+        if "max_abs_diff" in summary
+        else "not checked"
+    )
+    logger.info(f"wrote {a.output}: arch transformer, argument changes: {changes}; {check}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
