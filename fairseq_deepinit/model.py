@@ -79,6 +79,22 @@ class DeepInitDecoder(TransformerDecoderBase):
             return
         super().build_output_projection(cfg, dictionary, embed_tokens)
 
+    def upgrade_state_dict_named(self, state_dict, name):
+        """fairseq's upgrade, minus its pre-0.10 fix-up where it does not apply to FixNorm.
+
+        fairseq copies ``embed_tokens.weight`` into ``output_projection.weight`` whenever that key
+        is missing, for checkpoints written before the output projection was a module. The FixNorm
+        projection has no weight of its own (it scores against the embedding it holds, stored as
+        ``output_projection.embedding.weight``), so that copy would be an unexpected key under
+        strict loading; it is dropped again here, and only when fairseq itself added it.
+        """
+        key = f"{name}.output_projection.weight"
+        had_key = key in state_dict
+        state_dict = super().upgrade_state_dict_named(state_dict, name)
+        if isinstance(self.output_projection, FixNormOutputProjection) and not had_key:
+            state_dict.pop(key, None)
+        return state_dict
+
 
 @register_model("deepinit")
 class DeepInitTransformerModel(TransformerModel):
