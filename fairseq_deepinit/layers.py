@@ -24,6 +24,7 @@ from fairseq.modules.transformer_layer import (
 
 from .norms import build_norm
 from .residual import build_residuals
+from .sdpa_attention import build_attention
 
 
 def drop_bias(linear: nn.Module) -> None:
@@ -65,6 +66,13 @@ class DeepInitLayerMixin:
                     for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
                         drop_bias(getattr(attn, proj))
             drop_bias(self.fc2)
+
+    # fairseq's layer __init__ builds its attentions through these hooks; --attention-impl picks the forward
+    def build_self_attention(self, embed_dim, cfg, **kwargs):
+        return build_attention(super().build_self_attention(embed_dim, cfg, **kwargs), cfg)
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        return build_attention(super().build_encoder_attention(embed_dim, cfg), cfg)
 
     def _start_forward(self, names: List[str]) -> None:
         self._sublayer_names = names

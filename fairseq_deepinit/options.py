@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import sdpa_attention
 from .layers import DECODER_LAYER_TYPES
 from .norms import NORM_TYPES
 from .residual import RESIDUAL_BUILDERS
@@ -83,6 +84,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         add_args(g)
     for add_args, _validate, _describe in _RESIDUAL_HOOKS.values():
         add_args(g)
+    sdpa_attention.add_args(g)
 
 
 # defaults of options that are not scheme-specific
@@ -231,6 +233,7 @@ def resolve_and_validate(args) -> None:
             setattr(args, name, None)
     if args.residual_scale in _RESIDUAL_HOOKS:
         _RESIDUAL_HOOKS[args.residual_scale][1](args)
+    sdpa_attention.validate(args)
 
     if args.fixnorm:
         if not (args.share_decoder_input_output_embed or args.share_all_embeddings):

@@ -1,0 +1,315 @@
+"""Attention through ``torch.nn.functional.scaled_dot_product_attention`` (``--attention-impl sdpa``).
+
+The same multi-head attention as fairseq's :class:`~fairseq.modules.MultiheadAttention` (Vaswani et
+al. 2017, eq. 1: ``softmax(Q K^T / sqrt(d_k)) V`` per head), computed by PyTorch's fused kernel
+(FlashAttention / memory-efficient / C++ math, chosen by PyTorch per call) instead of fairseq's
+explicit ``bmm -> softmax -> dropout -> bmm``. What it changes, per call site of the plugin's layers:
+
+- encoder self-attention: the key-padding mask goes to the kernel as a ``(B, 1, 1, S)`` boolean
+  mask, not a per-head ``(B*H, 1, S)`` float mask as in fairseq's call of
+  ``F.multi_head_attention_forward``;
+- decoder self-attention in training: fairseq's future mask (``triu(-inf, 1)``) becomes
+  ``is_causal=True`` when the batch has no target padding (the kernel skips the masked half);
+  with padding, one ``(B, 1, T, T)`` mask instead of fairseq's ``(B*H, T, T)``;
+- encoder-decoder attention (always fairseq's explicit path, as it passes ``static_kv``) and
+  incremental decoding: the fused kernel, with fairseq's key/value cache in fairseq's own layout
+  (``prev_key``/``prev_value`` ``(B, H, S, d_head)``, ``prev_key_padding_mask``), so
+  ``reorder_incremental_state`` (beam search) and fairseq's "beamable" encoder-decoder cache
+  (one copy of the encoder keys per sentence, not per beam) work unchanged.
+
+Everything else goes to fairseq's own ``forward``: calls that return attention weights
+(``need_weights``: fairseq's decoder asks for the last layer's encoder-decoder weights as its
+alignment, and in eval mode for every layer's unless ``make_generation_fast_`` was called),
+``before_softmax``, ``add_bias_kv``/``add_zero_attn``, ``--cross-self-attention``, ONNX tracing,
+XLA, xFormers. The class adds no parameter or buffer, so state dicts (checkpoints) are identical
+and interchangeable between ``--attention-impl fairseq`` and ``sdpa``.
+
+Numerics: with attention dropout 0 the two paths agree to float round-off (the tests check fp32
+outputs and gradients to 1e-5). Attention dropout (``--attention-dropout``) is the kernel's
+``dropout_p``: same distribution as fairseq's, different random draws.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq.modules.multihead_attention import MultiheadAttention
+from torch import Tensor
+
+ATTENTION_IMPLS = ("fairseq", "sdpa")
+DEFAULT_IMPL = "fairseq"
+
+
+class SDPAMultiheadAttention(MultiheadAttention):
+    """fairseq's MultiheadAttention whose forward runs ``F.scaled_dot_product_attention``.
+
+    Build it with :func:`use_sdpa` from a freshly built fairseq MultiheadAttention (what the
+    layers' ``build_self_attention`` / ``build_encoder_attention`` return).
+    """
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        key_padding_mask: Tensor | None = None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Tensor | None = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Tensor | None]:
+        if not self._sdpa_applies(
+            query, incremental_state, need_weights or need_head_weights, static_kv, before_softmax
+        ):
+            return super().forward(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                incremental_state=incremental_state,
+                need_weights=need_weights,
+                static_kv=static_kv,
+                attn_mask=attn_mask,
+                before_softmax=before_softmax,
+                need_head_weights=need_head_weights,
+            )
+        return self._sdpa_forward(query, key, key_padding_mask, incremental_state, static_kv, attn_mask), None
+
+    def _sdpa_applies(
+        self, query: Tensor, incremental_state, need_weights: bool, static_kv: bool, before_softmax: bool
+    ) -> bool:
+        """Whether this call is one the fused path reproduces (see the module docstring)."""
+        if need_weights or before_softmax or self.onnx_trace or self.use_xformers or self.skip_embed_dim_check:
+            return False
+        if self.bias_k is not None or self.add_zero_attn or query.device.type == "xla":
+            return False
+        if torch.jit.is_scripting():
+            return False
+        if self.self_attention:
+            return True
+        # fairseq's decoder always calls the encoder-decoder attention with static_kv; without it
+        # fairseq projects the value from ``value`` (not ``key``) and appends keys across steps
+        return self.encoder_decoder_attention and static_kv
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        """(T, B, H*d) -> (B, H, T, d), a strided view (the kernels take any stride with a unit last one)."""
+        length, bsz, _ = x.shape
+        return x.view(length, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+    def _sdpa_forward(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        key_padding_mask: Tensor | None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None,
+        static_kv: bool,
+        attn_mask: Tensor | None,
+    ) -> Tensor:
+        tgt_len, bsz, embed_dim = query.shape
+        assert embed_dim == self.embed_dim, f"query dim {embed_dim} != {self.embed_dim}"
+        saved_state: Dict[str, Tensor | None] | None = None
+        if incremental_state is not None:
+            saved_state = self._get_input_buffer(incremental_state)
+            if static_kv and "prev_key" in saved_state:
+                key = None  # the encoder's keys/values are cached since the first step
+
+        q = self._split_heads(self.q_proj(query))
+        k = v = None
+        if self.self_attention:
+            k = self._split_heads(self.k_proj(query))
+            v = self._split_heads(self.v_proj(query))
+        elif key is not None:
+            if self.beam_size > 1 and bsz == key.size(1):
+                # fairseq's beamable encoder-decoder attention: the encoder output is repeated per
+                # beam; keep one copy per sentence (exactly what fairseq's forward does)
+                key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
+            k = self._split_heads(self.k_proj(key))
+            v = self._split_heads(self.v_proj(key))  # fairseq: the encoder output is both key and value
+        kv_bsz = bsz if k is None else k.size(0)
+
+        if saved_state is not None:
+            # fairseq's cache layout: prev_key / prev_value (kv_bsz, H, S, d), prev_key_padding_mask
+            if "prev_key" in saved_state:
+                prev_key = saved_state["prev_key"]
+                assert prev_key is not None
+                kv_bsz = prev_key.size(0)
+                prev_key = prev_key.view(kv_bsz, self.num_heads, -1, self.head_dim)
+                k = prev_key if static_kv else torch.cat([prev_key, k], dim=2)
+            if "prev_value" in saved_state:
+                prev_value = saved_state["prev_value"]
+                assert prev_value is not None
+                prev_value = prev_value.view(kv_bsz, self.num_heads, -1, self.head_dim)
+                v = prev_value if static_kv else torch.cat([prev_value, v], dim=2)
+            assert k is not None and v is not None
+            key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+                key_padding_mask=key_padding_mask,
+                prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
+                batch_size=kv_bsz,
+                src_len=k.size(2),
+                static_kv=static_kv,
+            )
+            # contiguous, as fairseq's own forward views them as (kv_bsz * H, S, d)
+            k, v = k.contiguous(), v.contiguous()
+            saved_state["prev_key"] = k
+            saved_state["prev_value"] = v
+            saved_state["prev_key_padding_mask"] = key_padding_mask
+            self._set_input_buffer(incremental_state, saved_state)
+        assert k is not None and v is not None
+        src_len = k.size(2)
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None  # fairseq's TorchScript workaround for "no mask"
+
+        mask, is_causal = _kernel_mask(attn_mask, key_padding_mask, tgt_len, src_len, q.dtype)
+        dropout_p = self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
+
+        if kv_bsz != bsz:
+            # beam search with one cached copy of the encoder per sentence: the beam's queries of a
+            # sentence are one longer query block against that sentence's keys
+            beam = bsz // kv_bsz
+            if mask is not None and mask.size(-2) != 1:
+                raise NotImplementedError("an attention mask over query positions with a beamable encoder cache")
+            qb = q.reshape(kv_bsz, beam, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
+            qb = qb.reshape(kv_bsz, self.num_heads, beam * tgt_len, self.head_dim)
+            out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.scaling)
+            out = out.view(kv_bsz, self.num_heads, beam, tgt_len, self.head_dim).transpose(1, 2)
+            out = out.reshape(bsz, self.num_heads, tgt_len, self.head_dim)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scaling
+            )
+        # (B, H, T, d) -> (T, B, H*d); out_proj is called as a module (MAtt's shared W_o hooks in there)
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
+        return self.out_proj(out)
+
+
+def _kernel_mask(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, tgt_len: int, src_len: int, dtype: torch.dtype
+) -> Tuple[Tensor | None, bool]:
+    """fairseq's ``attn_mask`` (additive float, or bool/byte with True = masked) and key-padding mask
+    (``(B, S)``, nonzero = padding) as one mask for the kernel, or ``is_causal`` where that is exact.
+
+    Returns ``(mask, is_causal)``: ``mask`` is None, boolean ``True = attend`` or additive float in
+    the query's dtype, broadcastable to ``(B, H, T, S)``.
+    """
+    if attn_mask is not None and key_padding_mask is None and tgt_len == src_len and is_future_mask(attn_mask):
+        return None, True
+    mask: Tensor | None = None
+    if attn_mask is not None:
+        mask = attn_mask.to(dtype) if attn_mask.is_floating_point() else ~attn_mask.bool()
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask.bool().view(key_padding_mask.size(0), 1, 1, src_len)
+        if mask is None:
+            mask = keep
+        elif mask.dtype == torch.bool:
+            mask = mask & keep
+        else:
+            mask = mask.masked_fill(~keep, float("-inf"))
+    return mask, False
+
+
+# masks verified to be fairseq's future mask: id(root tensor) -> (weakref(root), root._version, result).
+# fairseq's decoder hands every layer a top-left slice of one buffer (``buffered_future_mask``);
+# checking that buffer once per version keeps a device sync out of every layer call.
+_VERIFIED_MASKS: Dict[int, tuple] = {}
+
+
+def is_future_mask(mask: Tensor) -> bool:
+    """Whether ``mask`` is exactly fairseq's causal mask ``triu(-inf, 1)`` (so ``is_causal`` is exact)."""
+    if mask.dim() != 2 or mask.size(0) != mask.size(1) or not mask.is_floating_point():
+        return False
+    root = mask._base if mask._base is not None else mask
+    # a top-left square slice of a future mask is a future mask
+    if root is not mask and not (
+        root.dim() == 2
+        and root.size(0) == root.size(1)
+        and mask.storage_offset() == root.storage_offset()
+        and mask.stride() == root.stride()
+    ):
+        root = mask
+    entry = _VERIFIED_MASKS.get(id(root))
+    if entry is not None and entry[0]() is root and entry[1] == root._version:
+        return entry[2]
+    result = bool(torch.equal(root, torch.full_like(root, float("-inf")).triu(1)))
+    if len(_VERIFIED_MASKS) > 64:
+        for key in [k for k, e in _VERIFIED_MASKS.items() if e[0]() is None]:
+            del _VERIFIED_MASKS[key]
+    _VERIFIED_MASKS[id(root)] = (weakref.ref(root), root._version, result)
+    return result
+
+
+def use_sdpa(attn: MultiheadAttention) -> SDPAMultiheadAttention:
+    """Switch a freshly built fairseq MultiheadAttention to the fused forward, in place.
+
+    Only the class changes (it adds a forward, no state): fairseq's constructor has set every
+    parameter exactly as for ``--attention-impl fairseq``, which keeps the state dict identical.
+    """
+    if type(attn) is SDPAMultiheadAttention:
+        return attn
+    if type(attn) is not MultiheadAttention:
+        raise TypeError(f"--attention-impl sdpa replaces fairseq's MultiheadAttention, not {type(attn).__name__}")
+    attn.__class__ = SDPAMultiheadAttention
+    return attn
+
+
+def build_attention(attn: MultiheadAttention, cfg) -> MultiheadAttention:
+    """The attention a layer builder returns under ``cfg.attention_impl`` (default: fairseq's)."""
+    impl = getattr(cfg, "attention_impl", None) or DEFAULT_IMPL
+    if impl == "sdpa":
+        return use_sdpa(attn)
+    if impl != "fairseq":
+        raise ValueError(f"unknown --attention-impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    return attn
+
+
+# --- options ------------------------------------------------------------------------------------
+
+
+def add_args(group) -> None:
+    group.add_argument(
+        "--attention-impl",
+        choices=ATTENTION_IMPLS,
+        help="multi-head attention implementation: fairseq (its own bmm/softmax path, default) or sdpa "
+        "(torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient kernels on GPU; same "
+        "parameters and checkpoints, outputs equal to float round-off)",
+    )
+
+
+def validate(args) -> None:
+    """Resolve ``--attention-impl`` (default fairseq) and refuse what the fused path cannot serve."""
+    from .options import DeepInitConfigError  # options imports the layers, which import this module
+
+    impl = getattr(args, "attention_impl", None)
+    if impl is None:
+        impl = args.attention_impl = DEFAULT_IMPL
+    if impl not in ATTENTION_IMPLS:
+        raise DeepInitConfigError(f"unknown --attention-impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
+    if impl != "sdpa":
+        return
+    if not hasattr(F, "scaled_dot_product_attention"):
+        raise DeepInitConfigError(
+            f"--attention-impl sdpa needs torch >= 2.0 (found {torch.__version__}); use --attention-impl fairseq"
+        )
+    for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
+        if getattr(args, name, None):
+            raise DeepInitConfigError(
+                f"--{name.replace('_', '-')} selects xFormers attention and --attention-impl sdpa selects PyTorch's "
+                "fused kernel; use one of them"
+            )
+
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "SDPAMultiheadAttention",
+    "add_args",
+    "build_attention",
+    "is_future_mask",
+    "use_sdpa",
+    "validate",
+]
