@@ -1,9 +1,9 @@
 """Merged attention (MAtt), a decoder layer type (``--decoder-layer-type matt``).
 
 Zhang, Titov & Sennrich 2019, "Improving Deep Transformer with Depth-Scaled Initialization and
-Merged Attention", sec. 4. The decoder's self-attention is replaced by a simplified average
-attention (SAAN, a cumulative average with no gate and no FFN) and merged with the
-encoder-decoder attention into one sub-layer with one shared output projection W_o:
+Merged Attention", section "Merged Attention Model". The decoder's self-attention is replaced by a
+simplified average attention (SAAN, a cumulative average with no gate and no FFN) and merged with
+the encoder-decoder attention into one sub-layer with one shared output projection W_o:
 
     SAAN(x)_t   = (1/t) sum_{j<=t} x_j W_v
     MAtt(x, H)  = W_o ( SAAN(x) + CrossAttn(x, H) )      (CrossAttn: heads concatenated, before W_o)
@@ -16,8 +16,9 @@ The paper's ablations (Table 3) are options of the same layer (``--matt-self-bra
 
 - ``aan`` (default): SAAN above;
 - ``self-attn``: masked multi-head self-attention in place of SAAN, still merged through W_o;
-- ``gated-aan``: the original AAN gate on the average (Zhang, Xiong & Su 2018, eq. 5):
-  [i; f] = sigmoid([x_t; a_t] W_g + b_g), g_t = i * x_t + f * a_t, with a_t = SAAN(x)_t.
+- ``gated-aan``: the original AAN gate on the average (Zhang, Xiong & Su 2018, "Accelerating Neural
+  Transformer via an Average Attention Network"): [i; f] = sigmoid([x_t; a_t] W_g + b_g),
+  g_t = i * x_t + f * a_t, with a_t = SAAN(x)_t.
 
 Incremental decoding keeps, per layer and hypothesis, only the running sum of x_j W_v and the
 step count (O(1) state, no growing key/value cache; :class:`AverageBranch`); the encoder-decoder
@@ -84,7 +85,7 @@ class AverageBranch(nn.Module):
         super().__init__()
         self.embed_dim = embed_dim
         self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim), q_noise, qn_block_size) if own_value else None
-        # Zhang, Xiong & Su 2018 eq. 5: input and forget gates from [x_t; a_t]
+        # the original AAN (Zhang, Xiong & Su 2018): input and forget gates from [x_t; a_t]
         self.gate = quant_noise(nn.Linear(2 * embed_dim, 2 * embed_dim), q_noise, qn_block_size) if gated else None
         self.init_incremental_state()
 
@@ -125,7 +126,8 @@ class AverageBranch(nn.Module):
         else:  # full-context alignment: fairseq's decoder passes no causal mask
             total = vf.sum(0, keepdim=True)
             count = keep.sum(0, keepdim=True) if keep is not None else vf.new_full((1, 1, 1), vf.size(0))
-        avg = (total / count.clamp(min=1.0)).type_as(v)
+        # only padding can leave a count at 0 (a padded position before any real token)
+        avg = (total / (count if keep is None else count.clamp(min=1.0))).type_as(v)
         if avg.size(0) != v.size(0):
             avg = avg.expand_as(v)
         if self.gate is None:
@@ -178,8 +180,9 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
                 "cross-attention; drop --no-cross-attention or use --decoder-layer-type standard"
             )
         self.embed_dim = cfg.decoder.embed_dim
-        self.self_branch_type = cfg.matt_self_branch or "aan"
-        self.share_v = bool(cfg.matt_share_v)
+        # absent when a config is built without options.resolve_and_validate: the paper's defaults
+        self.self_branch_type = getattr(cfg, "matt_self_branch", None) or "aan"
+        self.share_v = bool(getattr(cfg, "matt_share_v", False))
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         self.quant_noise = cfg.quant_noise.pq
         self.quant_noise_block_size = cfg.quant_noise.pq_block_size

@@ -1,4 +1,4 @@
-"""MAtt decoder layer (Zhang, Titov & Sennrich 2019, sec. 4): formula, incremental decoding, beam
+"""MAtt decoder layer (Zhang, Titov & Sennrich 2019): formula, incremental decoding, beam
 reordering, parameter counts, init schemes, options, and fairseq-train/generate/interactive."""
 
 from __future__ import annotations
