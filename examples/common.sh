@@ -7,6 +7,7 @@
 #   bash examples/<paper>/<table>.sh ROW               prepare data, train, average, generate, score
 #   bash examples/<paper>/<table>.sh ROW --dry-run     print the commands instead of running them
 #   bash examples/<paper>/<table>.sh --dry-run         print the commands of every row
+#   bash examples/<paper>/<table>.sh --prepare-only    only download/prepare/binarize the data set
 #
 # Environment overrides (all optional):
 #   DATA_DIR    local parallel text instead of downloading: {train,valid,test}.{SRC,TGT} (or .src/.tgt);
@@ -442,14 +443,15 @@ list_rows() {
 recipe_main() {
   DEFAULT_AVG_N=${DEFAULT_AVG_N:-10}
   DEFAULT_SEED=${DEFAULT_SEED:-1}
-  local rows=() arg
+  local rows=() arg PREPARE_ONLY=0
   for arg in "$@"; do
     case $arg in
       --list) list_rows; return ;;
       --dry-run) DRY_RUN=1 ;;
+      --prepare-only) PREPARE_ONLY=1 ;;
       -h | --help)
         sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'
-        echo "usage: bash $0 ROW [--dry-run] | --list | --dry-run (every row)"
+        echo "usage: bash $0 ROW [--dry-run] | --list | --dry-run (every row) | --prepare-only (data only)"
         echo "environment overrides: see examples/README.md (DATA_DIR, WORK_DIR, MAX_UPDATE, EXTRA_ARGS, GPUS, ...)"
         list_rows
         return ;;
@@ -457,6 +459,12 @@ recipe_main() {
       *) rows+=("$arg") ;;
     esac
   done
+  if [ "$PREPARE_ONLY" = 1 ]; then
+    BPE_TOKENS=${BPE_TOKENS:?the recipe sets BPE_TOKENS}
+    prepare_data
+    echo "prepared: $BIN"
+    return
+  fi
   if [ ${#rows[@]} -eq 0 ]; then
     [ "$DRY_RUN" = 1 ] || die "name a row (bash $0 --list shows them), or --dry-run for every row's commands"
     rows=("${ROW_NAMES[@]}")

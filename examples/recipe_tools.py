@@ -133,11 +133,16 @@ def average_states(states: List[dict]) -> dict:
 def average_checkpoints(paths: List[Path], output: Path) -> None:
     sys.path.insert(0, str(REPO))
     from fairseq import checkpoint_utils
+    from omegaconf import OmegaConf
 
     import fairseq_deepinit  # noqa: F401  (registers the model; makes checkpoints loadable under torch >= 2.6)
 
     states = [checkpoint_utils.load_checkpoint_to_cpu(str(p)) for p in paths]
     merged = average_states(states)
+    if OmegaConf.is_config(merged.get("cfg")):
+        # loading turned the config into a DictConfig; fairseq saves it as plain containers (which
+        # is also what torch's weights_only loading accepts)
+        merged["cfg"] = OmegaConf.to_container(merged["cfg"])
     tmp = output.with_name(output.name + ".tmp")
     checkpoint_utils.torch_persistent_save(merged, str(tmp))
     tmp.replace(output)
