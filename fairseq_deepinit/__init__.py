@@ -14,6 +14,7 @@ from . import architectures, tfixup_schedule  # noqa: E402,F401
 from . import admin, admin_task  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin)
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
 from . import diagnostics_criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
+from . import radam  # noqa: E402,F401  (--optimizer radam, Admin's recipes)
 from . import autocast  # noqa: E402,F401  (--task translation_deepinit with --autocast-bf16)
 # isort: on
 
