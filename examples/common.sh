@@ -401,7 +401,7 @@ run_row() {
   else
     if [ "$DRY_RUN" = 1 ]; then run "${train[@]}"; else
       say "train $name"
-      run "${train[@]}" 2>&1 | tee -a "$run_dir/train.log"
+      run "${train[@]}" 2>&1 | tee -a "$run_dir/train.log" || die "fairseq-train failed (log: $run_dir/train.log)"
       [ -f "$run_dir/checkpoint_last.pt" ] || die "training wrote no checkpoint (log: $run_dir/train.log)"
       touch "$run_dir/train.done"
     fi
@@ -416,6 +416,7 @@ run_row() {
     ckpt=$run_dir/checkpoint_best.pt
   fi
   local gen=$run_dir/generate-test.txt
+  [ "$DRY_RUN" = 1 ] || [ -f "$ckpt" ] || die "no checkpoint to translate with: $ckpt"
   run_to "$gen" "$FS_BIN/fairseq-generate" "$BIN" --user-dir "$USER_DIR" --task translation -s "$SRC" -t "$TGT" \
     --path "$ckpt" --gen-subset test --remove-bpe --batch-size 128 --required-batch-size-multiple 1 \
     "${GEN_ARGS[@]}" "${DEVICE_ARGS[@]}" "${gen_extra[@]}"
