@@ -451,7 +451,7 @@ recipe_main() {
       --dry-run) DRY_RUN=1 ;;
       --prepare-only) PREPARE_ONLY=1 ;;
       -h | --help)
-        sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
         echo "usage: bash $0 ROW [--dry-run] | --list | --dry-run (every row) | --prepare-only (data only)"
         echo "environment overrides: see examples/README.md (DATA_DIR, WORK_DIR, MAX_UPDATE, EXTRA_ARGS, GPUS, ...)"
         list_rows
