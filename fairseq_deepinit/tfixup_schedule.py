@@ -1,5 +1,8 @@
 """T-Fixup's warmup-free learning-rate schedule (Huang et al. 2020, sec. 4, released code):
 ``lr_t = lr * sqrt(P / (P + t))`` with decay period P (4000 in the paper), t the update number.
+
+``--lr-scheduler tfixup [--decay-period P]``. The rate is a closed form of the update number, so a
+resumed run continues exactly (fairseq restores the update count); it takes no warmup flags.
 """
 
 import math
@@ -19,6 +22,7 @@ class TFixupScheduleConfig(FairseqDataclass):
 
 
 def tfixup_lr(lr: float, decay_period: int, num_updates: int) -> float:
+    """``lr * sqrt(P / (P + t))``: ``lr`` at t = 0, half of it at t = 3P."""
     return lr * math.sqrt(decay_period / (decay_period + num_updates))
 
 
@@ -30,9 +34,15 @@ class TFixupSchedule(FairseqLRScheduler):
         super().__init__(cfg, optimizer)
         lrs = list(cfg.lr) if isinstance(cfg.lr, Sequence) and not isinstance(cfg.lr, str) else [cfg.lr]
         if len(lrs) != 1:
-            raise ValueError("--lr-scheduler tfixup takes one --lr value, not a list")
+            raise ValueError(
+                f"--lr-scheduler tfixup takes one --lr value, not a list (got --lr {','.join(map(str, lrs))}); "
+                "give the starting rate only, e.g. --lr 5e-4"
+            )
         if cfg.decay_period <= 0:
-            raise ValueError(f"--decay-period must be positive, got {cfg.decay_period}")
+            raise ValueError(
+                f"--decay-period must be positive, got {cfg.decay_period} (P in lr * sqrt(P / (P + t)); "
+                "T-Fixup uses 4000)"
+            )
         self.base_lr = float(lrs[0])
         self.optimizer.set_lr(self.base_lr)
 
