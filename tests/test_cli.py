@@ -504,3 +504,45 @@ def test_command_line_overrides_win():
     assert (args.encoder_layers, args.decoder_layers, args.encoder_embed_dim) == (2, 24, 512)
     args = parse_arch("tfixup_iwslt_de_en_200l", "--decoder-layers", "10", "--encoder-embed-dim", "32")
     assert (args.encoder_layers, args.decoder_layers, args.encoder_embed_dim) == (200, 10, 32)
+
+
+def documented_train_commands() -> list[list[str]]:
+    """Every ``fairseq-train`` command of docs/usage.md, with ``$DATA`` and ``$COMMON`` expanded."""
+    import shlex
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    env: dict[str, str] = {}
+    commands = []
+    for block in blocks:
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split(" #")[0].strip()
+            m = re.match(r"^(\w+)=(.*)$", line)
+            if m:
+                env[m.group(1)] = " ".join(shlex.split(m.group(2)))
+            elif line.startswith("fairseq-train") and "..." not in line:  # skip the illustrative one-liners
+                line = re.sub(r"\$(\w+)", lambda v: env[v.group(1)], line)
+                commands.append(shlex.split(line)[1:])
+    return commands
+
+
+def test_documented_train_commands_parse_and_validate():
+    """The guide's fairseq-train commands parse, resolve and validate as written (no training)."""
+    from fairseq import options
+
+    from fairseq_deepinit import options as deepinit_options
+
+    commands = documented_train_commands()
+    archs = [c[c.index("--arch") + 1] for c in commands]
+    for family in ("postln", "preln", "lipschitz", "tfixup", "dsinit", "twt"):
+        assert any(a.startswith(family + "_") for a in archs), f"no {family} example in docs/usage.md"
+    for cmd in commands:
+        cmd = [USER_DIR if a == "fairseq_deepinit" and cmd[i - 1] == "--user-dir" else a for i, a in enumerate(cmd)]
+        args = options.parse_args_and_arch(options.get_training_parser(), cmd)
+        deepinit_options.resolve_and_validate(args)
+        if args.arch.startswith("tfixup"):
+            assert args.lr_scheduler == "tfixup" and not hasattr(args, "warmup_updates")
+        if args.arch.startswith("twt"):
+            assert (args.lr_scheduler, args.lr_shrink, args.lr_patience) == ("reduce_lr_on_plateau", 0.8, 3)
+            assert args.norm_type == "scalenorm" and args.fixnorm and args.encoder_normalize_before
