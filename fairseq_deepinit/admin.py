@@ -3,7 +3,7 @@ Transformers", sec. 4.3 and appendix C; released code: LiyuanLucasLiu/Transforme
 
 Every Post-LN sub-layer i of a stack scales its skip path by a per-dimension vector omega_i::
 
-    x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))                                   (Admin, eq. 5)
+    x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))                              (Liu et al. 2020, sec. 4.3)
 
 omega_i starts at 1 and is set once, before the first update, from the variances of the residual
 branches on the first training batch ("profiling"). Two formulas:

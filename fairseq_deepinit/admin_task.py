@@ -17,6 +17,7 @@ per sub-layer variances and omega) and stops before the first update; a later ru
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import List, Tuple
 
@@ -123,6 +124,12 @@ class TranslationAdminTask(TranslationTask):
         if not self._admin_ready:
             inner = admin.unwrap_model(model)
             if admin.is_profiled(inner):
+                if inner.args.admin_profile_only:
+                    raise admin.AdminConfigError(
+                        "--admin-profile-only: this run resumed from a checkpoint whose omega is already set, so "
+                        "there is nothing to profile. Use an empty --save-dir (or --restore-file of a file that "
+                        "does not exist) for the profiling run."
+                    )
                 logger.info("admin: omega already set (checkpoint or --admin-profile-path); not profiling")
             else:
                 self._profile(sample, inner, optimizer)
@@ -157,6 +164,8 @@ class TranslationAdminTask(TranslationTask):
     def _write_profile_and_stop(self, profile: dict, path: str) -> None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if not distributed or torch.distributed.get_rank() == 0:
+            if os.path.exists(path):
+                logger.info(f"admin: replacing the existing profile {path}")
             admin.save_profile(profile, path)
         if distributed:
             torch.distributed.barrier()
