@@ -125,3 +125,62 @@ def test_options_add_references_and_reject_cpu_half_precision():
     assert tp.Shape.parse("18x128x512x4").flags()[:2] == ["--encoder-layers", "18"]
     with pytest.raises(Exception, match="heads must divide"):
         tp.Shape.parse("6x100x400x3")
+
+
+# --- the speed fixes keep the math ------------------------------------------------------------
+
+
+def test_scalenorm_hand_written_backward_is_autograd_of_eq3():
+    """ScaleNorm's custom backward equals autograd through g * x / max(||x||, eps) (TwT eq. 3),
+    on a transposed input with a zero row and a row whose norm is clamped at eps."""
+    import torch
+
+    from fairseq_deepinit.norms import ScaleNorm, _ScaleNormFunction
+
+    eps = 1e-5
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    x[0, 0] = 0.0
+    x[1, 2] *= 1e-7  # ||x|| < eps: the scale is the constant g / eps there
+    x = x.transpose(0, 1).requires_grad_()
+    g = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, g: _ScaleNormFunction.apply(x, g, eps), (x, g))
+
+    dy = torch.randn(3, 4, 6, dtype=torch.float64)
+    want_y = g * x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
+    want = torch.autograd.grad(want_y, (x, g), dy)
+    y = _ScaleNormFunction.apply(x, g, eps)
+    got = torch.autograd.grad(y, (x, g), dy)
+    torch.testing.assert_close(y, want_y, rtol=1e-14, atol=0)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=0)
+    assert torch.equal(got[0][2, 1], torch.full((6,), 2.5 / eps, dtype=torch.float64) * dy[2, 1])  # clamped row
+    assert y.is_contiguous()  # laid out like LayerNorm's output, whatever the input's strides
+
+    # fp16 module: the norm in fp32, output and gradients in the parameter/input dtype
+    norm = ScaleNorm(6).half()
+    xh = torch.randn(3, 4, 6).half().requires_grad_()
+    out = norm(xh)
+    out.float().sum().backward()
+    assert out.dtype == xh.grad.dtype == norm.g.grad.dtype == torch.float16
+
+
+def test_residual_sum_is_contiguous_on_fairseqs_transposed_stream():
+    """The residual modules sum branch first: same values, contiguous result (Linears stay on addmm)."""
+    import torch
+
+    from fairseq_deepinit.residual import ConstantResidual, Residual, ReZeroResidual
+
+    residual = torch.randn(4, 3, 8).transpose(0, 1)  # (T, B, C) view of (B, T, C), as fairseq's
+    branch = torch.randn(3, 4, 8)
+    rezero = ReZeroResidual()
+    with torch.no_grad():
+        rezero.alpha.fill_(0.3)
+    for module, want in (
+        (Residual(), residual + branch),
+        (ConstantResidual(1.7), residual * 1.7 + branch),
+        (rezero, residual + 0.3 * branch),
+    ):
+        out = module(branch, residual)
+        assert out.is_contiguous(), type(module).__name__
+        assert torch.equal(out, want), type(module).__name__
