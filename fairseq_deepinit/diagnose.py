@@ -31,6 +31,7 @@ import copy
 import json
 import logging
 import os
+import re
 import sys
 from typing import Dict, List, Sequence
 
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, default=3, help="initialisations averaged per depth (default 3)")
     p.add_argument("--perturb-scale", type=float, default=1e-4, help="std of the random perturbation (default 1e-4)")
-    p.add_argument("--adam-lr", type=float, default=1e-4, help="learning rate of the one Adam step (default 1e-4)")
+    p.add_argument("--adam-lr", type=float, default=1e-5, help="learning rate of the one Adam step (default 1e-5)")
     p.add_argument("--change-batches", type=int, default=1, help="batches the output change is measured on")
     p.add_argument("--label", help="name of this run in plots and in --compare (default: the model description)")
     p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="overlay the results of earlier runs")
@@ -378,6 +379,11 @@ def plot_norm_input(run: dict, path: str) -> str:
     return _save(fig, path)
 
 
+def _sweep_label(run: dict) -> str:
+    """The run's label without its ``<N>L`` suffix: the output-change sweep sets the depth itself."""
+    return re.sub(rf"\s*\b{run.get('encoder_layers')}L$", "", run["label"]) or run["label"]
+
+
 def plot_output_change(runs: List[dict], path: str) -> str:
     plt = _plt()
     fig, axes = plt.subplots(2, 2, figsize=(8, 5.6))
@@ -387,7 +393,8 @@ def plot_output_change(runs: List[dict], path: str) -> str:
             for run in runs:
                 oc = run["output_change"]
                 depths, values, fit = oc["depths"], oc[kind][stack], oc[kind]["fit"][stack]
-                line = ax.plot(depths, values, marker="o", ms=3, label=f"{run['label']} (N^{fit['exponent']:.2f})")
+                label = f"{_sweep_label(run)} (N^{fit['exponent']:.2f})"
+                line = ax.plot(depths, values, marker="o", ms=3, label=label)
                 xs = [min(depths), max(depths)]
                 ax.plot(xs, [fit["intercept"] + fit["slope"] * x for x in xs], ls=":", color=line[0].get_color())
             what = "random delta" if kind == "random" else "one Adam step"
