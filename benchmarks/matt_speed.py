@@ -138,6 +138,76 @@ def generate(bin_dir: Path, ckpt: Path, subset: str, bs: int, args, env: dict, l
     }
 
 
+def breakdown(work: Path, bin_dir: Path, batch_sizes: list[int], threads: int, steps: int = 14, reps: int = 3) -> str:
+    """Where a decoding step's time goes: CPU time of the encoder, the decoder layers (incremental),
+    the beam reordering of their state, and the output layer + log-softmax, both models in turn.
+
+    The trained checkpoints decode ``4 x batch`` hypotheses of the first test sentences for ``steps``
+    steps (about the mean output length), reordering the state with a random beam permutation
+    after every step as beam search does. What fairseq-generate adds on top (top-k, finished
+    hypotheses, bookkeeping) is the same for both models and not measured here.
+    """
+    import torch
+    from fairseq import checkpoint_utils
+
+    sys.path.insert(0, str(REPO))  # this checkout's plugin, never an installed copy
+    import fairseq_deepinit  # noqa: F401  (registers the model)
+
+    torch.set_num_threads(threads)
+    models = {}
+    for name in MODELS:
+        (model,), _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+            [str(work / name / "checkpoint_last.pt")], arg_overrides={"data": str(bin_dir)}
+        )
+        model.eval()
+        model.decoder.set_beam_size(4)  # fairseq's beamable encoder-decoder cache, as in fairseq-generate
+        models[name] = model
+    task.load_dataset("test")
+    data = task.dataset("test")
+    clock = time.process_time
+    lines = [
+        "| hypotheses (batch x beam 4) | part | standard ms/step | MAtt ms/step | MAtt speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    g = torch.Generator().manual_seed(0)
+    for bs in batch_sizes:
+        sample = data.collater([data[i] for i in range(bs)])
+        src, lengths = sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"]
+        beams = torch.arange(bs).repeat_interleave(4)
+        prev = torch.randint(4, len(task.target_dictionary), (4 * bs, steps), generator=g)
+        # beam search's new_order: every slot of sentence b continues one of b's 4 hypotheses
+        perms = [beams * 4 + torch.randint(0, 4, (4 * bs,), generator=g) for _ in range(steps)]
+        best: dict = {name: {} for name in models}
+        with torch.no_grad():
+            for _ in range(reps):
+                for name, model in models.items():
+                    t = {"encoder": 0.0, "decoder layers": 0.0, "state reorder": 0.0, "output layer": 0.0}
+                    t0 = clock()
+                    enc = model.encoder(src, lengths)
+                    enc = model.encoder.reorder_encoder_out(enc, beams)
+                    t["encoder"] += clock() - t0
+                    state: dict = {}
+                    for step in range(steps):
+                        t0 = clock()
+                        x, _ = model.decoder.extract_features(prev[:, : step + 1], enc, incremental_state=state)
+                        t1 = clock()
+                        model.get_normalized_probs((model.decoder.output_layer(x[:, -1:]), None), log_probs=True)
+                        t2 = clock()
+                        model.decoder.reorder_incremental_state_scripting(state, perms[step])
+                        t3 = clock()
+                        t["decoder layers"] += t1 - t0
+                        t["output layer"] += t2 - t1
+                        t["state reorder"] += t3 - t2
+                    for part, sec in t.items():
+                        best[name][part] = min(best[name].get(part, float("inf")), sec)
+        for part in best["standard"]:
+            s_ms, m_ms = (1000 * best[name][part] / steps for name in MODELS)
+            lines.append(f"| {4 * bs} | {part} | {s_ms:.2f} | {m_ms:.2f} | {s_ms / m_ms:.2f}x |")
+        s_all, m_all = (sum(best[name].values()) / steps * 1000 for name in MODELS)
+        lines.append(f"| {4 * bs} | **sum** | {s_all:.2f} | {m_all:.2f} | **{s_all / m_all:.2f}x** |")
+    return "\n".join(lines)
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -165,6 +235,11 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, help="also write every measurement here")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny dims, few updates, 1 rep")
+    p.add_argument(
+        "--breakdown-only",
+        action="store_true",
+        help="only the per-step time breakdown, from the checkpoints already in --work",
+    )
     args = p.parse_args()
     if args.quick:
         args.dims, args.updates, args.reps, args.bs1_sentences = "64,128,2,2", 20, 1, 10
@@ -186,6 +261,10 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     bin_dir = prepare(args.data, work, args.bs1_sentences, env, log)
     print(f"data ready in {work} ({time.time() - t0:.0f}s)", flush=True)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.breakdown_only:
+        print(breakdown(work, bin_dir, batch_sizes, args.threads))
+        return
 
     # 1. training, interleaved segments
     wps: dict = {name: [] for name in MODELS}
@@ -212,7 +291,6 @@ def main() -> None:
             print(f"train {name}: {target} updates, median wps so far {med(wps[name]):.0f}", flush=True)
 
     # 2. decoding, interleaved, model order alternating
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     gen: dict = {(name, bs): [] for name in MODELS for bs in batch_sizes}
     for rep in range(args.reps):
         for bs in batch_sizes:
@@ -265,6 +343,8 @@ def main() -> None:
         ]
     )
     print("\n" + summary)
+    print("\nwhere a decoding step's time goes (CPU time, in-process, same checkpoints):\n")
+    print(breakdown(work, bin_dir, batch_sizes, args.threads))
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -101,7 +101,8 @@ class AverageBranch(nn.Module):
         # the sums are kept in fp32: a running fp16 sum over a long prefix loses the new terms
         vf = v.float()
         keep = None
-        if padding_mask is not None and padding_mask.any():
+        # fairseq's decoder passes a mask only when there is padding; no .any() here (a GPU sync per layer)
+        if padding_mask is not None:
             keep = (~padding_mask).transpose(0, 1).unsqueeze(-1).to(vf.dtype)  # (T, B, 1)
             vf = vf * keep
         if incremental_state is not None:
