@@ -52,22 +52,29 @@ export PYTHONUNBUFFERED=1
 
 PY=$ROOT/.venv/bin/python
 USER_DIR=$ROOT/fairseq_deepinit
+child_cpu() {  # CPU seconds (user + sys) used so far by this script's finished child processes
+  times | tail -1 | awk '{ s = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); s += a[1] * 60 + a[2] } printf "%d", s }'
+}
 T0=$SECONDS
 STEP_NAMES=()
 STEP_START=()
+STEP_CPU=()
 step() {  # step SHORT-NAME DESCRIPTION
   STEP_NAMES+=("$1")
   STEP_START+=("$SECONDS")
+  STEP_CPU+=("$(child_cpu)")
   echo
   echo "==> [$(date +%H:%M:%S), +$((SECONDS - T0))s] ${#STEP_NAMES[@]}/6 $2"
 }
-timings() {
-  local i out="" end
+timings() {  # wall and CPU time per step: CPU well below wall means the machine was busy with other work
+  local i out="" end cpu_end cpu_now
+  cpu_now=$(child_cpu)
   for i in "${!STEP_NAMES[@]}"; do
     end=${STEP_START[$((i + 1))]:-$SECONDS}
-    out+="${STEP_NAMES[$i]} $((end - STEP_START[i]))s, "
+    cpu_end=${STEP_CPU[$((i + 1))]:-$cpu_now}
+    out+="${STEP_NAMES[$i]} $((end - STEP_START[i]))s (cpu $((cpu_end - STEP_CPU[i]))s), "
   done
-  echo "timings: ${out}total $((SECONDS - T0))s"
+  echo "timings, wall (cpu): ${out}total $((SECONDS - T0))s (cpu $((cpu_now - STEP_CPU[0]))s)"
 }
 
 step set-up "set-up (.venv with the pinned stack)"
@@ -151,7 +158,7 @@ else
 fi
 grep "^Generate test" "$GEN" | sed 's/^/fairseq: /'
 echo "three translations (S source, T reference, D hypothesis; BPE removed, tokenised):"
-awk -F'\t' '/^[STD]-[0-2]\t/ { print "  " $1 "\t" $NF }' "$GEN"
+awk -F'\t' '/^[STD]-[0-2]\t/ { print "  " $1 "\t" $NF }' "$GEN" | sort -s -k1.5n
 
 step score "score: sacreBLEU against the untokenised references"
 "$PY" scripts/prepare_bible.py score "$GEN" "$CORPUS/raw/test.en" | tee "$RUN/bleu.txt"
