@@ -493,7 +493,10 @@ def cli_run(cfg: Config, shape: Shape, data: Path, opts) -> dict:
         "--max-update", str(opts.cli_updates), "--log-format", "json", "--log-interval", str(opts.cli_log_interval),
         "--no-save", "--disable-validation",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    import torch
+
+    # fairseq-train takes its intra-op threads from the environment: the same count as in-process
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -576,11 +579,17 @@ def markdown(results: dict) -> str:
     meta = results["meta"]
     inprocess = meta["mode"] == "inprocess"
     cpu_cols = inprocess and meta["device"] == "cpu"
+    if inprocess:
+        how = f"in-process timing, {meta['steps']} steps per trial"
+    else:
+        how = (
+            f"fairseq-train timing, --max-update {meta['cli_updates']}, median wps of the train_inner lines "
+            f"(--log-interval {meta['cli_log_interval']}, the first dropped)"
+        )
     out = [
-        f"{meta['device_name']}, {meta['threads']} torch thread(s), {meta['precision']}; "
-        f"{'in-process' if inprocess else 'fairseq-train'} timing, --max-tokens {meta['max_tokens']}, "
-        f"{meta['steps']} steps per trial, {meta['repeats']} interleaved rounds; torch {meta['torch']}, "
-        f"fairseq {meta['fairseq']}; {meta['date']}.",
+        f"{meta['device_name']}, {meta['threads']} torch thread(s), {meta['precision']}; {how}, --max-tokens "
+        f"{meta['max_tokens']}, {meta['repeats']} interleaved rounds; torch {meta['torch']}, fairseq "
+        f"{meta['fairseq']}; {meta['date']}.",
         f"Command: `{meta['command']}`",
         "",
         "tok/s: target tokens per second (fairseq's wps), median over rounds [min-max]. x ref: median of the "
@@ -749,6 +758,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "steps": opts.steps,
             "repeats": opts.repeats,
             "warmup": opts.warmup,
+            "cli_updates": opts.cli_updates,
+            "cli_log_interval": opts.cli_log_interval,
             "torch": torch.__version__,
             "fairseq": fairseq_version(),
             "python": platform.python_version(),
