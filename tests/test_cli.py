@@ -3,9 +3,10 @@
 For each family in :data:`fairseq_deepinit.architectures.FAMILIES` (and fairseq's stock
 ``transformer`` as a control): ``fairseq-train`` at tiny dims on the synthetic reverse-and-shift
 task, a second ``fairseq-train`` in the same save dir that must *resume* (not restart), then
-``fairseq-generate --scoring sacrebleu`` on the test split. The pipelines are subprocesses run two
-(or ``os.cpu_count()``, at most 4) at a time so that their start-up costs overlap; the per-family
-tests below read their logs. Checkpoints are loaded with torch's default ``weights_only=True``.
+``fairseq-generate --scoring sacrebleu`` on the test split. The pipelines are subprocesses run
+``min(4, max(2, os.cpu_count()))`` at a time (``DEEPINIT_TEST_JOBS`` overrides) so that their
+start-up costs overlap; the per-family tests below read their logs. Checkpoints are loaded with
+torch's default ``weights_only=True``.
 
 The ``postln`` pipeline runs ``python -m fairseq_cli.<tool>`` as separate interpreters, exactly as from
 the shell; the others run the same entry points in processes forked from a server that has imported
@@ -213,10 +214,11 @@ def test_generate_prints_bleu(pipelines, case):
     m = re.search(r"Generate test with beam=4: BLEU = ([\d.]+)", out)
     assert m, out[-2000:]
     bleu = float(m.group(1))
-    assert 0.0 <= bleu <= 100.0
-    if case in ("postln", "preln", CONTROL):
-        # the task is learnt: random output scores ~0-2 BLEU (unigram precision only)
-        assert bleu > 12.0, out[-1500:]
+    # output that ignores the source scores ~0 BLEU (at most unigram matches): every family is above
+    # that after 120 updates; Post-LN and the stock control learn the task (21 and 24 BLEU when written)
+    assert 2.0 < bleu <= 100.0, out[-1500:]
+    if case in ("postln", CONTROL):
+        assert bleu > 15.0, out[-1500:]
 
 
 def allowed_names() -> set[str]:
