@@ -52,8 +52,11 @@ export PYTHONUNBUFFERED=1
 
 PY=$ROOT/.venv/bin/python
 USER_DIR=$ROOT/fairseq_deepinit
-child_cpu() {  # CPU seconds (user + sys) used so far by this script's finished child processes
-  times | tail -1 | awk '{ s = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); s += a[1] * 60 + a[2] } printf "%d", s }'
+TIMES_FILE=$(mktemp)
+trap 'rm -f "$TIMES_FILE"' EXIT
+cpu_now() {  # CPU_NOW = CPU seconds (user + sys) used so far by this script's finished children
+  times > "$TIMES_FILE"  # the builtin must run in this shell, not in a $(...) subshell
+  CPU_NOW=$(tail -1 "$TIMES_FILE" | awk '{ s = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); s += a[1] * 60 + a[2] } printf "%d", s }')
 }
 T0=$SECONDS
 STEP_NAMES=()
@@ -62,19 +65,19 @@ STEP_CPU=()
 step() {  # step SHORT-NAME DESCRIPTION
   STEP_NAMES+=("$1")
   STEP_START+=("$SECONDS")
-  STEP_CPU+=("$(child_cpu)")
+  cpu_now
+  STEP_CPU+=("$CPU_NOW")
   echo
   echo "==> [$(date +%H:%M:%S), +$((SECONDS - T0))s] ${#STEP_NAMES[@]}/6 $2"
 }
 timings() {  # wall and CPU time per step: CPU well below wall means the machine was busy with other work
-  local i out="" end cpu_end cpu_now
-  cpu_now=$(child_cpu)
+  local i out="" end cpu_end
   for i in "${!STEP_NAMES[@]}"; do
-    end=${STEP_START[$((i + 1))]:-$SECONDS}
-    cpu_end=${STEP_CPU[$((i + 1))]:-$cpu_now}
+    end=${STEP_START[$((i + 1))]:-$END_T}
+    cpu_end=${STEP_CPU[$((i + 1))]:-$END_CPU}
     out+="${STEP_NAMES[$i]} $((end - STEP_START[i]))s (cpu $((cpu_end - STEP_CPU[i]))s), "
   done
-  echo "timings, wall (cpu): ${out}total $((SECONDS - T0))s (cpu $((cpu_now - STEP_CPU[0]))s)"
+  echo "timings, wall (cpu): ${out}total $((END_T - T0))s (cpu $((END_CPU - STEP_CPU[0]))s)"
 }
 
 step set-up "set-up (.venv with the pinned stack)"
@@ -127,8 +130,14 @@ printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
 
 step train "train $ARCH (d=$EMBED_DIM, ffn=$FFN_DIM, $LAYERS+$LAYERS layers) for $MAX_UPDATE updates or $TRAIN_MINUTES min on $THREADS CPU thread(s) ($THREADS_WHY)"
 echo "run folder: $RUN"
+if [ -f "$RUN/train.done" ] && grep -q "cumulative_training_time" "$RUN/train.done" \
+  && awk -v old="$(sed -n 's/^minutes=//p' "$RUN/train.done")" -v new="$TRAIN_MINUTES" 'BEGIN { exit !(new > old) }'; then
+  # the last session stopped at its time limit: a larger TRAIN_MINUTES continues the same model
+  echo "continuing: the last session stopped at TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done"), now $TRAIN_MINUTES"
+  rm "$RUN/train.done"
+fi
 if [ -f "$RUN/train.done" ]; then
-  echo "training already finished ($(cat "$RUN/train.done")); delete $RUN to train again"
+  echo "training already finished ($(head -1 "$RUN/train.done")); delete $RUN to train again"
 else
   if [ -f "$RUN/checkpoint_last.pt" ]; then echo "resuming from $RUN/checkpoint_last.pt"; fi
   STOP_H=$("$PY" -c "print($TRAIN_MINUTES / 60)")
@@ -140,19 +149,20 @@ else
     || { echo "error: fairseq-train failed (log: $RUN/train.log)"; exit 1; }
   [ -f "$RUN/checkpoint_last.pt" ] || { echo "error: training wrote no checkpoint (log: $RUN/train.log)"; exit 1; }
   reason=$(grep -o "Stopping training due to.*" "$RUN/train.log" | tail -1 || true)
-  echo "${reason:-stopped}; last session took $((SECONDS - TRAIN_START))s" > "$RUN/train.done"
+  printf '%s; last session took %ss\nminutes=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
+    "$TRAIN_MINUTES" > "$RUN/train.done"
 fi
 
 # --required-batch-size-multiple 1: fairseq 0.12 otherwise drops the last batch when its size is
 # not a multiple of 8, i.e. silently skips test sentences (fairseq issue #5036).
 step translate "translate the test set (fairseq-generate, beam $BEAM)"
 GEN=$RUN/generate-test-beam$BEAM.txt
-if [ -s "$GEN" ] && grep -q "^Generate test" "$GEN"; then
+if [ -s "$GEN" ] && [ "$GEN" -nt "$RUN/checkpoint_last.pt" ] && grep -q "^Generate test" "$GEN"; then
   echo "already translated: $GEN"
 else
   "$PY" -m fairseq_cli.generate "$BIN" --user-dir "$USER_DIR" --task translation -s de -t en \
     --path "$RUN/checkpoint_last.pt" --gen-subset test --beam "$BEAM" --remove-bpe --scoring sacrebleu \
-    --max-len-a 1.2 --max-len-b 10 --batch-size 64 --required-batch-size-multiple 1 --cpu > "$GEN.tmp" 2> "$RUN/generate.log" \
+    --max-len-a 1.2 --max-len-b 20 --batch-size 64 --required-batch-size-multiple 1 --cpu > "$GEN.tmp" 2> "$RUN/generate.log" \
     || { tail -20 "$RUN/generate.log"; echo "error: fairseq-generate failed (log: $RUN/generate.log)"; exit 1; }
   mv "$GEN.tmp" "$GEN"
 fi
@@ -162,6 +172,9 @@ awk -F'\t' '/^[STD]-[0-2]\t/ { print "  " $1 "\t" $NF }' "$GEN" | sort -s -k1.5n
 
 step score "score: sacreBLEU against the untokenised references"
 "$PY" scripts/prepare_bible.py score "$GEN" "$CORPUS/raw/test.en" | tee "$RUN/bleu.txt"
+cpu_now
+END_CPU=$CPU_NOW
+END_T=$SECONDS
 echo
 timings | tee -a "$RUN/timings.txt"
 echo "files: $RUN (train.log, $(basename "$GEN"), bleu.txt)"
