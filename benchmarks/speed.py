@@ -1,0 +1,365 @@
+#!/usr/bin/env python
+"""fairseq-train tokens/s, loss curve and peak memory for the speed options (docs/speed.md).
+
+Two experiments, each a set of real ``fairseq-train`` runs (one process per run, same data, seed,
+``--max-tokens`` and so the same batches), repeated ``--repeats`` times in rotating order so that
+slow drifts of a shared machine hit every configuration alike:
+
+- ``attention``: stock fairseq ``--arch transformer`` (fp32; on CUDA also ``--fp16`` and ``--amp``)
+  against the plugin at the same dimensions with ``--attention-impl fairseq`` / ``sdpa`` and
+  ``--task translation_deepinit --autocast-bf16``. Reported: median ``wps`` over the ``train_inner``
+  log lines (the first, which holds start-up, dropped) and its ratio to stock fp32 (and to stock
+  ``--fp16`` on CUDA), the loss at every log interval (the loss curve), peak memory.
+- ``deep``: the 200+200-layer T-Fixup model (``--arch tfixup_iwslt_de_en_200l``, T-Fixup Fig. 4b)
+  with and without ``--checkpoint-activations``: tokens/s and peak memory.
+
+Peak memory is the run's peak RSS (``ru_maxrss``) and, on CUDA, ``torch.cuda.max_memory_allocated``.
+Data: Multi30k de-en train, lower-cased, whitespace tokens, binarised once (min count 2) into
+``work-data/speed/`` (git-ignored), or any binarised de-en folder given with ``--data``.
+
+- ``module``: one attention module, fairseq's forward vs SDPA, per call site (forward + backward;
+  ``--updates`` calls per timing, best of ``--repeats``).
+- ``check``: not a timing: the plugin's model with ``--attention-impl fairseq`` and ``sdpa`` on one
+  padded batch on ``--device`` (fp32 logits/gradients, bf16-autocast loss), and on CUDA whether the
+  flash / memory-efficient kernels accept causal bf16 attention.
+
+Usage::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed.py attention --shape 6x256x1024x4 --updates 40
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speed.py deep --max-tokens 1024 --updates 6
+    .venv/bin/python benchmarks/speed.py attention --device cuda --shape 6x512x2048x8 --max-tokens 8192 \\
+        --updates 300 --log-interval 50 --repeats 3            # transformer base on one GPU
+    .venv/bin/python benchmarks/speed.py deep --device cuda --max-tokens 4096 --updates 50
+    .venv/bin/python benchmarks/speed.py check --device cuda --shape 6x512x2048x8
+    .venv/bin/python benchmarks/speed.py module --device cuda --shape 6x512x2048x8 --max-tokens 8192 --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = str(REPO / "fairseq_deepinit")
+MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
+WORK = REPO / "work-data" / "speed"
+
+
+def shape_flags(shape: str) -> list:
+    layers, dim, ffn, heads = shape.split("x")
+    return [
+        "--encoder-layers", layers, "--decoder-layers", layers, "--encoder-embed-dim", dim,
+        "--decoder-embed-dim", dim, "--encoder-ffn-embed-dim", ffn, "--decoder-ffn-embed-dim", ffn,
+        "--encoder-attention-heads", heads, "--decoder-attention-heads", heads,
+    ]  # fmt: skip
+
+
+def configs(experiment: str, device: str, shape: str) -> dict:
+    """name -> fairseq-train flags (beyond the common ones)."""
+    if experiment == "deep":
+        deep = ["--arch", "tfixup_iwslt_de_en_200l", "--lr-scheduler", "tfixup", "--lr", "1e-4"]
+        return {"200l": deep, "200l-checkpoint-activations": [*deep, "--checkpoint-activations"]}
+    dims = shape_flags(shape)
+    plugin = ["--arch", "deepinit", "--init-scheme", "fairseq", *dims]  # fairseq's own init: same model as stock
+    out = {
+        "stock": ["--arch", "transformer", *dims],
+        "deepinit-fairseq-attn": [*plugin, "--attention-impl", "fairseq"],
+        "sdpa": [*plugin, "--attention-impl", "sdpa"],
+        "sdpa-bf16": [*plugin, "--attention-impl", "sdpa", "--task", "translation_deepinit", "--autocast-bf16"],
+    }
+    if device == "cuda":
+        out["stock-fp16"] = [*out["stock"], "--fp16"]
+        out["stock-amp"] = [*out["stock"], "--amp"]
+    return out
+
+
+def prepare_data(work: Path) -> Path:
+    dest = work / "bin"
+    if (dest / "dict.en.txt").exists():
+        return dest
+    raw = work / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, out in (("train", "train"), ("val", "valid")):
+        for lang in ("de", "en"):
+            with gzip.open(MULTI30K / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+                lines = [line.strip().lower() for line in f]
+            (raw / f"{out}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
+         "--trainpref", raw / "train", "--validpref", raw / "valid", "--destdir", dest,
+         "--thresholdsrc", "2", "--thresholdtgt", "2", "--workers", "2"],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return dest
+
+
+def child_main(argv: list) -> None:
+    """Run fairseq-train in this process, then print its peak memory."""
+    import resource
+
+    import torch
+    from fairseq_cli.train import cli_main
+
+    sys.argv = ["fairseq-train", *argv]
+    try:
+        cli_main()
+    finally:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        cuda = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
+        print(f"SPEED_PEAK rss_mb={rss:.1f} cuda_mb={cuda:.1f}", flush=True)
+
+
+def run(name: str, flags: list, opts, data: Path, log_dir: Path, round_: int) -> dict:
+    common = [
+        data, "--user-dir", USER_DIR, "-s", "de", "-t", "en", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", opts.max_tokens,
+        "--max-update", opts.updates, "--log-format", "simple", "--log-interval", opts.log_interval,
+        "--disable-validation", "--no-save", "--seed", opts.seed, "--num-workers", "0",
+    ]  # fmt: skip
+    if "--lr" not in flags:
+        common += ["--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000"]
+    if "--task" not in flags:
+        common += ["--task", "translation"]
+    if opts.device == "cpu":
+        common.append("--cpu")
+    argv = [str(a) for a in [*common, *flags]]
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = proc.stdout
+    (log_dir / f"{name}.{round_}.log").write_text(log)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed (log in {log_dir}):\n{log[-3000:]}")
+    inner = [dict(re.findall(r"(\w+)=([-\d.e]+)", line)) for line in log.splitlines() if "| train_inner |" in line]
+    peak = dict(re.findall(r"(\w+_mb)=([\d.]+)", log.split("SPEED_PEAK")[-1]))
+    return {
+        "wps": [float(s["wps"]) for s in inner[1:]],
+        "loss": [float(s["loss"]) for s in inner],
+        "updates": [int(s["num_updates"]) for s in inner],
+        "rss_mb": float(peak["rss_mb"]),
+        "cuda_mb": float(peak["cuda_mb"]),
+        "command": "fairseq-train " + " ".join(argv),
+    }
+
+
+def check(opts) -> None:
+    """Numerical check on ``opts.device``: one model, fairseq vs sdpa attention, on a padded batch.
+
+    fp32: logits and gradients must agree (TF32 off); bf16 autocast: the loss of both impls vs fp32.
+    Also reports whether PyTorch can run the causal decoder self-attention on the flash kernel.
+    """
+    import torch
+    import torch.nn.functional as F
+    from fairseq import options
+    from fairseq.data import Dictionary
+    from fairseq.tasks.translation import TranslationTask
+
+    sys.path.insert(0, str(REPO))
+    import fairseq_deepinit  # noqa: F401
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device(opts.device)
+    d = Dictionary()
+    for i in range(1000):
+        d.add_symbol(f"w{i}")
+    models = {}
+    for impl in ("fairseq", "sdpa"):
+        cli = ["/x", "--task", "translation", "--arch", "deepinit", "-s", "a", "-t", "b", *shape_flags(opts.shape)]
+        args = options.parse_args_and_arch(
+            options.get_training_parser(), [*cli, "--dropout", "0", "--attention-impl", impl]
+        )
+        torch.manual_seed(0)
+        models[impl] = TranslationTask(args, d, d).build_model(args).to(device)
+    models["sdpa"].load_state_dict(models["fairseq"].state_dict())
+    g = torch.Generator().manual_seed(0)
+    bsz, slen, tlen = 16, 40, 37
+    src = torch.randint(4, 1000, (bsz, slen), generator=g)
+    prev = torch.randint(4, 1000, (bsz, tlen), generator=g)
+    for i in range(0, bsz, 3):
+        src[i, : i % 11] = d.pad()  # left-padded sources
+        prev[i, tlen - i % 9 :] = d.pad()  # right-padded targets
+    batch = {"src_tokens": src.to(device), "src_lengths": src.ne(d.pad()).sum(1).to(device),
+             "prev_output_tokens": prev.to(device)}  # fmt: skip
+    target = torch.randint(4, 1000, (bsz, tlen), generator=g).to(device)
+    keep = prev.ne(d.pad()).to(device)
+    out = {}
+    for impl, model in models.items():
+        for bf16 in (False, True):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits, _ = model(**batch)
+                loss = F.cross_entropy(logits[keep].float(), target[keep])
+            loss.backward()
+            grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            out[impl, bf16] = (logits.detach().float(), loss.item(), grads)
+    (l_ref, loss_ref, g_ref), (l_new, loss_new, g_new) = out["fairseq", False], out["sdpa", False]
+    print(
+        f"fp32 max |logit diff| {(l_new - l_ref).abs().max().item():.3g} (logit scale {l_ref.abs().max().item():.3g})"
+    )
+    print(f"fp32 loss {loss_ref:.6f} vs {loss_new:.6f}; max |grad diff| {(g_new - g_ref).abs().max().item():.3g} "
+          f"(grad scale {g_ref.abs().max().item():.3g})")  # fmt: skip
+    for impl in ("fairseq", "sdpa"):
+        rel = abs(out[impl, True][1] - loss_ref) / loss_ref
+        print(f"bf16 autocast loss ({impl}) {out[impl, True][1]:.6f}: relative difference to fp32 {rel:.2e}")
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q = torch.randn(bsz, 8, tlen, 64, device=device, dtype=torch.bfloat16)
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                print(f"{backend.name}: available for causal bf16 self-attention")
+            except RuntimeError as e:
+                print(f"{backend.name}: NOT available ({str(e).splitlines()[0]})")
+
+
+def module_bench(opts) -> None:
+    """One attention module, fairseq's forward vs the SDPA one: forward + backward time per call.
+
+    Shapes: ``--shape``'s dim and heads, a batch of ``--max-tokens`` target tokens in sentences of
+    ``--seq-len`` tokens (every other sentence padded by a quarter). CPU: process CPU time (robust
+    to other processes on a shared machine); CUDA: wall time after synchronising.
+    """
+    import copy
+    import time
+
+    import torch
+    from fairseq import utils
+    from fairseq.modules.multihead_attention import MultiheadAttention
+
+    sys.path.insert(0, str(REPO))
+    from fairseq_deepinit.sdpa_attention import use_sdpa
+
+    _, dim, _, heads = (int(v) for v in opts.shape.split("x"))
+    device = torch.device(opts.device)
+    t = opts.seq_len
+    bsz = max(1, opts.max_tokens // t)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(t, bsz, dim, generator=g).to(device)
+    enc = torch.randn(t, bsz, dim, generator=g).to(device)
+    pad = torch.zeros(bsz, t, dtype=torch.bool)
+    pad[::2, : t // 4] = True  # left-padded sources
+    src_pad = pad.to(device)
+    tgt_pad = pad.flip(1).to(device)  # right-padded targets
+    future = torch.triu(utils.fill_with_neg_inf(torch.zeros(t, t)), 1).to(device)
+    cases = {
+        "encoder self-attention, padded": (dict(self_attention=True), (x,), dict(key_padding_mask=src_pad)),
+        "decoder self-attention, causal": (dict(self_attention=True), (x,), dict(attn_mask=future)),
+        "decoder self-attention, causal + padded": (
+            dict(self_attention=True),
+            (x,),
+            dict(attn_mask=future, key_padding_mask=tgt_pad),
+        ),  # fmt: skip
+        "encoder-decoder attention, padded": (
+            dict(encoder_decoder_attention=True),
+            (x, enc),
+            dict(key_padding_mask=src_pad, static_kv=True),
+        ),  # fmt: skip
+    }
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+
+    def timed(module, inputs, kwargs) -> float:
+        best = float("inf")
+        for _ in range(opts.repeats + 1):  # the first round warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = clock()
+            for _ in range(opts.updates):
+                leaves = [v.detach().requires_grad_() for v in inputs]
+                query, key = leaves[0], leaves[-1]
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.bf16):
+                    out, _ = module(query, key, key, need_weights=False, **kwargs)
+                out.float().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, (clock() - start) / opts.updates * 1e3)
+        return best
+
+    print(f"attention module, d={dim}, {heads} heads, batch {bsz} x {t} tokens, {opts.device}, "
+          f"{'bf16 autocast' if opts.bf16 else 'fp32'}; ms per forward+backward (best of {opts.repeats})")  # fmt: skip
+    print("| case | fairseq | sdpa | speed-up |\n|---|---|---|---|")
+    for name, (ctor, inputs, kwargs) in cases.items():
+        torch.manual_seed(0)
+        ref = MultiheadAttention(dim, heads, **ctor).to(device)
+        fast = use_sdpa(copy.deepcopy(ref))
+        a, b = timed(ref, inputs, kwargs), timed(fast, inputs, kwargs)
+        a, b = min(a, timed(ref, inputs, kwargs)), min(b, timed(fast, inputs, kwargs))  # interleaved twice
+        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
+
+
+def main(argv=None) -> None:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child_main(sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("experiment", choices=("attention", "deep", "check", "module"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--shape", default="6x256x1024x4", help="attention: LAYERSxDIMxFFNxHEADS (base: 6x512x2048x8)")
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--updates", type=int, default=40)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--configs", nargs="+", help="subset of the experiment's configurations")
+    p.add_argument("--data", type=Path, help="binarised de-en data (default: Multi30k, binarised once)")
+    p.add_argument("--json", type=Path, help="write every measurement here")
+    p.add_argument("--seq-len", type=int, default=32, help="module: tokens per sentence")
+    p.add_argument("--bf16", action="store_true", help="module: run under bf16 autocast")
+    opts = p.parse_args(argv)
+    if opts.experiment == "check":
+        return check(opts)
+    if opts.experiment == "module":
+        return module_bench(opts)
+    if opts.log_interval >= opts.updates:
+        p.error("--log-interval must be below --updates (the first log interval is dropped as start-up)")
+    data = opts.data or prepare_data(WORK)
+    runs = configs(opts.experiment, opts.device, opts.shape)
+    if opts.configs:
+        unknown = set(opts.configs) - set(runs)
+        if unknown:
+            p.error(f"unknown configurations {sorted(unknown)}; choose from {sorted(runs)}")
+        runs = {k: v for k, v in runs.items() if k in opts.configs}
+    log_dir = WORK / "logs" / opts.experiment
+    log_dir.mkdir(parents=True, exist_ok=True)
+    names = list(runs)
+    results: dict = {n: [] for n in names}
+    for r in range(opts.repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            res = run(name, runs[name], opts, data, log_dir, r)
+            results[name].append(res)
+            print(f"round {r} {name}: median wps {statistics.median(res['wps']):.1f}", flush=True)
+
+    def wps(name: str) -> float:
+        return statistics.median(itertools.chain.from_iterable(r["wps"] for r in results[name]))
+
+    refs = [n for n in ("stock", "stock-fp16", "200l") if n in results]
+    what = f"shape {opts.shape}" if opts.experiment == "attention" else "tfixup_iwslt_de_en_200l"
+    print(f"\n{opts.experiment}: device {opts.device}, {what}, --max-tokens {opts.max_tokens}, "
+          f"{opts.updates} updates x {opts.repeats} runs")  # fmt: skip
+    header = "| config | tokens/s (median) | " + " | ".join(f"vs {r}" for r in refs) + " | peak RSS MB | peak CUDA MB |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name in names:
+        ratios = " | ".join(f"{wps(name) / wps(r):.2f}x" for r in refs)
+        rss = max(r["rss_mb"] for r in results[name])
+        cuda = max(r["cuda_mb"] for r in results[name])
+        print(f"| {name} | {wps(name):.1f} | {ratios} | {rss:.0f} | {cuda:.0f} |")
+    print("\nloss at updates " + ", ".join(map(str, results[names[0]][0]["updates"])) + " (run 0):")
+    for name in names:
+        print(f"  {name}: " + ", ".join(f"{x:.3f}" for x in results[name][0]["loss"]))
+    if opts.json:
+        opts.json.write_text(json.dumps({"options": {k: str(v) for k, v in vars(opts).items()}, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
