@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import List, Tuple
 
 import torch
@@ -27,6 +28,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from . import admin
+from .autocast import AutocastConfig, AutocastTaskMixin
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +95,13 @@ def _stop_batch_prefetching(timeout: float = 30.0) -> None:
         thread.join(timeout=1.0)
 
 
-@register_task(TASK_NAME, dataclass=TranslationConfig)
-class TranslationAdminTask(TranslationTask):
+@dataclass
+class TranslationAdminConfig(TranslationConfig, AutocastConfig):
+    """fairseq's translation options plus ``--autocast-bf16`` (profiling itself always runs in fp32)."""
+
+
+@register_task(TASK_NAME, dataclass=TranslationAdminConfig)
+class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
     """Translation with Admin profiling before the first update (see the module docstring)."""
 
     def __init__(self, cfg, src_dict, tgt_dict) -> None:

@@ -165,3 +165,18 @@ def test_cli_trains_with_autocast(synthetic_bin, tmp_path):
     assert all(t.dtype == torch.float32 for t in ckpt["model"].values() if t.is_floating_point())
     with pytest.raises(AssertionError, match="does not combine with --fp16"):
         run_forked("train", *common, "--fp16", log=tmp_path / "fp16.log")
+
+
+def test_admin_task_profiles_in_fp32_then_trains_under_autocast(synthetic_bin, tmp_path):
+    """``--task translation_admin`` takes ``--autocast-bf16`` too; omega is profiled before it applies."""
+    log = run_forked(
+        "train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation_admin", "-s", "src", "-t", "tgt",
+        "--arch", "admin_iwslt_de_en", *TINY_DIMS, "--optimizer", "adam", "--lr", "1e-3", "--criterion",
+        "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "1000", "--max-update", "20",
+        "--save-dir", tmp_path / "ckpt", "--no-epoch-checkpoints", "--no-save", "--log-format", "simple",
+        "--log-interval", "10", "--seed", "1", "--cpu", "--num-workers", "0", "--autocast-bf16",
+        log=tmp_path / "admin.log",
+    ).stdout  # fmt: skip
+    assert "omega" in log
+    losses = _losses(log)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
