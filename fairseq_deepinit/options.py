@@ -9,12 +9,15 @@ resolved values are what the checkpoint stores.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from . import sdpa_attention
 from .layers import DECODER_LAYER_TYPES
 from .norms import NORM_TYPES
 from .residual import RESIDUAL_BUILDERS
 from .schemes import SCHEMES
+
+logger = logging.getLogger(__name__)
 
 
 class DeepInitConfigError(ValueError):
@@ -199,6 +202,13 @@ def resolve_and_validate(args) -> None:
         what = f"--init-scheme {scheme.name}" if scheme.needs_post_ln else f"--residual-scale {args.residual_scale}"
         raise DeepInitConfigError(
             f"{what} is defined for Post-LN only; remove --encoder-normalize-before / --decoder-normalize-before"
+        )
+
+    if args.norm_type == "none" and (args.encoder_normalize_before or args.decoder_normalize_before):
+        # without a norm, Pre-LN and Post-LN compute the same x + f(x): the flag is harmless but does nothing
+        logger.warning(
+            "--encoder/--decoder-normalize-before have no effect with --norm-type none (no norm to place); "
+            "the model is the same as without them"
         )
 
     if args.decoder_layer_type not in DECODER_LAYER_TYPES:

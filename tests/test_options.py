@@ -269,3 +269,14 @@ def test_cli_stops_with_the_message(tmp_path):
     assert "DeepInitConfigError" in proc.stdout
     assert "--init-scheme t-fixup needs --norm-type none" in proc.stdout
     assert "add --force-norm-with-scheme" in proc.stdout
+
+
+def test_normalize_before_without_a_norm_is_reported(caplog):
+    """Pre-LN flags under T-Fixup change nothing (there is no norm to place): say so, do not refuse."""
+    with caplog.at_level("WARNING", logger="fairseq_deepinit.options"):
+        validated("--encoder-normalize-before", arch="tfixup_iwslt_de_en")
+    assert "no effect with --norm-type none" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fairseq_deepinit.options"):
+        validated(arch="tfixup_iwslt_de_en")
+    assert "no effect" not in caplog.text
