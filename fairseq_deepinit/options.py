@@ -139,6 +139,27 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _resolve_owned_options(args, owned: dict, selector: str) -> None:
+    """Give options owned by one value of ``selector`` their default, or refuse them under another value.
+
+    ``owned`` maps option name -> (owning value of ``args.<selector>``, default). Under other values
+    the option is stored as None, so that re-validating the resolved arguments stored in a checkpoint
+    (generate, resume) gives the same answer.
+    """
+    chosen = getattr(args, selector)
+    for name, (owner, default) in owned.items():
+        value = getattr(args, name, None)
+        if chosen == owner:
+            setattr(args, name, default if value is None else value)
+        elif value is not None and value is not False:
+            raise DeepInitConfigError(
+                f"{_flag(name)} only applies to {_flag(selector)} {owner}, not {chosen}; "
+                f"drop it or use {_flag(selector)} {owner}"
+            )
+        else:
+            setattr(args, name, None)
+
+
 def resolve_and_validate(args) -> None:
     """Resolve ``auto`` values in place and reject incompatible combinations."""
     for name, default in _DEFAULTS.items():
@@ -154,17 +175,7 @@ def resolve_and_validate(args) -> None:
 
     # scheme-specific options stay None under other schemes, so that re-validating the resolved
     # arguments stored in a checkpoint (generate, resume) gives the same answer
-    for name, (owner, default) in _SCHEME_OPTIONS.items():
-        value = getattr(args, name, None)
-        if args.init_scheme == owner:
-            setattr(args, name, default if value is None else value)
-        elif value is not None and value is not False:
-            raise DeepInitConfigError(
-                f"{_flag(name)} only applies to --init-scheme {owner}, not {args.init_scheme}; drop it "
-                f"or use --init-scheme {owner}"
-            )
-        else:
-            setattr(args, name, None)
+    _resolve_owned_options(args, _SCHEME_OPTIONS, "init_scheme")
 
     if args.init_scheme == "ds-init" and args.ds_init_variant not in ("paper", "code"):
         raise DeepInitConfigError(f"unknown --ds-init-variant {args.ds_init_variant!r}; choose from code, paper")
@@ -216,31 +227,11 @@ def resolve_and_validate(args) -> None:
             f"unknown --decoder-layer-type {args.decoder_layer_type!r}; choose from "
             f"{', '.join(sorted(DECODER_LAYER_TYPES))}"
         )
-    for name, (owner, default) in _LAYER_TYPE_OPTIONS.items():
-        value = getattr(args, name, None)
-        if args.decoder_layer_type == owner:
-            setattr(args, name, default if value is None else value)
-        elif value is not None and value is not False:
-            raise DeepInitConfigError(
-                f"{_flag(name)} only applies to --decoder-layer-type {owner}, not {args.decoder_layer_type}; "
-                f"drop it or use --decoder-layer-type {owner}"
-            )
-        else:
-            setattr(args, name, None)
+    _resolve_owned_options(args, _LAYER_TYPE_OPTIONS, "decoder_layer_type")
     if args.decoder_layer_type in _LAYER_TYPE_HOOKS:
         _LAYER_TYPE_HOOKS[args.decoder_layer_type][1](args)
 
-    for name, (owner, default) in _RESIDUAL_OPTIONS.items():
-        value = getattr(args, name, None)
-        if args.residual_scale == owner:
-            setattr(args, name, default if value is None else value)
-        elif value is not None and value is not False:
-            raise DeepInitConfigError(
-                f"{_flag(name)} only applies to --residual-scale {owner}, not {args.residual_scale}; "
-                f"drop it or use --residual-scale {owner}"
-            )
-        else:
-            setattr(args, name, None)
+    _resolve_owned_options(args, _RESIDUAL_OPTIONS, "residual_scale")
     if args.residual_scale in _RESIDUAL_HOOKS:
         _RESIDUAL_HOOKS[args.residual_scale][1](args)
     sdpa_attention.validate(args)
