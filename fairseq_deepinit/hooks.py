@@ -40,7 +40,42 @@ def sublayer_name(module_name: str) -> str:
     return module_name.replace("._checkpoint_wrapped_module", "").replace(".residuals.", ".")
 
 
-class ResidualStatistics:
+class _ForwardHookStatistics:
+    """Attach/detach/reset of float64 moment sums kept per module by a forward hook (``_hook``)."""
+
+    modules: Dict[str, nn.Module]
+    moments: Dict[str, torch.Tensor]
+    order: List[str]
+    _handles: list
+
+    def _hook(self, name: str):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _hook_name(self, module_name: str) -> str:
+        return module_name
+
+    def attach(self):
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._hook(self._hook_name(n))) for n, m in self.modules.items()]
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self):
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        self.moments.clear()
+        self.order.clear()
+
+
+class ResidualStatistics(_ForwardHookStatistics):
     """Accumulate moments of every residual branch and skip term while attached.
 
     Use as a context manager around forward passes::
@@ -82,25 +117,8 @@ class ResidualStatistics:
 
         return hook
 
-    def attach(self) -> ResidualStatistics:
-        if not self._handles:
-            self._handles = [m.register_forward_hook(self._hook(sublayer_name(n))) for n, m in self.modules.items()]
-        return self
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __enter__(self) -> ResidualStatistics:
-        return self.attach()
-
-    def __exit__(self, *exc) -> None:
-        self.detach()
-
-    def reset(self) -> None:
-        self.moments.clear()
-        self.order.clear()
+    def _hook_name(self, module_name: str) -> str:
+        return sublayer_name(module_name)
 
     def all_reduce(self, group=None) -> None:
         """Sum the raw moments over the ranks of ``group`` (no-op without torch.distributed).
@@ -176,7 +194,7 @@ def clean_name(module_name: str) -> str:
 _NV, _NS, _NQ, _NE, _NX = range(5)
 
 
-class NormInputStatistics:
+class NormInputStatistics(_ForwardHookStatistics):
     """Accumulate moments of the input of every normalisation layer while attached.
 
     The quantity T-Fixup (Huang et al. 2020, Fig. 3) plots is the size of what enters each
@@ -207,26 +225,6 @@ class NormInputStatistics:
             self.moments[name] += row
 
         return hook
-
-    def attach(self) -> NormInputStatistics:
-        if not self._handles:
-            self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules.items()]
-        return self
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __enter__(self) -> NormInputStatistics:
-        return self.attach()
-
-    def __exit__(self, *exc) -> None:
-        self.detach()
-
-    def reset(self) -> None:
-        self.moments.clear()
-        self.order.clear()
 
     def all_reduce(self, group=None) -> None:
         """Sum the raw moments over the ranks of ``group`` (no-op without torch.distributed)."""
