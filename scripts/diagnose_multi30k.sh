@@ -2,11 +2,11 @@
 # Reproduces the figures of docs/diagnostics.md: deepinit-diagnose on Multi30k de-en for Post-LN,
 # Pre-LN, Admin, T-Fixup and DS-Init at 6 and 18 layers per stack (d=128, FFN 512, 4 heads: small
 # enough for 2 CPU cores), the output change against depth for each scheme, and the learned
-# ScaleNorm g of a briefly trained Transformers-without-Tears model.
+# ScaleNorm g of a Transformers-without-Tears model trained for a short while.
 #
 # Knobs (environment variables): MULTI30K_DIR [../shared/data/multi30k], WORK_DIR [work-data/diagnostics],
-# OUT_DIR [docs/diagnostics], SCHEMES [postln preln admin tfixup dsinit], TWT_UPDATES [400].
-# About 30 minutes on 2 cores. Every finished run is skipped on a re-run.
+# OUT_DIR [docs/diagnostics], SCHEMES [postln preln admin tfixup dsinit], TWT_UPDATES [1500].
+# About an hour on 2 busy cores. Every finished run is skipped on a re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -14,7 +14,7 @@ M30K=${MULTI30K_DIR:-../shared/data/multi30k}
 WORK=${WORK_DIR:-work-data/diagnostics}
 OUT=${OUT_DIR:-docs/diagnostics}
 SCHEMES=${SCHEMES:-postln preln admin tfixup dsinit}
-TWT_UPDATES=${TWT_UPDATES:-400}
+TWT_UPDATES=${TWT_UPDATES:-1500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DIMS=(--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512
       --encoder-attention-heads 4 --decoder-attention-heads 4)
@@ -62,20 +62,24 @@ for scheme in $SCHEMES; do
   done
 done
 
-# 3. Transformers without Tears (PreNorm + ScaleNorm + FixNorm + SmallInit), briefly trained, with the
-#    diagnostics criterion logging every 100 updates; then its learned ScaleNorm g against depth
-ckpt=$WORK/twt6/checkpoint_last.pt
+# 3. Transformers without Tears (PreNorm + ScaleNorm + FixNorm + SmallInit), trained for TWT_UPDATES
+#    updates (d=64: what a shared 2-core machine allows) with the diagnostics criterion logging the
+#    ScaleNorm g and the per-layer gradient norms every 250 updates; then its learned g against depth
+ckpt=$WORK/twt6_long/checkpoint_last.pt
 if [ ! -f "$ckpt" ]; then
-  "$PY" -m fairseq_cli.train "$WORK/bin" --user-dir fairseq_deepinit --arch twt_iwslt_de_en "${DIMS[@]}" \
-    --encoder-layers 6 --decoder-layers 6 --dropout 0.1 \
-    --criterion label_smoothed_cross_entropy_diagnostics --label-smoothing 0.1 --diagnostics-interval 100 \
-    --optimizer adam --adam-betas '(0.9, 0.98)' --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 200 \
-    --max-tokens 3000 --max-update "$TWT_UPDATES" --log-interval 100 --log-format simple --no-progress-bar \
-    --disable-validation --no-epoch-checkpoints --save-dir "$WORK/twt6" --seed 1 | tee "$WORK/twt6.log"
+  "$PY" -m fairseq_cli.train "$WORK/bin" --user-dir fairseq_deepinit --arch twt_iwslt_de_en \
+    --encoder-embed-dim 64 --decoder-embed-dim 64 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 \
+    --encoder-attention-heads 4 --decoder-attention-heads 4 --encoder-layers 6 --decoder-layers 6 --dropout 0.1 \
+    --criterion label_smoothed_cross_entropy_diagnostics --label-smoothing 0.1 --diagnostics-interval 250 \
+    --diagnostics-stats scalenorm,grad --optimizer adam --adam-betas '(0.9, 0.98)' --lr 2e-3 \
+    --lr-scheduler inverse_sqrt --warmup-updates 200 --max-tokens 2000 --max-update "$TWT_UPDATES" \
+    --log-interval 250 --log-format simple --no-progress-bar --disable-validation --no-epoch-checkpoints \
+    --save-interval-updates 250 --keep-interval-updates 1 --save-dir "$WORK/twt6_long" --seed 1 \
+    | tee "$WORK/twt6_long.log"
 fi
 [ -f "$WORK/runs/twt6_trained/diagnostics.json" ] ||
-  "$PY" -m fairseq_deepinit.diagnose "$WORK/bin" --checkpoint "$ckpt" --max-tokens 3000 \
-    --measure scalenorm,grad --output-dir "$WORK/runs/twt6_trained" --label "TwT 6L, $TWT_UPDATES updates"
+  "$PY" -m fairseq_deepinit.diagnose "$WORK/bin" --checkpoint "$ckpt" --max-tokens 2000 \
+    --measure scalenorm,grad --output-dir "$WORK/runs/twt6_trained" --label "TwT 6L d=64, $TWT_UPDATES updates"
 
 # 4. the figures of docs/diagnostics.md
 runs=()
