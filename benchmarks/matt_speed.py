@@ -122,6 +122,7 @@ def generate(bin_dir: Path, ckpt: Path, subset: str, bs: int, args, env: dict, l
         "generate", bin_dir, "--user-dir", USER_DIR, "--path", ckpt, "--gen-subset", subset, "--beam", "4",
         "--batch-size", bs, "--required-batch-size-multiple", "1", "--quiet", "--num-workers", "0",
         *(["--cpu"] if args.device == "cpu" else []), *(["--fp16"] if args.fp16 else []),
+        *(["--match-source-len"] if args.match_source_len else []),
         env=env, log=log,
     )  # fmt: skip
     m = re.search(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s", out)
@@ -236,6 +237,17 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write every measurement here")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny dims, few updates, 1 rep")
     p.add_argument(
+        "--match-source-len",
+        action="store_true",
+        help="decode every hypothesis to its source length (fairseq-generate --match-source-len), so that both "
+        "models run the same number of steps per sentence and sentences/s compare like for like",
+    )
+    p.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="decode with the checkpoints already in --work (no training, no training row)",
+    )
+    p.add_argument(
         "--breakdown-only",
         action="store_true",
         help="only the per-step time breakdown, from the checkpoints already in --work",
@@ -270,7 +282,7 @@ def main() -> None:
     wps: dict = {name: [] for name in MODELS}
     log_every = max(1, min(10, args.updates // args.train_rounds // 4))
     params: dict = {}
-    for r in range(1, args.train_rounds + 1):
+    for r in range(1, 0 if args.skip_train else args.train_rounds + 1):
         target = round(args.updates * r / args.train_rounds)
         for name, family in MODELS.items():
             out = run(
@@ -317,10 +329,11 @@ def main() -> None:
             f"({min(ratios):.2f}-{max(ratios):.2f}) | {med(tok_ratio):.2f}x | "
             f"{std[0]['tokens'] / std[0]['sentences']:.1f} / {mt[0]['tokens'] / mt[0]['sentences']:.1f} |"
         )
-    wr = med(wps["matt"]) / med(wps["standard"])
-    rows.append(
-        f"| train (target tokens/s) | {med(wps['standard']):.0f} | {med(wps['matt']):.0f} | **{wr:.2f}x** | | |"
-    )
+    if wps["standard"] and wps["matt"]:
+        wr = med(wps["matt"]) / med(wps["standard"])
+        rows.append(
+            f"| train (target tokens/s) | {med(wps['standard']):.0f} | {med(wps['matt']):.0f} | **{wr:.2f}x** | | |"
+        )
     bleu = {name: gen[(name, batch_sizes[-1])][0]["bleu"] for name in MODELS}
     header = (
         "| measurement | standard decoder | MAtt | MAtt / standard (median, min-max) | tokens/s ratio | "
@@ -336,7 +349,8 @@ def main() -> None:
             f"{load0:.1f}, at end {os.getloadavg()[0]:.1f}",
             f"models: {args.size} family, d={d}, FFN {ffn}, {heads} heads, {layers}+{layers} layers, "
             f"{args.updates} updates of {args.max_tokens} tokens; parameters standard {params.get('standard')}, "
-            f"MAtt {params.get('matt')}; test BLEU (beam 4) standard {bleu['standard']}, MAtt {bleu['matt']}",
+            f"MAtt {params.get('matt')}; test BLEU (beam 4) standard {bleu['standard']}, MAtt {bleu['matt']}"
+            + ("; hypotheses forced to the source length (--match-source-len)" if args.match_source_len else ""),
             "",
             header,
             *rows,

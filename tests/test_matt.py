@@ -112,6 +112,31 @@ def test_layer_matches_paper_formula(branch, share_v, pre_ln):
         assert layer.self_attn is None  # no self-attention sub-layer
 
 
+@pytest.mark.parametrize("branch", matt.SELF_BRANCHES)
+def test_without_encoder_output_only_the_self_branch(branch):
+    """fairseq skips cross-attention without encoder output; MAtt then keeps W_o (self branch) + b_o."""
+    model, _ = _matt(branch, False)
+    _nonzero_biases(model)
+    layer = model.decoder.layers[0]
+    x = torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(2))
+    mask = model.decoder.buffered_future_mask(x)
+    with torch.no_grad():
+        got = layer(x, None, None, None, self_attn_mask=mask)[0]
+        w_o = layer.encoder_attn.out_proj
+        if branch == "self-attn":
+            part = _attend(x, x, layer.self_branch, causal=True)
+        else:
+            v = layer.self_branch.v_proj(x)
+            part = v.cumsum(0) / torch.arange(1, 6).view(-1, 1, 1)
+            if branch == "gated-aan":
+                i, f = torch.sigmoid(layer.self_branch.gate(torch.cat([x, part], -1))).chunk(2, -1)
+                part = i * x + f * part
+        y = layer.matt_layer_norm(x + F.linear(part, w_o.weight, w_o.bias))
+        want = layer.final_layer_norm(y + layer.fc2(torch.relu(layer.fc1(y))))
+    assert (got - want).abs().max().item() < ATOL
+    assert w_o.pending is None
+
+
 # --- incremental decoding == full decoding ---------------------------------------------------------
 
 CONFIGS = {
