@@ -139,7 +139,7 @@ def generate(bin_dir: Path, ckpt: Path, subset: str, bs: int, args, env: dict, l
     }
 
 
-def breakdown(work: Path, bin_dir: Path, batch_sizes: list[int], threads: int, steps: int = 14, reps: int = 3) -> str:
+def breakdown(work: Path, bin_dir: Path, batch_sizes: list[int], threads: int, steps: int = 14, reps: int = 5) -> str:
     """Where a decoding step's time goes: CPU time of the encoder, the decoder layers (incremental),
     the beam reordering of their state, and the output layer + log-softmax, both models in turn.
 
@@ -248,6 +248,9 @@ def main() -> None:
         help="decode with the checkpoints already in --work (no training, no training row)",
     )
     p.add_argument(
+        "--breakdown-steps", type=int, default=14, help="decoding steps of the breakdown (default 14, ~ mean length)"
+    )
+    p.add_argument(
         "--breakdown-only",
         action="store_true",
         help="only the per-step time breakdown, from the checkpoints already in --work",
@@ -275,7 +278,7 @@ def main() -> None:
     print(f"data ready in {work} ({time.time() - t0:.0f}s)", flush=True)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.breakdown_only:
-        print(breakdown(work, bin_dir, batch_sizes, args.threads))
+        print(breakdown(work, bin_dir, batch_sizes, args.threads, steps=args.breakdown_steps))
         return
 
     # 1. training, interleaved segments
@@ -358,7 +361,7 @@ def main() -> None:
     )
     print("\n" + summary)
     print("\nwhere a decoding step's time goes (CPU time, in-process, same checkpoints):\n")
-    print(breakdown(work, bin_dir, batch_sizes, args.threads))
+    print(breakdown(work, bin_dir, batch_sizes, args.threads, steps=args.breakdown_steps))
     if args.json:
         args.json.write_text(
             json.dumps(
