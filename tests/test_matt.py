@@ -289,6 +289,28 @@ def test_tfixup_scales_shared_output_projection_once():
     for lb, lf in zip(base.decoder.layers, fix.decoder.layers, strict=True):
         torch.testing.assert_close(lf.encoder_attn.out_proj.weight, lb.encoder_attn.out_proj.weight * s)
         torch.testing.assert_close(lf.encoder_attn.v_proj.weight, lb.encoder_attn.v_proj.weight * s_v)
+        # the own W_v is a value projection too; its xavier baseline has gain 1, so it gets s, not s*sqrt(2)
+        torch.testing.assert_close(lf.self_branch.v_proj.weight, lb.self_branch.v_proj.weight * s)
+
+
+@pytest.mark.parametrize("scheme", ["deepnorm", "smallinit"])
+def test_own_value_projection_initialised_as_a_value_projection(scheme):
+    """DeepNorm: W_v ~ xavier_normal(beta_dec); SmallInit: W_v ~ N(0, sqrt(2/(5d))), like attention v_proj."""
+    import math
+
+    from fairseq_deepinit.residual import deepnorm_beta
+    from fairseq_deepinit.schemes.smallinit import smallinit_std
+
+    model, args = _matt("aan", False, "--init-scheme", scheme, "--decoder-embed-dim", "256",
+                        "--decoder-ffn-embed-dim", "256", "--encoder-embed-dim", "256")  # fmt: skip
+    d = 256
+    if scheme == "deepnorm":
+        want = deepnorm_beta("decoder", args.encoder_layers, args.decoder_layers) * math.sqrt(2.0 / (d + d))
+    else:
+        want = smallinit_std(d)
+    w = torch.cat([layer.self_branch.v_proj.weight.flatten() for layer in model.decoder.layers])
+    # std of n = 2 * 256^2 normal samples: standard error want / sqrt(2n) ~ 0.2%; 3% is > 10 s.e.
+    assert abs(w.std().item() / want - 1) < 0.03, (w.std().item(), want)
 
 
 def test_dsinit_bounds_cover_matt_weights():

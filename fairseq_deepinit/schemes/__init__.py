@@ -47,6 +47,18 @@ def iter_layers(model: nn.Module) -> Iterator[Tuple[str, int, nn.Module]]:
             yield stack, i, layer
 
 
+def own_value_projections(layer: nn.Module) -> list:
+    """Value projections that are not inside a fairseq attention module: MAtt's own W_v.
+
+    MAtt's average branch (Zhang et al. 2019, merged attention) computes ``x W_v`` like an attention's value
+    projection, so schemes that treat v_proj specially (T-Fixup, DeepNorm, SmallInit) treat it alike.
+    With ``--matt-share-v`` W_v is the cross-attention's v_proj and is reached through it instead.
+    """
+    branch = getattr(layer, "self_branch", None)
+    v = getattr(branch, "v_proj", None)
+    return [v] if isinstance(v, nn.Linear) and not hasattr(branch, "q_proj") else []
+
+
 def apply_init_scheme(model: nn.Module, cfg) -> None:
     SCHEMES[cfg.init_scheme].apply(model, cfg)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..residual import deepnorm_beta
-from . import WITH_NORM, SchemeSpec, iter_layers, register_scheme
+from . import WITH_NORM, SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
 
 
@@ -30,6 +30,7 @@ def apply_deepnorm(model: nn.Module, cfg) -> None:
                 # Figure 2: q, k are xavier_normal with gain 1 (not the baseline's uniform 1/sqrt(2))
                 nn.init.xavier_normal_(attn.q_proj.weight, gain=1.0)
                 nn.init.xavier_normal_(attn.k_proj.weight, gain=1.0)
+        targets += own_value_projections(layer)
         for lin in targets:
             nn.init.xavier_normal_(lin.weight, gain=beta)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from fairseq.modules import MultiheadAttention
 
-from . import SchemeSpec, iter_layers, register_scheme
+from . import SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline, layer_linears
 
 
@@ -28,8 +28,12 @@ def apply_smallinit(model: nn.Module, cfg) -> None:
             if isinstance(m, MultiheadAttention):
                 for proj in (m.q_proj, m.k_proj, m.v_proj, m.out_proj):
                     nn.init.normal_(proj.weight, 0.0, smallinit_std(m.embed_dim))
+        own_v = own_value_projections(layer)
         for lin in layer_linears(layer):
-            nn.init.xavier_normal_(lin.weight)
+            if lin in own_v:
+                nn.init.normal_(lin.weight, 0.0, smallinit_std(lin.in_features))  # MAtt's W_v: an attention weight
+            else:
+                nn.init.xavier_normal_(lin.weight)
 
 
 register_scheme(

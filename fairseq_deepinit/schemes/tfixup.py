@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from . import SchemeSpec, iter_layers, register_scheme
+from . import SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
 
 
@@ -48,6 +48,8 @@ def apply_tfixup(model, cfg) -> None:
             if attn is not None:
                 attn.out_proj.weight.mul_(s)
                 attn.v_proj.weight.mul_(s_v)
+        for w_v in own_value_projections(layer):
+            w_v.weight.mul_(s)  # its baseline is xavier with gain 1, so no sqrt(2) to undo
     model.encoder.embed_tokens.weight.mul_(embedding_factor("encoder", n_e, n_d))
     if model.decoder.embed_tokens is not model.encoder.embed_tokens:
         model.decoder.embed_tokens.weight.mul_(embedding_factor("decoder", n_e, n_d))
