@@ -527,9 +527,13 @@ def cli_shape(shape: Shape, configs: Sequence[Config], data: Path, opts) -> dict
                 ratios[cfg.name].append(this_round[cfg.name] / this_round[cfg.ref])
         if opts.verbose:
             print(f"  cli round {r + 1}/{opts.repeats}: " + ", ".join(f"{n} {this_round[n]:.0f}" for n in names))
-    return {
+    out = {
         n: {"tokens_per_s": tps[n], "ratio_to_ref": ratios[n], "peak_rss_mib": statistics.median(rss[n])} for n in names
     }
+    for num, den, _ in NORM_COMPARISONS:
+        if num in tps and den in tps:
+            out[num][f"ratio_to_{den}"] = [a / b for a, b in zip(tps[num], tps[den], strict=True)]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
