@@ -213,11 +213,17 @@ def subword_nmt(*args: str) -> None:
         raise CorpusError(f"subword-nmt {args[0]} failed:\n{proc.stdout[-2000:]}\nRun `bash scripts/setup.sh`.")
 
 
-def learn_apply_bpe(raw: Path, out: Path, merges: int, langs: Tuple[str, str] = ("de", "en")) -> None:
+def learn_apply_bpe(
+    raw: Path,
+    out: Path,
+    merges: int,
+    langs: Tuple[str, str] = ("de", "en"),
+    splits: Sequence[str] = ("train", "valid", "test"),
+) -> None:
     """:func:`tokenize`, then joint BPE (Sennrich et al. 2016) learnt on the training text of both
-    languages and applied with the vocabulary filter (threshold 50) of subword-nmt's README."""
+    languages and applied, to every split, with the vocabulary filter (threshold 50) of subword-nmt's README."""
     out.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "valid", "test"):
+    for split in splits:
         for lang in langs:
             with open(raw / f"{split}.{lang}", encoding="utf-8") as f:
                 _write_lines(out / f"{split}.tok.{lang}", (tokenize(line.rstrip("\n")) for line in f))
@@ -234,7 +240,7 @@ def learn_apply_bpe(raw: Path, out: Path, merges: int, langs: Tuple[str, str] = 
         "--write-vocabulary",
         *map(str, vocabs),
     )
-    for split in ("train", "valid", "test"):
+    for split in splits:
         for lang, vocab in zip(langs, vocabs, strict=True):
             tmp = out / f"{split}.{lang}.tmp"
             subword_nmt(

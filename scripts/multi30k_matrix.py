@@ -1,0 +1,547 @@
+#!/usr/bin/env python
+"""Stability matrix and BLEU table of every scheme on Multi30k de-en (``docs/results.md``).
+
+Each *cell* is one method at one depth (layers per stack) under one learning-rate regime, trained
+for a fixed number of updates with fairseq-train and validated every ``--valid-every`` updates:
+
+- ``warmup``: Adam, peak ``--lr`` reached by linear warm-up over ``--warmup`` updates, then
+  inverse-sqrt decay (fairseq's ``inverse_sqrt``, what every paper's baseline uses);
+- ``nowarmup``: a higher ``--lr-nowarmup`` from the first update, decaying as sqrt(P / (P + t)) with
+  P = 4000 (T-Fixup's warm-up-free ``tfixup`` schedule, Huang et al. 2020, sec. 4), for every method.
+
+Deeper cells cost more per update, so ``--budget`` gives each depth its own number of updates and
+validation interval (``DEPTH:UPDATES:VALID_EVERY``); updates-to-target compare within a depth.
+
+A cell *diverged* when fairseq-train stopped on a non-finite loss or gradient (the diagnostics
+criterion's guard names the update and the first layer), *stalled* when its best dev loss never
+got below ``--stall-loss`` (bits per token, label-smoothed; a unigram model of Multi30k's English
+side scores about 8.3), else *converged*. "Updates to dev loss L" is the first validation at or
+below ``--target-loss``. Every cell logs fairseq's per-layer gradient norms (``diag_gnorm/*``) every
+``--valid-every`` updates, which is what the report shows for a failing cell.
+
+Subcommands (all resumable: a finished cell keeps its ``result.json`` and is skipped):
+
+- ``prepare``: Multi30k read in place (gzip) -> tokenised, joint BPE, binarised under the work dir;
+- ``matrix``: train the cells of ``--methods x --depths x --regimes`` (``--jobs`` at a time);
+- ``bleu``: translate test2016 and test2017 with each given cell's best checkpoint; sacreBLEU;
+- ``report``: the Markdown tables of ``docs/results.md`` from the results found.
+
+Cells are named ``METHOD:DEPTH:REGIME`` (``postln:18:nowarmup``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import prepare_bible  # noqa: E402  (the tokeniser, BPE and scorer of the quickstart, shared)
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = REPO / "fairseq_deepinit"
+MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
+SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test1": "test_2017_flickr"}
+TEST_SETS = {"test": "test2016", "test1": "test2017"}
+
+# method -> (label in the tables, fairseq-train flags that select it)
+METHODS: Dict[str, tuple] = {
+    "postln": ("Post-LN", ["--arch", "postln_iwslt_de_en"]),
+    "preln": ("Pre-LN", ["--arch", "preln_iwslt_de_en"]),
+    "lipschitz": ("Lipschitz Post-LN", ["--arch", "lipschitz_iwslt_de_en"]),
+    "tfixup": ("T-Fixup (no LN)", ["--arch", "tfixup_iwslt_de_en"]),
+    "admin": ("Admin", ["--arch", "admin_iwslt_de_en", "--task", "translation_admin"]),
+    "dsinit": ("DS-Init", ["--arch", "dsinit_iwslt_de_en"]),
+    "dsinit_matt": ("DS-Init+MAtt", ["--arch", "dsinit_matt_iwslt_de_en"]),
+    "twt": ("PreNorm+ScaleNorm+FixNorm", ["--arch", "twt_iwslt_de_en"]),
+    "deepnorm": ("DeepNorm", ["--arch", "deepnorm_iwslt_de_en"]),
+}
+REGIMES = ("warmup", "nowarmup")
+
+
+class MatrixError(RuntimeError):
+    """An expected failure (missing data, unknown cell); the message says what to do."""
+
+
+def log(msg: str) -> None:
+    print(f"[multi30k] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def prepare(work: Path, merges: int) -> Path:
+    """Multi30k de-en -> ``work/bin`` (fairseq binarised; test = test2016, test1 = test2017)."""
+    bin_dir = work / "bin"
+    if (bin_dir / ".done").exists():
+        log(f"data already prepared: {bin_dir}")
+        return bin_dir
+    raw = work / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for out, split in SPLITS.items():
+        for lang in ("de", "en"):
+            src = MULTI30K / f"{split}.{lang}.gz"
+            if not src.exists():
+                raise MatrixError(f"{src} not found: set MULTI30K_DIR to the folder with Multi30k's gzip files")
+            with gzip.open(src, "rt", encoding="utf-8") as f, open(raw / f"{out}.{lang}", "w", encoding="utf-8") as g:
+                for line in f:
+                    g.write(" ".join(line.split()) + "\n")
+    bpe = work / f"bpe{merges}"
+    log(f"joint BPE ({merges} merges) on the tokenised training text")
+    prepare_bible.learn_apply_bpe(raw, bpe, merges, splits=tuple(SPLITS))
+    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en"]
+    cmd += ["--trainpref", str(bpe / "train"), "--validpref", str(bpe / "valid")]
+    cmd += ["--testpref", f"{bpe / 'test'},{bpe / 'test1'}", "--destdir", str(bin_dir), "--workers", "2"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    (bin_dir / ".done").write_text("ok\n")
+    return bin_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# cells
+
+
+def parse_cell(name: str) -> tuple:
+    try:
+        method, depth, regime = name.split(":")
+        depth_i = int(depth)
+    except ValueError:
+        raise MatrixError(f"cell {name!r} is not METHOD:DEPTH:REGIME (e.g. postln:18:nowarmup)") from None
+    if method not in METHODS:
+        raise MatrixError(f"unknown method {method!r} in {name!r}; choose from {', '.join(METHODS)}")
+    if regime not in REGIMES:
+        raise MatrixError(f"unknown regime {regime!r} in {name!r}; choose from {', '.join(REGIMES)}")
+    return method, depth_i, regime
+
+
+def cell_name(method: str, depth: int, regime: str) -> str:
+    return f"{method}:{depth}:{regime}"
+
+
+def cell_dir(work: Path, name: str) -> Path:
+    return work / "runs" / name.replace(":", "-")
+
+
+def budget_of(spec: str, depth: int) -> tuple:
+    """(updates, validation interval) of ``depth`` in a ``DEPTH:UPDATES:VALID_EVERY,...`` spec."""
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(x.isdigit() for x in parts):
+            raise MatrixError(f"--budget item {item!r} is not DEPTH:UPDATES:VALID_EVERY (e.g. 18:250:25)")
+        if int(parts[0]) == depth:
+            return int(parts[1]), int(parts[2])
+    raise MatrixError(f"--budget {spec!r} has no entry for depth {depth}; add {depth}:UPDATES:VALID_EVERY")
+
+
+def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespace) -> List[str]:
+    """The exact fairseq-train command line of a cell."""
+    method, depth, regime = parse_cell(name)
+    cmd = [sys.executable, "-m", "fairseq_cli.train", str(bin_dir), "--user-dir", str(USER_DIR)]
+    cmd += METHODS[method][1]
+    cmd += ["--encoder-layers", str(depth), "--decoder-layers", str(depth)]
+    for side in ("encoder", "decoder"):
+        cmd += [f"--{side}-embed-dim", str(a.dim), f"--{side}-ffn-embed-dim", str(a.ffn)]
+        cmd += [f"--{side}-attention-heads", str(a.heads)]
+    cmd += ["--dropout", str(a.dropout), "--share-decoder-input-output-embed"]
+    cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--label-smoothing", "0.1"]
+    updates, every = budget_of(a.budget, depth)
+    cmd += ["--diagnostics-interval", str(every), "--diagnostics-stats", "grad"]
+    cmd += ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.0001"]
+    if regime == "warmup":
+        cmd += ["--lr", str(a.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(a.warmup)]
+        cmd += ["--warmup-init-lr", "1e-07"]
+    else:
+        cmd += ["--lr", str(a.lr_nowarmup), "--lr-scheduler", "tfixup"]
+    cmd += ["--max-tokens", str(a.max_tokens), "--max-update", str(updates), "--seed", str(a.seed)]
+    cmd += ["--validate-interval-updates", str(every), "--save-interval-updates", str(every)]
+    cmd += ["--keep-interval-updates", "1", "--no-epoch-checkpoints", "--no-last-checkpoints"]
+    cmd += ["--save-dir", str(save_dir), "--cpu", "--num-workers", "0"]
+    cmd += ["--log-format", "json", "--log-interval", str(every)]
+    return cmd + shlex.split(a.extra_args)
+
+
+_JSON_LINE = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
+# the guard's message runs over several lines (stop, first non-finite layer, weights) before its advice
+_FAILURES = (r"DivergenceError: (.*?)(?:\nNo checkpoint|$)", r"FloatingPointError: (.*)")
+
+
+def parse_log(text: str) -> dict:
+    """Validation curve ``[(update, loss, nll_loss)]``, train log records and the failure message
+    of a fairseq-train ``--log-format json`` log."""
+    valid: List[tuple] = []
+    train: List[dict] = []
+    for line in text.splitlines():
+        m = _JSON_LINE.search(line)
+        if not m:
+            continue
+        rec = json.loads(m.group(2))
+        if m.group(1) == "valid":
+            update = int(float(rec["valid_num_updates"]))
+            if not valid or valid[-1][0] != update:  # fairseq validates twice when an epoch ends on an interval
+                valid.append((update, float(rec["valid_loss"]), float(rec["valid_nll_loss"])))
+        elif m.group(1) == "train_inner":
+            train.append(rec)
+    error = None
+    for pattern in _FAILURES:
+        m = re.search(pattern, text, flags=re.DOTALL if "?:" in pattern else 0)
+        if m:
+            error = " ".join(m.group(1).split())
+            break
+    return {"valid": valid, "train": train, "error": error}
+
+
+def unigram_bits(bin_dir: Path, valid_target: Path) -> float:
+    """Cross-entropy (bits/token, end of sentence included) of the dev targets under the training
+    set's unigram distribution: what a model that ignores the source and the prefix achieves."""
+    counts = {}
+    with open(bin_dir / "dict.en.txt", encoding="utf-8") as f:
+        for line in f:
+            word, count = line.split()[:2]
+            if int(count) > 0:
+                counts[word] = int(count)
+    with open(bin_dir.parent / "raw" / "train.en", encoding="utf-8") as f:
+        counts["</s>"] = sum(1 for _ in f)
+    total = sum(counts.values())
+    bits = n = 0
+    with open(valid_target, encoding="utf-8") as f:
+        for line in f:
+            for tok in line.split() + ["</s>"]:
+                bits -= math.log2(counts.get(tok, 1) / total)
+                n += 1
+    return bits / n
+
+
+def classify(parsed: dict, returncode: int, stall_bits: float, target_bits: float | None) -> dict:
+    """Status, best dev nll and updates to ``target_bits`` of a finished cell (module docstring)."""
+    finite = [(u, nll) for u, loss, nll in parsed["valid"] if math.isfinite(loss) and math.isfinite(nll)]
+    best = min(finite, key=lambda un: un[1]) if finite else None
+    reached = next((u for u, nll in finite if target_bits is not None and nll <= target_bits), None)
+    if parsed["error"] or len(finite) < len(parsed["valid"]):
+        status = "diverged"
+    elif returncode != 0:
+        status = "failed"
+    elif best is None or best[1] >= stall_bits:
+        status = "stalled"
+    else:
+        status = "converged"
+    return {
+        "status": status,
+        "best_dev_nll": best[1] if best else None,
+        "best_update": best[0] if best else None,
+        "updates_to_target": reached,
+    }
+
+
+def gnorm_profile(train: List[dict]) -> Dict[str, float]:
+    """Per-layer gradient norms of the last train log record that has them."""
+    for rec in reversed(train):
+        layers = {k[len("diag_gnorm/") :]: float(v) for k, v in rec.items() if k.startswith("diag_gnorm/")}
+        if layers:
+            return {"update": int(float(rec["num_updates"])), **layers}
+    return {}
+
+
+def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> dict:
+    """Train one cell (skipped when its ``result.json`` exists); returns its analysed result."""
+    out = cell_dir(work, name)
+    result_path = out / "result.json"
+    if not result_path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = train_command(bin_dir, out, name, a)
+        threads = str(a.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        log(f"train {name}")
+        start = time.time()
+        with open(out / "train.log", "w", encoding="utf-8") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        method, depth, regime = parse_cell(name)
+        record = dict(
+            cell=name,
+            method=method,
+            depth=depth,
+            regime=regime,
+            returncode=proc.returncode,
+            wall_s=round(time.time() - start, 1),
+            command=" ".join(cmd[1:]).replace(str(REPO) + "/", ""),
+            settings={
+                **{k: getattr(a, k) for k in ("dim", "ffn", "heads", "lr", "lr_nowarmup", "warmup", "max_tokens")},
+                "seed": a.seed,
+                "updates": budget_of(a.budget, depth)[0],
+            },
+        )
+        result_path.write_text(json.dumps(record, indent=1))
+    r = analyse(work, out, a.stall_bits, target_of(a.target_bits, parse_cell(name)[1]))
+    log(f"{name}: {r['status']}, best dev nll {r['best_dev_nll']}, {r['wall_s']:.0f}s")
+    return r
+
+
+def analyse(work: Path, out: Path, stall_bits: float | None, target_bits: float | None) -> dict:
+    """A finished cell's record (``result.json``) plus what its training log says (status, dev
+    curve, throughput, per-layer gradient norms); the log is the source of truth, re-read every time."""
+    r = json.loads((out / "result.json").read_text())
+    text = (out / "train.log").read_text(encoding="utf-8")
+    parsed = parse_log(text)
+    if stall_bits is None:
+        stall_bits = unigram_bits(work / "bin", work / f"bpe{_merges(work)}" / "valid.en")
+    r.update(classify(parsed, r["returncode"], stall_bits, target_bits))
+    wps = [float(t["wps"]) for t in parsed["train"] if "wps" in t]
+    r.update(
+        stall_bits=stall_bits,
+        target_bits=target_bits,
+        valid=parsed["valid"],
+        train=[(int(float(t["num_updates"])), float(t["loss"]), float(t.get("gnorm", "nan"))) for t in parsed["train"]],
+        updates_done=max((int(float(t["num_updates"])) for t in parsed["train"]), default=0),
+        wps=sum(wps) / len(wps) if wps else None,
+        gnorm_layers=gnorm_profile(parsed["train"]),
+        error=parsed["error"] or (None if r["returncode"] == 0 else _last_line(text)),
+    )
+    return r
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][-300:] if lines else "no output"
+
+
+def _merges(work: Path) -> str:
+    found = sorted(p.name[3:] for p in work.glob("bpe*") if p.is_dir())
+    if not found:
+        raise MatrixError(f"no BPE folder under {work}: run `prepare` first")
+    return found[0]
+
+
+def target_of(spec: str, depth: int) -> float | None:
+    """The dev-nll target (bits/token) of ``depth`` in a ``DEPTH:BITS,...`` spec (None if absent)."""
+    for item in spec.split(","):
+        d, _, bits = item.partition(":")
+        try:
+            if int(d) == depth:
+                return float(bits)
+        except ValueError:
+            raise MatrixError(f"--target-bits item {item!r} is not DEPTH:BITS (e.g. 18:6.0)") from None
+    return None
+
+
+def expand(methods: Sequence[str], depths: Sequence[int], regimes: Sequence[str]) -> List[str]:
+    cells = [cell_name(m, d, r) for d in depths for m in methods for r in regimes]
+    for c in cells:
+        parse_cell(c)
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------
+# BLEU
+
+
+def bleu_cell(bin_dir: Path, work: Path, name: str, beam: int, threads: int) -> dict:
+    out = cell_dir(work, name)
+    ckpt = out / "checkpoint_best.pt"
+    if not ckpt.exists():
+        raise MatrixError(f"{ckpt} not found: train the cell first (`matrix --cells {name}`)")
+    scores = {}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    for subset, label in TEST_SETS.items():
+        gen = out / f"generate-{label}.txt"
+        if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
+            cmd = [sys.executable, "-m", "fairseq_cli.generate", str(bin_dir), "--user-dir", str(USER_DIR)]
+            cmd += ["--path", str(ckpt), "--gen-subset", subset, "--beam", str(beam), "--remove-bpe"]
+            cmd += ["--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "128"]
+            cmd += ["--required-batch-size-multiple", "1", "--cpu"]
+            with open(gen.with_suffix(".tmp"), "w", encoding="utf-8") as f:
+                subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, env=env, check=True)
+            gen.with_suffix(".tmp").replace(gen)
+        scores[label] = prepare_bible.score(gen, work / "raw" / f"{subset}.en")
+    (out / "bleu.json").write_text(json.dumps(scores, indent=1))
+    return scores
+
+
+_BLEU = re.compile(r"BLEU = ([0-9.]+)")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def load_results(work: Path, stall_bits: float | None, target_spec: str) -> Dict[str, dict]:
+    """Every finished cell under ``work/runs``, analysed, with its BLEU scores when translated."""
+    results = {}
+    for p in sorted((work / "runs").glob("*/result.json")):
+        depth = json.loads(p.read_text())["depth"]
+        r = analyse(work, p.parent, stall_bits, target_of(target_spec, depth))
+        bleu = p.parent / "bleu.json"
+        if bleu.exists():
+            r["bleu"] = json.loads(bleu.read_text())
+        results[r["cell"]] = r
+    return results
+
+
+def select_for_bleu(results: Dict[str, dict]) -> List[str]:
+    """Per method: the better regime at the shallowest depth and at the deepest depth where it converged."""
+    chosen = []
+    for m in METHODS:
+        ok = [r for r in results.values() if r["method"] == m and r["status"] == "converged"]
+        for depth in sorted({min((r["depth"] for r in ok), default=0), max((r["depth"] for r in ok), default=0)}):
+            at = [r for r in ok if r["depth"] == depth]
+            if at:
+                chosen.append(min(at, key=lambda r: r["best_dev_nll"])["cell"])
+    return chosen
+
+
+def fmt_cell(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    nll = f"{r['best_dev_nll']:.2f}" if r["best_dev_nll"] is not None else "-"
+    if r["status"] == "diverged":
+        return f"**diverged** at {r['updates_done']}" + (f" (best {nll})" if r["best_dev_nll"] is not None else "")
+    if r["status"] in ("stalled", "failed"):
+        return f"**{r['status']}** {nll}"
+    reach = f" @{r['updates_to_target']}" if r["updates_to_target"] is not None else " @-"
+    return f"ok {nll}{reach}"
+
+
+def _layer_summary(g: Dict[str, float]) -> str:
+    """Gradient norms of the embeddings and of the bottom and top layer of each stack."""
+    if not g:
+        return "no per-layer gradient norms logged"
+    parts = []
+    for stack in ("encoder", "decoder"):
+        layers = sorted(int(k.split(".")[2]) for k in g if k.startswith(f"{stack}.layers."))
+        if layers:
+            lo, hi = g[f"{stack}.layers.{layers[0]}"], g[f"{stack}.layers.{layers[-1]}"]
+            parts.append(
+                f"{stack} layer 1 {lo:.3g}, layer {layers[-1] + 1} {hi:.3g} (top/bottom {hi / max(lo, 1e-30):.3g})"
+            )
+    return f"update {g['update']}: " + "; ".join(parts)
+
+
+def report(work: Path, stall_bits: float | None, target_spec: str) -> str:
+    """The Markdown tables of ``docs/results.md``: stability matrix, BLEU, failing cells."""
+    results = load_results(work, stall_bits, target_spec)
+    if not results:
+        raise MatrixError(f"no results under {work / 'runs'}: run `matrix` first")
+    depths = sorted({r["depth"] for r in results.values()})
+    any_r = next(iter(results.values()))
+    targets = ", ".join(f"{d}L {target_of(target_spec, d)}" for d in depths)
+    lines = [
+        f"Cell: status, best dev nll (bits/token), `@U` = first validation with dev nll <= the depth's target "
+        f"({targets}); `@-`: not reached. Stalled = never below the unigram model's {any_r['stall_bits']:.2f} bits.",
+        "",
+        "| method | " + " | ".join(f"{d}L warmup | {d}L no warmup" for d in depths) + " |",
+        "|---|" + "---|" * (2 * len(depths)),
+    ]
+    for m, (label, _) in METHODS.items():
+        row = [fmt_cell(results.get(cell_name(m, d, r))) for d in depths for r in REGIMES]
+        if any(x != "not run" for x in row):
+            lines.append(f"| {label} | " + " | ".join(row) + " |")
+    bleu_rows = [r for r in results.values() if "bleu" in r]
+    if bleu_rows:
+        lines += [
+            "",
+            "| method | layers | regime | updates | test2016 BLEU | test2017 BLEU | best dev nll |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(bleu_rows, key=lambda r: (list(METHODS).index(r["method"]), r["depth"], r["regime"])):
+            b = {k: _BLEU.search(v).group(1) for k, v in r["bleu"].items()}
+            lines.append(
+                f"| {METHODS[r['method']][0]} | {r['depth']} | {r['regime']} | {r['best_update']} "
+                f"| {b['test2016']} | {b['test2017']} | {r['best_dev_nll']:.2f} |"
+            )
+        sig = next(iter(bleu_rows[0]["bleu"].values())).split("signature: ")[-1].rstrip(")")
+        lines += ["", f"sacreBLEU signature: `{sig}`"]
+    failing = [r for r in results.values() if r["status"] != "converged"]
+    if failing:
+        lines += ["", "Cells that did not converge, and why:", ""]
+        for r in sorted(failing, key=lambda r: (r["depth"], list(METHODS).index(r["method"]), r["regime"])):
+            curve = ", ".join(f"{u}: {nll:.2f}" for u, _, nll in r["valid"][:8]) or "no validation"
+            why = f"{r['error']}; " if r["error"] else ""
+            lines.append(
+                f"- `{r['cell']}` ({r['status']}): {why}dev nll by update {curve}; gradient norms at the last "
+                f"logged update, {_layer_summary(r['gnorm_layers'])}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("command", choices=("prepare", "matrix", "bleu", "report"))
+    p.add_argument("--work-dir", type=Path, default=REPO / "work-data" / "multi30k-matrix")
+    p.add_argument("--bpe-merges", type=int, default=8000)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--depths", default="6,18,36")
+    p.add_argument("--regimes", default=",".join(REGIMES))
+    p.add_argument("--cells", default="", help="comma-separated METHOD:DEPTH:REGIME (instead of the product)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the warmup regime")
+    p.add_argument("--lr-nowarmup", type=float, default=2e-3, help="learning rate of the no-warmup regime")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--budget", default="6:600:50,18:250:25,36:120:20,100:40:20", help="DEPTH:UPDATES:VALID_EVERY,...")
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--stall-bits", type=float, help="stalled = best dev nll not below this (default: unigram model)")
+    p.add_argument("--target-bits", default="6:5.0,18:6.0,36:7.0,100:7.5", help="DEPTH:BITS,... dev-nll targets")
+    p.add_argument("--extra-args", default="", help="appended to every fairseq-train command (last, so they win)")
+    p.add_argument("--dry-run", action="store_true", help="matrix: print the fairseq-train commands, train nothing")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="OpenMP threads per job")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--output", type=Path, help="report: write the tables here instead of stdout")
+    a = p.parse_args(argv)
+    try:
+        work = a.work_dir
+        if a.command == "prepare":
+            prepare(work, a.bpe_merges)
+            return 0
+        if a.command == "report":
+            text = report(work, a.stall_bits, a.target_bits)
+            if a.output:
+                a.output.write_text(text)
+            else:
+                print(text, end="")
+            return 0
+        if a.command == "bleu" and a.cells == "select":
+            cells = select_for_bleu(load_results(work, a.stall_bits, a.target_bits))
+        else:
+            cells = [c for c in a.cells.split(",") if c] or expand(
+                a.methods.split(","), [int(d) for d in a.depths.split(",")], a.regimes.split(",")
+            )
+        for c in cells:
+            parse_cell(c)
+        if a.command == "matrix" and a.dry_run:
+            for c in cells:
+                print(shlex.join(train_command(work / "bin", cell_dir(work, c), c, a)))
+            return 0
+        bin_dir = prepare(work, a.bpe_merges)
+        if a.command == "matrix":
+            with ThreadPoolExecutor(a.jobs) as pool:
+                list(pool.map(lambda c: train_cell(bin_dir, work, c, a), cells))
+        else:
+            with ThreadPoolExecutor(a.jobs) as pool:
+                for c, scores in zip(
+                    cells, pool.map(lambda c: bleu_cell(bin_dir, work, c, a.beam, a.threads), cells), strict=True
+                ):
+                    print(c, json.dumps(scores))
+        return 0
+    except (MatrixError, prepare_bible.CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
