@@ -2,7 +2,7 @@
 """Stability matrix and BLEU table of every scheme on Multi30k de-en (``docs/results.md``).
 
 Each *cell* is one method at one depth (layers per stack) under one learning-rate regime, trained
-for a fixed number of updates with fairseq-train and validated every ``--valid-every`` updates:
+for a fixed number of updates with fairseq-train and validated at a fixed interval:
 
 - ``warmup``: Adam, peak ``--lr`` reached by linear warm-up over ``--warmup`` updates, then
   inverse-sqrt decay (fairseq's ``inverse_sqrt``, what every paper's baseline uses);
@@ -12,12 +12,13 @@ for a fixed number of updates with fairseq-train and validated every ``--valid-e
 Deeper cells cost more per update, so ``--budget`` gives each depth its own number of updates and
 validation interval (``DEPTH:UPDATES:VALID_EVERY``); updates-to-target compare within a depth.
 
-A cell *diverged* when fairseq-train stopped on a non-finite loss or gradient (the diagnostics
-criterion's guard names the update and the first layer), *stalled* when its best dev loss never
-got below ``--stall-loss`` (bits per token, label-smoothed; a unigram model of Multi30k's English
-side scores about 8.3), else *converged*. "Updates to dev loss L" is the first validation at or
-below ``--target-loss``. Every cell logs fairseq's per-layer gradient norms (``diag_gnorm/*``) every
-``--valid-every`` updates, which is what the report shows for a failing cell.
+Status of a cell, from its dev nll (bits/token) curve: *diverged* when fairseq-train stopped on a
+non-finite loss or gradient (the diagnostics criterion's guard names the update and the first
+layer); *stalled* when its best dev nll never got below a unigram model's (``--stall-bits``; 7.93
+on Multi30k's dev set with the default BPE) or when the second half of the run improved it by less
+than 0.1 bits (it stopped learning); else *converging*. "Updates to target" is the first validation
+at or below the depth's ``--target-bits``. Every cell logs fairseq's per-layer gradient norms
+(``diag_gnorm/*``) at each validation, which the report shows for a failing cell.
 
 Subcommands (all resumable: a finished cell keeps its ``result.json`` and is skipped):
 
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -67,6 +69,7 @@ METHODS: Dict[str, tuple] = {
     "deepnorm": ("DeepNorm", ["--arch", "deepnorm_iwslt_de_en"]),
 }
 REGIMES = ("warmup", "nowarmup")
+PLATEAU_BITS = 0.1  # a cell whose second half gains less than this (bits/token) stopped learning
 
 
 class MatrixError(RuntimeError):
@@ -222,24 +225,32 @@ def unigram_bits(bin_dir: Path, valid_target: Path) -> float:
     return bits / n
 
 
-def classify(parsed: dict, returncode: int, stall_bits: float, target_bits: float | None) -> dict:
-    """Status, best dev nll and updates to ``target_bits`` of a finished cell (module docstring)."""
+def classify(
+    parsed: dict, returncode: int, stall_bits: float, target_bits: float | None, plateau_bits: float = PLATEAU_BITS
+) -> dict:
+    """Status, best dev nll and updates to ``target_bits`` of a finished cell (module docstring):
+    ``diverged`` (non-finite), ``failed`` (crashed otherwise), ``stalled`` (never below ``stall_bits``,
+    or the second half of the run improved the best dev nll by less than ``plateau_bits``: it stopped
+    learning), else ``converging``."""
     finite = [(u, nll) for u, loss, nll in parsed["valid"] if math.isfinite(loss) and math.isfinite(nll)]
     best = min(finite, key=lambda un: un[1]) if finite else None
     reached = next((u for u, nll in finite if target_bits is not None and nll <= target_bits), None)
+    first_half = [nll for u, nll in finite if u <= finite[-1][0] / 2] if finite else []
+    plateau = bool(first_half) and min(first_half) - best[1] < plateau_bits
     if parsed["error"] or len(finite) < len(parsed["valid"]):
         status = "diverged"
     elif returncode != 0:
         status = "failed"
-    elif best is None or best[1] >= stall_bits:
+    elif best is None or best[1] >= stall_bits or plateau:
         status = "stalled"
     else:
-        status = "converged"
+        status = "converging"
     return {
         "status": status,
         "best_dev_nll": best[1] if best else None,
         "best_update": best[0] if best else None,
         "updates_to_target": reached,
+        "second_half_gain": round(min(first_half) - best[1], 3) if first_half else None,
     }
 
 
@@ -250,6 +261,20 @@ def gnorm_profile(train: List[dict]) -> Dict[str, float]:
         if layers:
             return {"update": int(float(rec["num_updates"])), **layers}
     return {}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How a finished cell is judged (``classify``): stall threshold (None: the unigram model's),
+    plateau gain and the per-depth dev-nll targets (``DEPTH:BITS,...``)."""
+
+    stall_bits: float | None
+    target_spec: str
+    plateau_bits: float = PLATEAU_BITS
+
+    @classmethod
+    def of(cls, a: argparse.Namespace) -> Rules:
+        return cls(a.stall_bits, a.target_bits, a.plateau_bits)
 
 
 def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> dict:
@@ -281,20 +306,22 @@ def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> d
             },
         )
         result_path.write_text(json.dumps(record, indent=1))
-    r = analyse(work, out, a.stall_bits, target_of(a.target_bits, parse_cell(name)[1]))
+    r = analyse(work, out, Rules.of(a), parse_cell(name)[1])
     log(f"{name}: {r['status']}, best dev nll {r['best_dev_nll']}, {r['wall_s']:.0f}s")
     return r
 
 
-def analyse(work: Path, out: Path, stall_bits: float | None, target_bits: float | None) -> dict:
+def analyse(work: Path, out: Path, rules: Rules, depth: int) -> dict:
     """A finished cell's record (``result.json``) plus what its training log says (status, dev
     curve, throughput, per-layer gradient norms); the log is the source of truth, re-read every time."""
     r = json.loads((out / "result.json").read_text())
     text = (out / "train.log").read_text(encoding="utf-8")
     parsed = parse_log(text)
+    stall_bits = rules.stall_bits
     if stall_bits is None:
         stall_bits = unigram_bits(work / "bin", work / f"bpe{_merges(work)}" / "valid.en")
-    r.update(classify(parsed, r["returncode"], stall_bits, target_bits))
+    target_bits = target_of(rules.target_spec, depth)
+    r.update(classify(parsed, r["returncode"], stall_bits, target_bits, rules.plateau_bits))
     wps = [float(t["wps"]) for t in parsed["train"] if "wps" in t]
     r.update(
         stall_bits=stall_bits,
@@ -373,12 +400,12 @@ _BLEU = re.compile(r"BLEU = ([0-9.]+)")
 # report
 
 
-def load_results(work: Path, stall_bits: float | None, target_spec: str) -> Dict[str, dict]:
+def load_results(work: Path, rules: Rules) -> Dict[str, dict]:
     """Every finished cell under ``work/runs``, analysed, with its BLEU scores when translated."""
     results = {}
     for p in sorted((work / "runs").glob("*/result.json")):
         depth = json.loads(p.read_text())["depth"]
-        r = analyse(work, p.parent, stall_bits, target_of(target_spec, depth))
+        r = analyse(work, p.parent, rules, depth)
         bleu = p.parent / "bleu.json"
         if bleu.exists():
             r["bleu"] = json.loads(bleu.read_text())
@@ -387,10 +414,10 @@ def load_results(work: Path, stall_bits: float | None, target_spec: str) -> Dict
 
 
 def select_for_bleu(results: Dict[str, dict]) -> List[str]:
-    """Per method: the better regime at the shallowest depth and at the deepest depth where it converged."""
+    """Per method: the better regime at the shallowest and at the deepest depth where it was converging."""
     chosen = []
     for m in METHODS:
-        ok = [r for r in results.values() if r["method"] == m and r["status"] == "converged"]
+        ok = [r for r in results.values() if r["method"] == m and r["status"] == "converging"]
         for depth in sorted({min((r["depth"] for r in ok), default=0), max((r["depth"] for r in ok), default=0)}):
             at = [r for r in ok if r["depth"] == depth]
             if at:
@@ -425,17 +452,18 @@ def _layer_summary(g: Dict[str, float]) -> str:
     return f"update {g['update']}: " + "; ".join(parts)
 
 
-def report(work: Path, stall_bits: float | None, target_spec: str) -> str:
+def report(work: Path, rules: Rules) -> str:
     """The Markdown tables of ``docs/results.md``: stability matrix, BLEU, failing cells."""
-    results = load_results(work, stall_bits, target_spec)
+    results = load_results(work, rules)
     if not results:
         raise MatrixError(f"no results under {work / 'runs'}: run `matrix` first")
     depths = sorted({r["depth"] for r in results.values()})
     any_r = next(iter(results.values()))
-    targets = ", ".join(f"{d}L {target_of(target_spec, d)}" for d in depths)
+    targets = ", ".join(f"{d}L {target_of(rules.target_spec, d)}" for d in depths)
     lines = [
         f"Cell: status, best dev nll (bits/token), `@U` = first validation with dev nll <= the depth's target "
-        f"({targets}); `@-`: not reached. Stalled = never below the unigram model's {any_r['stall_bits']:.2f} bits.",
+        f"({targets}); `@-`: not reached. Stalled: never below the unigram model's {any_r['stall_bits']:.2f} bits, "
+        f"or less than {rules.plateau_bits} bits gained in the second half of the run.",
         "",
         "| method | " + " | ".join(f"{d}L warmup | {d}L no warmup" for d in depths) + " |",
         "|---|" + "---|" * (2 * len(depths)),
@@ -459,9 +487,9 @@ def report(work: Path, stall_bits: float | None, target_spec: str) -> str:
             )
         sig = next(iter(bleu_rows[0]["bleu"].values())).split("signature: ")[-1].rstrip(")")
         lines += ["", f"sacreBLEU signature: `{sig}`"]
-    failing = [r for r in results.values() if r["status"] != "converged"]
+    failing = [r for r in results.values() if r["status"] != "converging"]
     if failing:
-        lines += ["", "Cells that did not converge, and why:", ""]
+        lines += ["", "Cells that were not converging, and why:", ""]
         for r in sorted(failing, key=lambda r: (r["depth"], list(METHODS).index(r["method"]), r["regime"])):
             curve = ", ".join(f"{u}: {nll:.2f}" for u, _, nll in r["valid"][:8]) or "no validation"
             why = f"{r['error']}; " if r["error"] else ""
@@ -495,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stall-bits", type=float, help="stalled = best dev nll not below this (default: unigram model)")
+    p.add_argument("--plateau-bits", type=float, default=PLATEAU_BITS, help="stalled = second half gains less")
     p.add_argument("--target-bits", default="6:5.0,18:6.0,36:7.0,100:7.5", help="DEPTH:BITS,... dev-nll targets")
     p.add_argument("--extra-args", default="", help="appended to every fairseq-train command (last, so they win)")
     p.add_argument("--dry-run", action="store_true", help="matrix: print the fairseq-train commands, train nothing")
@@ -509,14 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             prepare(work, a.bpe_merges)
             return 0
         if a.command == "report":
-            text = report(work, a.stall_bits, a.target_bits)
+            text = report(work, Rules.of(a))
             if a.output:
                 a.output.write_text(text)
             else:
                 print(text, end="")
             return 0
         if a.command == "bleu" and a.cells == "select":
-            cells = select_for_bleu(load_results(work, a.stall_bits, a.target_bits))
+            cells = select_for_bleu(load_results(work, Rules.of(a)))
         else:
             cells = [c for c in a.cells.split(",") if c] or expand(
                 a.methods.split(","), [int(d) for d in a.depths.split(",")], a.regimes.split(",")

@@ -57,7 +57,8 @@ def test_parse_log_reads_curves_layers_and_failures():
 @pytest.mark.parametrize(
     "valid, error, rc, status, best, reached",
     [
-        ([(10, 8.0, 7.5), (20, 6.0, 5.5), (30, 5.0, 4.5)], None, 0, "converged", 4.5, 20),
+        ([(10, 8.0, 7.5), (20, 6.0, 5.5), (30, 5.0, 4.5)], None, 0, "converging", 4.5, 20),
+        ([(10, 8.0, 7.0), (20, 7.0, 6.2), (40, 7.0, 6.15)], None, 0, "stalled", 6.15, None),  # plateau
         ([(10, 8.0, 7.5), (20, 7.9, 7.95)], None, 0, "stalled", 7.5, None),  # never below 7.5 bits
         ([(10, 8.0, 7.5), (20, float("nan"), float("nan"))], None, 0, "diverged", 7.5, None),
         ([(10, 8.0, 6.0)], "gradients are Nan/Inf", 1, "diverged", 6.0, None),
@@ -104,12 +105,12 @@ def test_select_for_bleu_takes_shallowest_and_deepest_converged():
         return {"cell": f"{m}:{d}:{reg}", "method": m, "depth": d, "regime": reg, "status": status, "best_dev_nll": nll}
 
     cells = [
-        r("postln", 6, "warmup", "converged", 5.0),
-        r("postln", 6, "nowarmup", "converged", 4.8),
+        r("postln", 6, "warmup", "converging", 5.0),
+        r("postln", 6, "nowarmup", "converging", 4.8),
         r("postln", 18, "warmup", "diverged", 6.0),
-        r("admin", 6, "warmup", "converged", 5.0),
-        r("admin", 18, "warmup", "converged", 5.5),
-        r("admin", 18, "nowarmup", "converged", 5.9),
+        r("admin", 6, "warmup", "converging", 5.0),
+        r("admin", 18, "warmup", "converging", 5.5),
+        r("admin", 18, "nowarmup", "converging", 5.9),
         r("admin", 36, "nowarmup", "stalled", 7.9),
     ]
     assert mm.select_for_bleu({c["cell"]: c for c in cells}) == [
@@ -176,7 +177,18 @@ def driver(*args: str, m30k: Path, check: bool = True) -> subprocess.CompletedPr
 def test_pipeline_on_real_multi30k_lines(tiny_multi30k, tmp_path):
     """prepare -> one converging cell and one with a NaN injected at update 4 -> BLEU -> report."""
     common = ["--work-dir", str(tmp_path), "--bpe-merges", "300", "--budget", "2:6:3", "--dim", "32", "--ffn", "64"]
-    common += ["--heads", "2", "--max-tokens", "1024", "--target-bits", "2:100", "--stall-bits", "100"]
+    common += [
+        "--heads",
+        "2",
+        "--max-tokens",
+        "1024",
+        "--target-bits",
+        "2:100",
+        "--stall-bits",
+        "100",
+        "--plateau-bits",
+        "-100",
+    ]
     driver("matrix", "--cells", "postln:2:warmup", *common, m30k=tiny_multi30k)
     driver(
         "matrix", "--cells", "postln:2:nowarmup", *common, "--extra-args",
