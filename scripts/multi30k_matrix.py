@@ -69,6 +69,8 @@ METHODS: Dict[str, tuple] = {
     "deepnorm": ("DeepNorm", ["--arch", "deepnorm_iwslt_de_en"]),
 }
 REGIMES = ("warmup", "nowarmup")
+_BLEU = re.compile(r"BLEU = ([0-9.]+)")
+BLIND_FRACTION = 0.05  # fewer distinct dev translations than this share of sentences: the source is ignored
 PLATEAU_BITS = 0.1  # a cell whose second half gains less than this (bits/token) stopped learning
 
 
@@ -226,12 +228,19 @@ def unigram_bits(bin_dir: Path, valid_target: Path) -> float:
 
 
 def classify(
-    parsed: dict, returncode: int, stall_bits: float, target_bits: float | None, plateau_bits: float = PLATEAU_BITS
+    parsed: dict,
+    returncode: int,
+    stall_bits: float,
+    target_bits: float | None,
+    plateau_bits: float = PLATEAU_BITS,
+    probe: dict | None = None,
+    blind_fraction: float = BLIND_FRACTION,
 ) -> dict:
     """Status, best dev nll and updates to ``target_bits`` of a finished cell (module docstring):
     ``diverged`` (non-finite), ``failed`` (crashed otherwise), ``stalled`` (never below ``stall_bits``,
     or the second half of the run improved the best dev nll by less than ``plateau_bits``: it stopped
-    learning), else ``converging``."""
+    learning), ``source-blind`` (its greedy dev translations, ``probe``, are fewer than
+    ``blind_fraction`` of its sentences), else ``converging``."""
     finite = [(u, nll) for u, loss, nll in parsed["valid"] if math.isfinite(loss) and math.isfinite(nll)]
     best = min(finite, key=lambda un: un[1]) if finite else None
     reached = next((u for u, nll in finite if target_bits is not None and nll <= target_bits), None)
@@ -243,6 +252,8 @@ def classify(
         status = "failed"
     elif best is None or best[1] >= stall_bits or plateau:
         status = "stalled"
+    elif probe and probe["distinct"] < blind_fraction * probe["sentences"]:
+        status = "source-blind"
     else:
         status = "converging"
     return {
@@ -271,10 +282,11 @@ class Rules:
     stall_bits: float | None
     target_spec: str
     plateau_bits: float = PLATEAU_BITS
+    blind_fraction: float = BLIND_FRACTION
 
     @classmethod
     def of(cls, a: argparse.Namespace) -> Rules:
-        return cls(a.stall_bits, a.target_bits, a.plateau_bits)
+        return cls(a.stall_bits, a.target_bits, a.plateau_bits, a.blind_fraction)
 
 
 def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> dict:
@@ -306,6 +318,8 @@ def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> d
             },
         )
         result_path.write_text(json.dumps(record, indent=1))
+    if (out / "checkpoint_best.pt").exists() and not (out / "probe.json").exists():
+        probe_cell(bin_dir, work, name, a.threads)
     r = analyse(work, out, Rules.of(a), parse_cell(name)[1])
     log(f"{name}: {r['status']}, best dev nll {r['best_dev_nll']}, {r['wall_s']:.0f}s")
     return r
@@ -321,7 +335,11 @@ def analyse(work: Path, out: Path, rules: Rules, depth: int) -> dict:
     if stall_bits is None:
         stall_bits = unigram_bits(work / "bin", work / f"bpe{_merges(work)}" / "valid.en")
     target_bits = target_of(rules.target_spec, depth)
-    r.update(classify(parsed, r["returncode"], stall_bits, target_bits, rules.plateau_bits))
+    probe = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else None
+    r.update(
+        classify(parsed, r["returncode"], stall_bits, target_bits, rules.plateau_bits, probe, rules.blind_fraction),
+        probe=probe,
+    )
     wps = [float(t["wps"]) for t in parsed["train"] if "wps" in t]
     r.update(
         stall_bits=stall_bits,
@@ -371,29 +389,52 @@ def expand(methods: Sequence[str], depths: Sequence[int], regimes: Sequence[str]
 # BLEU
 
 
-def bleu_cell(bin_dir: Path, work: Path, name: str, beam: int, threads: int) -> dict:
-    out = cell_dir(work, name)
+def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, threads: int) -> Path:
+    """``fairseq-generate`` of ``subset`` with the cell's best checkpoint (skipped when up to date)."""
     ckpt = out / "checkpoint_best.pt"
-    if not ckpt.exists():
-        raise MatrixError(f"{ckpt} not found: train the cell first (`matrix --cells {name}`)")
+    gen = out / f"generate-{label}.txt"
+    if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
+        cmd = [sys.executable, "-m", "fairseq_cli.generate", str(bin_dir), "--user-dir", str(USER_DIR)]
+        cmd += ["--path", str(ckpt), "--gen-subset", subset, "--beam", str(beam), "--remove-bpe"]
+        cmd += ["--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "128"]
+        cmd += ["--required-batch-size-multiple", "1", "--cpu"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        with open(gen.with_suffix(".tmp"), "w", encoding="utf-8") as f:
+            subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, env=env, check=True)
+        gen.with_suffix(".tmp").replace(gen)
+    return gen
+
+
+def _checkpoint(work: Path, name: str) -> Path:
+    out = cell_dir(work, name)
+    if not (out / "checkpoint_best.pt").exists():
+        raise MatrixError(f"{out / 'checkpoint_best.pt'} not found: train the cell first (`matrix --cells {name}`)")
+    return out
+
+
+def bleu_cell(bin_dir: Path, work: Path, name: str, beam: int, threads: int) -> dict:
+    """sacreBLEU of the cell's best checkpoint on test2016 and test2017 (``bleu.json``)."""
+    out = _checkpoint(work, name)
     scores = {}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     for subset, label in TEST_SETS.items():
-        gen = out / f"generate-{label}.txt"
-        if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
-            cmd = [sys.executable, "-m", "fairseq_cli.generate", str(bin_dir), "--user-dir", str(USER_DIR)]
-            cmd += ["--path", str(ckpt), "--gen-subset", subset, "--beam", str(beam), "--remove-bpe"]
-            cmd += ["--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "128"]
-            cmd += ["--required-batch-size-multiple", "1", "--cpu"]
-            with open(gen.with_suffix(".tmp"), "w", encoding="utf-8") as f:
-                subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, env=env, check=True)
-            gen.with_suffix(".tmp").replace(gen)
+        gen = translate(bin_dir, out, subset, label, beam, threads)
         scores[label] = prepare_bible.score(gen, work / "raw" / f"{subset}.en")
     (out / "bleu.json").write_text(json.dumps(scores, indent=1))
     return scores
 
 
-_BLEU = re.compile(r"BLEU = ([0-9.]+)")
+def probe_cell(bin_dir: Path, work: Path, name: str, threads: int) -> dict:
+    """Greedy translation of the dev set with the cell's best checkpoint (``probe.json``): how many
+    distinct hypotheses it produces and its BLEU. A model that emits (nearly) the same sentence for
+    every input has learnt a target-side language model and ignores the source; its dev loss alone
+    does not show that (about 5.2 bits/token here)."""
+    out = _checkpoint(work, name)
+    gen = translate(bin_dir, out, "valid", "dev-greedy", 1, threads)
+    hyps = prepare_bible.read_hypotheses(gen)
+    bleu = prepare_bible.score(gen, work / "raw" / "valid.en")
+    result = {"distinct": len(set(hyps)), "sentences": len(hyps), "bleu": float(_BLEU.search(bleu).group(1))}
+    (out / "probe.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,10 +472,16 @@ def fmt_cell(r: dict | None) -> str:
     nll = f"{r['best_dev_nll']:.2f}" if r["best_dev_nll"] is not None else "-"
     if r["status"] == "diverged":
         return f"**diverged** at {r['updates_done']}" + (f" (best {nll})" if r["best_dev_nll"] is not None else "")
-    if r["status"] in ("stalled", "failed"):
+    if r["status"] in ("stalled", "failed", "source-blind"):
         return f"**{r['status']}** {nll}"
     reach = f" @{r['updates_to_target']}" if r["updates_to_target"] is not None else " @-"
     return f"ok {nll}{reach}"
+
+
+def _fmt_probe(r: dict | None) -> str:
+    if r is None or not r.get("probe"):
+        return "-"
+    return f"{r['probe']['bleu']:.1f} ({r['probe']['distinct']})"
 
 
 def _layer_summary(g: Dict[str, float]) -> str:
@@ -472,17 +519,31 @@ def report(work: Path, rules: Rules) -> str:
         row = [fmt_cell(results.get(cell_name(m, d, r))) for d in depths for r in REGIMES]
         if any(x != "not run" for x in row):
             lines.append(f"| {label} | " + " | ".join(row) + " |")
+    n_dev = next((r["probe"]["sentences"] for r in results.values() if r.get("probe")), None)
+    if n_dev:
+        lines += [
+            "",
+            "Dev BLEU of each cell's best checkpoint (greedy, sacreBLEU) and, in brackets, the number of distinct "
+            f"translations of the {n_dev} dev sentences:",
+            "",
+            "| method | " + " | ".join(f"{d}L warmup | {d}L no warmup" for d in depths) + " |",
+            "|---|" + "---|" * (2 * len(depths)),
+        ]
+        for m, (label, _) in METHODS.items():
+            row = [_fmt_probe(results.get(cell_name(m, d, r))) for d in depths for r in REGIMES]
+            if any(x != "-" for x in row):
+                lines.append(f"| {label} | " + " | ".join(row) + " |")
     bleu_rows = [r for r in results.values() if "bleu" in r]
     if bleu_rows:
         lines += [
             "",
-            "| method | layers | regime | updates | test2016 BLEU | test2017 BLEU | best dev nll |",
-            "|---|---|---|---|---|---|---|",
+            "| method | layers | regime | status | best update | test2016 BLEU | test2017 BLEU | best dev nll |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(bleu_rows, key=lambda r: (list(METHODS).index(r["method"]), r["depth"], r["regime"])):
             b = {k: _BLEU.search(v).group(1) for k, v in r["bleu"].items()}
             lines.append(
-                f"| {METHODS[r['method']][0]} | {r['depth']} | {r['regime']} | {r['best_update']} "
+                f"| {METHODS[r['method']][0]} | {r['depth']} | {r['regime']} | {r['status']} | {r['best_update']} "
                 f"| {b['test2016']} | {b['test2017']} | {r['best_dev_nll']:.2f} |"
             )
         sig = next(iter(bleu_rows[0]["bleu"].values())).split("signature: ")[-1].rstrip(")")
@@ -505,7 +566,7 @@ def report(work: Path, rules: Rules) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("command", choices=("prepare", "matrix", "bleu", "report"))
+    p.add_argument("command", choices=("prepare", "matrix", "probe", "bleu", "report"))
     p.add_argument("--work-dir", type=Path, default=REPO / "work-data" / "multi30k-matrix")
     p.add_argument("--bpe-merges", type=int, default=8000)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -524,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stall-bits", type=float, help="stalled = best dev nll not below this (default: unigram model)")
     p.add_argument("--plateau-bits", type=float, default=PLATEAU_BITS, help="stalled = second half gains less")
+    p.add_argument("--blind-fraction", type=float, default=BLIND_FRACTION, help="source-blind = fewer distinct")
     p.add_argument("--target-bits", default="6:5.0,18:6.0,36:7.0,100:7.5", help="DEPTH:BITS,... dev-nll targets")
     p.add_argument("--extra-args", default="", help="appended to every fairseq-train command (last, so they win)")
     p.add_argument("--dry-run", action="store_true", help="matrix: print the fairseq-train commands, train nothing")
@@ -546,6 +608,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if a.command == "bleu" and a.cells == "select":
             cells = select_for_bleu(load_results(work, Rules.of(a)))
+        elif a.command == "probe" and a.cells == "all":
+            runs = sorted((work / "runs").glob("*/checkpoint_best.pt"))
+            cells = [
+                json.loads((p.parent / "result.json").read_text())["cell"]
+                for p in runs
+                if not (p.parent / "probe.json").exists() and (p.parent / "result.json").exists()
+            ]
         else:
             cells = [c for c in a.cells.split(",") if c] or expand(
                 a.methods.split(","), [int(d) for d in a.depths.split(",")], a.regimes.split(",")
@@ -560,6 +629,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.command == "matrix":
             with ThreadPoolExecutor(a.jobs) as pool:
                 list(pool.map(lambda c: train_cell(bin_dir, work, c, a), cells))
+        elif a.command == "probe":
+            with ThreadPoolExecutor(a.jobs) as pool:
+                for c, found in zip(
+                    cells, pool.map(lambda c: probe_cell(bin_dir, work, c, a.threads), cells), strict=True
+                ):
+                    print(c, json.dumps(found))
         else:
             with ThreadPoolExecutor(a.jobs) as pool:
                 for c, scores in zip(
