@@ -310,7 +310,7 @@ def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> d
             regime=regime,
             returncode=proc.returncode,
             wall_s=round(time.time() - start, 1),
-            command=" ".join(cmd[1:]).replace(str(REPO) + "/", ""),
+            command="fairseq-train " + shlex.join(cmd[3:]).replace(str(REPO) + "/", ""),
             settings={
                 **{k: getattr(a, k) for k in ("dim", "ffn", "heads", "lr", "lr_nowarmup", "warmup", "max_tokens")},
                 "seed": a.seed,
@@ -561,6 +561,19 @@ def report(work: Path, rules: Rules) -> str:
     return "\n".join(lines) + "\n"
 
 
+BEGIN, END = "<!-- multi30k_matrix report: begin -->", "<!-- multi30k_matrix report: end -->"
+
+
+def write_between_markers(path: Path, text: str) -> None:
+    """Replace the generated block of ``path`` (between ``BEGIN`` and ``END``), keeping the prose around it."""
+    doc = path.read_text(encoding="utf-8") if path.exists() else f"{BEGIN}\n{END}\n"
+    if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
+        raise MatrixError(f"{path} needs exactly one {BEGIN} ... {END} block to write the report into")
+    head, rest = doc.split(BEGIN)
+    tail = rest.split(END)[1]
+    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}", encoding="utf-8")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -592,7 +605,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per job")
     p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--output", type=Path, help="report: write the tables here instead of stdout")
+    p.add_argument(
+        "--output", type=Path, help=f"report: replace the text between {BEGIN} and {END} in this file (docs/results.md)"
+    )
     a = p.parse_args(argv)
     try:
         work = a.work_dir
@@ -602,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.command == "report":
             text = report(work, Rules.of(a))
             if a.output:
-                a.output.write_text(text)
+                write_between_markers(a.output, text)
             else:
                 print(text, end="")
             return 0

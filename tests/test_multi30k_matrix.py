@@ -198,7 +198,11 @@ def test_pipeline_on_real_multi30k_lines(tiny_multi30k, tmp_path):
     assert ok["returncode"] == 0 and ok["settings"]["updates"] == 6
     probe = json.loads((tmp_path / "runs" / "postln-2-warmup" / "probe.json").read_text())
     assert probe["sentences"] == 40 and 1 <= probe["distinct"] <= 40 and probe["bleu"] >= 0
-    assert "--max-update 6" in ok["command"] and "--encoder-layers 2" in ok["command"]
+    assert (
+        ok["command"].startswith("fairseq-train ")
+        and "--max-update 6" in ok["command"]
+        and "--encoder-layers 2" in ok["command"]
+    )
 
     bleu = driver("bleu", "--cells", "select", *common, "--beam", "2", m30k=tiny_multi30k).stdout
     assert "postln:2:warmup" in bleu and "postln:2:nowarmup" not in bleu  # only converged cells are translated
@@ -218,6 +222,17 @@ def test_pipeline_on_real_multi30k_lines(tiny_multi30k, tmp_path):
     )
     failing = next(ln for ln in lines if ln.startswith("- `postln:2:nowarmup` (diverged)"))
     assert "update 4" in failing and "encoder.layers.0" in failing
+
+
+def test_report_replaces_only_its_block(tmp_path):
+    doc = tmp_path / "results.md"
+    doc.write_text(f"intro\n{mm.BEGIN}\nold table\n{mm.END}\nclaims\n")
+    mm.write_between_markers(doc, "new table\n")
+    assert doc.read_text() == f"intro\n{mm.BEGIN}\nnew table\n{mm.END}\nclaims\n"
+    doc.write_text("no markers\n")
+    with pytest.raises(mm.MatrixError, match="needs exactly one"):
+        mm.write_between_markers(doc, "x\n")
+    assert doc.read_text() == "no markers\n"  # nothing lost
 
 
 def test_missing_data_says_what_to_do(tmp_path):
