@@ -552,7 +552,9 @@ def report(work: Path, rules: Rules) -> str:
     if failing:
         lines += ["", "Cells that were not converging, and why:", ""]
         for r in sorted(failing, key=lambda r: (r["depth"], list(METHODS).index(r["method"]), r["regime"])):
-            curve = ", ".join(f"{u}: {nll:.2f}" for u, _, nll in r["valid"][:8]) or "no validation"
+            step = max(1, -(-len(r["valid"]) // 8))  # at most about 8 points, the last one always shown
+            points = r["valid"][::step] + ([r["valid"][-1]] if (len(r["valid"]) - 1) % step else [])
+            curve = ", ".join(f"{u}: {nll:.2f}" for u, _, nll in points) or "no validation"
             why = f"{r['error']}; " if r["error"] else ""
             lines.append(
                 f"- `{r['cell']}` ({r['status']}): {why}dev nll by update {curve}; gradient norms at the last "
@@ -593,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the warmup regime")
     p.add_argument("--lr-nowarmup", type=float, default=2e-3, help="learning rate of the no-warmup regime")
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--budget", default="6:600:50,18:250:25,36:120:20,100:40:20", help="DEPTH:UPDATES:VALID_EVERY,...")
+    p.add_argument("--budget", default="6:600:50,18:250:25,36:150:25,100:40:20", help="DEPTH:UPDATES:VALID_EVERY,...")
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stall-bits", type=float, help="stalled = best dev nll not below this (default: unigram model)")

@@ -150,7 +150,7 @@ def test_every_cell_parses_with_the_plugin(tmp_path):
         depth = args.encoder_layers
         assert (
             args.decoder_layers == depth
-            and args.max_update == mm.budget_of("6:600:50,18:250:25,36:120:20,100:40:20", depth)[0]
+            and args.max_update == mm.budget_of("6:600:50,18:250:25,36:150:25,100:40:20", depth)[0]
         )
         if "nowarmup" in args.save_dir:
             assert args.lr_scheduler == "tfixup" and args.lr == [2e-3]
