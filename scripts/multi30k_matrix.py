@@ -45,7 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prepare_bible  # noqa: E402  (the tokeniser, BPE and scorer of the quickstart, shared)
@@ -478,6 +478,19 @@ def fmt_cell(r: dict | None) -> str:
     return f"ok {nll}{reach}"
 
 
+def _grid(results: Dict[str, dict], depths: List[int], fmt: Callable, empty: str) -> List[str]:
+    """Markdown table, a row per method and a column per (depth, regime); rows with nothing run are left out."""
+    lines = [
+        "| method | " + " | ".join(f"{d}L warmup | {d}L no warmup" for d in depths) + " |",
+        "|---|" + "---|" * (2 * len(depths)),
+    ]
+    for m, (label, _) in METHODS.items():
+        row = [fmt(results.get(cell_name(m, d, r))) for d in depths for r in REGIMES]
+        if any(x != empty for x in row):
+            lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines
+
+
 def _fmt_probe(r: dict | None) -> str:
     if r is None or not r.get("probe"):
         return "-"
@@ -512,13 +525,8 @@ def report(work: Path, rules: Rules) -> str:
         f"({targets}); `@-`: not reached. Stalled: never below the unigram model's {any_r['stall_bits']:.2f} bits, "
         f"or less than {rules.plateau_bits} bits gained in the second half of the run.",
         "",
-        "| method | " + " | ".join(f"{d}L warmup | {d}L no warmup" for d in depths) + " |",
-        "|---|" + "---|" * (2 * len(depths)),
+        *_grid(results, depths, fmt_cell, "not run"),
     ]
-    for m, (label, _) in METHODS.items():
-        row = [fmt_cell(results.get(cell_name(m, d, r))) for d in depths for r in REGIMES]
-        if any(x != "not run" for x in row):
-            lines.append(f"| {label} | " + " | ".join(row) + " |")
     n_dev = next((r["probe"]["sentences"] for r in results.values() if r.get("probe")), None)
     if n_dev:
         lines += [
@@ -526,13 +534,8 @@ def report(work: Path, rules: Rules) -> str:
             "Dev BLEU of each cell's best checkpoint (greedy, sacreBLEU) and, in brackets, the number of distinct "
             f"translations of the {n_dev} dev sentences:",
             "",
-            "| method | " + " | ".join(f"{d}L warmup | {d}L no warmup" for d in depths) + " |",
-            "|---|" + "---|" * (2 * len(depths)),
+            *_grid(results, depths, _fmt_probe, "-"),
         ]
-        for m, (label, _) in METHODS.items():
-            row = [_fmt_probe(results.get(cell_name(m, d, r))) for d in depths for r in REGIMES]
-            if any(x != "-" for x in row):
-                lines.append(f"| {label} | " + " | ".join(row) + " |")
     bleu_rows = [r for r in results.values() if "bleu" in r]
     if bleu_rows:
         lines += [
