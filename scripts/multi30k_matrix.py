@@ -16,15 +16,19 @@ Status of a cell, from its dev nll (bits/token) curve: *diverged* when fairseq-t
 non-finite loss or gradient (the diagnostics criterion's guard names the update and the first
 layer); *stalled* when its best dev nll never got below a unigram model's (``--stall-bits``; 7.93
 on Multi30k's dev set with the default BPE) or when the second half of the run improved it by less
-than 0.1 bits (it stopped learning); else *converging*. "Updates to target" is the first validation
+than 0.1 bits (it stopped learning); *source-blind* when its best checkpoint, translating the dev
+set greedily (``probe``), gives fewer than 5 % distinct translations (a target-side language model
+only); else *converging*. "Updates to target" is the first validation
 at or below the depth's ``--target-bits``. Every cell logs fairseq's per-layer gradient norms
 (``diag_gnorm/*``) at each validation, which the report shows for a failing cell.
 
 Subcommands (all resumable: a finished cell keeps its ``result.json`` and is skipped):
 
 - ``prepare``: Multi30k read in place (gzip) -> tokenised, joint BPE, binarised under the work dir;
-- ``matrix``: train the cells of ``--methods x --depths x --regimes`` (``--jobs`` at a time);
-- ``bleu``: translate test2016 and test2017 with each given cell's best checkpoint; sacreBLEU;
+- ``matrix``: train the cells of ``--methods x --depths x --regimes`` (``--jobs`` at a time), then probe them;
+- ``probe``: greedy dev translation of given cells (``--cells all``: every trained cell not probed yet);
+- ``bleu``: translate test2016 and test2017 with each given cell's best checkpoint (``--cells select``:
+  the 6-layer and deepest converging cell of each method); sacreBLEU;
 - ``report``: the Markdown tables of ``docs/results.md`` from the results found.
 
 Cells are named ``METHOD:DEPTH:REGIME`` (``postln:18:nowarmup``).
@@ -43,7 +47,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
@@ -178,7 +182,10 @@ def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespac
 
 _JSON_LINE = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
 # the guard's message runs over several lines (stop, first non-finite layer, weights) before its advice
-_FAILURES = (r"DivergenceError: (.*?)(?:\nNo checkpoint|$)", r"FloatingPointError: (.*)")
+_FAILURES = (
+    re.compile(r"DivergenceError: (.*?)(?:\nNo checkpoint|$)", re.DOTALL),
+    re.compile(r"FloatingPointError: (.*)"),
+)
 
 
 def parse_log(text: str) -> dict:
@@ -199,7 +206,7 @@ def parse_log(text: str) -> dict:
             train.append(rec)
     error = None
     for pattern in _FAILURES:
-        m = re.search(pattern, text, flags=re.DOTALL if "?:" in pattern else 0)
+        m = pattern.search(text)
         if m:
             error = " ".join(m.group(1).split())
             break
@@ -261,7 +268,6 @@ def classify(
         "best_dev_nll": best[1] if best else None,
         "best_update": best[0] if best else None,
         "updates_to_target": reached,
-        "second_half_gain": round(min(first_half) - best[1], 3) if first_half else None,
     }
 
 
@@ -287,6 +293,13 @@ class Rules:
     @classmethod
     def of(cls, a: argparse.Namespace) -> Rules:
         return cls(a.stall_bits, a.target_bits, a.plateau_bits, a.blind_fraction)
+
+    def for_work(self, work: Path) -> Rules:
+        """These rules with the stall threshold filled in: the unigram model of ``work``'s data,
+        computed once per report, not once per cell."""
+        if self.stall_bits is not None:
+            return self
+        return replace(self, stall_bits=unigram_bits(work / "bin", work / f"bpe{_merges(work)}" / "valid.en"))
 
 
 def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> dict:
@@ -320,34 +333,29 @@ def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> d
         result_path.write_text(json.dumps(record, indent=1))
     if (out / "checkpoint_best.pt").exists() and not (out / "probe.json").exists():
         probe_cell(bin_dir, work, name, a.threads)
-    r = analyse(work, out, Rules.of(a), parse_cell(name)[1])
+    r = analyse(out, Rules.of(a).for_work(work))
     log(f"{name}: {r['status']}, best dev nll {r['best_dev_nll']}, {r['wall_s']:.0f}s")
     return r
 
 
-def analyse(work: Path, out: Path, rules: Rules, depth: int) -> dict:
+def analyse(out: Path, rules: Rules) -> dict:
     """A finished cell's record (``result.json``) plus what its training log says (status, dev
-    curve, throughput, per-layer gradient norms); the log is the source of truth, re-read every time."""
+    curve, per-layer gradient norms); the log is the source of truth, re-read every time.
+    ``rules`` must be resolved (:meth:`Rules.for_work`)."""
     r = json.loads((out / "result.json").read_text())
     text = (out / "train.log").read_text(encoding="utf-8")
     parsed = parse_log(text)
-    stall_bits = rules.stall_bits
-    if stall_bits is None:
-        stall_bits = unigram_bits(work / "bin", work / f"bpe{_merges(work)}" / "valid.en")
-    target_bits = target_of(rules.target_spec, depth)
+    target_bits = target_of(rules.target_spec, r["depth"])
     probe = json.loads((out / "probe.json").read_text()) if (out / "probe.json").exists() else None
-    r.update(
-        classify(parsed, r["returncode"], stall_bits, target_bits, rules.plateau_bits, probe, rules.blind_fraction),
-        probe=probe,
+    status = classify(
+        parsed, r["returncode"], rules.stall_bits, target_bits, rules.plateau_bits, probe, rules.blind_fraction
     )
-    wps = [float(t["wps"]) for t in parsed["train"] if "wps" in t]
+    r.update(status, probe=probe)
     r.update(
-        stall_bits=stall_bits,
+        stall_bits=rules.stall_bits,
         target_bits=target_bits,
         valid=parsed["valid"],
-        train=[(int(float(t["num_updates"])), float(t["loss"]), float(t.get("gnorm", "nan"))) for t in parsed["train"]],
         updates_done=max((int(float(t["num_updates"])) for t in parsed["train"]), default=0),
-        wps=sum(wps) / len(wps) if wps else None,
         gnorm_layers=gnorm_profile(parsed["train"]),
         error=parsed["error"] or (None if r["returncode"] == 0 else _last_line(text)),
     )
@@ -379,10 +387,7 @@ def target_of(spec: str, depth: int) -> float | None:
 
 
 def expand(methods: Sequence[str], depths: Sequence[int], regimes: Sequence[str]) -> List[str]:
-    cells = [cell_name(m, d, r) for d in depths for m in methods for r in regimes]
-    for c in cells:
-        parse_cell(c)
-    return cells
+    return [cell_name(m, d, r) for d in depths for m in methods for r in regimes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +410,7 @@ def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, thre
     return gen
 
 
-def _checkpoint(work: Path, name: str) -> Path:
+def _trained_cell_dir(work: Path, name: str) -> Path:
     out = cell_dir(work, name)
     if not (out / "checkpoint_best.pt").exists():
         raise MatrixError(f"{out / 'checkpoint_best.pt'} not found: train the cell first (`matrix --cells {name}`)")
@@ -414,7 +419,7 @@ def _checkpoint(work: Path, name: str) -> Path:
 
 def bleu_cell(bin_dir: Path, work: Path, name: str, beam: int, threads: int) -> dict:
     """sacreBLEU of the cell's best checkpoint on test2016 and test2017 (``bleu.json``)."""
-    out = _checkpoint(work, name)
+    out = _trained_cell_dir(work, name)
     scores = {}
     for subset, label in TEST_SETS.items():
         gen = translate(bin_dir, out, subset, label, beam, threads)
@@ -428,7 +433,7 @@ def probe_cell(bin_dir: Path, work: Path, name: str, threads: int) -> dict:
     distinct hypotheses it produces and its BLEU. A model that emits (nearly) the same sentence for
     every input has learnt a target-side language model and ignores the source; its dev loss alone
     does not show that (about 5.2 bits/token here)."""
-    out = _checkpoint(work, name)
+    out = _trained_cell_dir(work, name)
     gen = translate(bin_dir, out, "valid", "dev-greedy", 1, threads)
     hyps = prepare_bible.read_hypotheses(gen)
     bleu = prepare_bible.score(gen, work / "raw" / "valid.en")
@@ -444,9 +449,11 @@ def probe_cell(bin_dir: Path, work: Path, name: str, threads: int) -> dict:
 def load_results(work: Path, rules: Rules) -> Dict[str, dict]:
     """Every finished cell under ``work/runs``, analysed, with its BLEU scores when translated."""
     results = {}
-    for p in sorted((work / "runs").glob("*/result.json")):
-        depth = json.loads(p.read_text())["depth"]
-        r = analyse(work, p.parent, rules, depth)
+    records = sorted((work / "runs").glob("*/result.json"))
+    if records:
+        rules = rules.for_work(work)
+    for p in records:
+        r = analyse(p.parent, rules)
         bleu = p.parent / "bleu.json"
         if bleu.exists():
             r["bleu"] = json.loads(bleu.read_text())
