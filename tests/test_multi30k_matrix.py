@@ -1,5 +1,5 @@
 """The Multi30k stability-matrix driver (``scripts/multi30k_matrix.py``, ``docs/results.md``):
-log parsing, the converged/stalled/diverged rules, the unigram threshold by hand, every cell's
+log parsing, the converging/stalled/diverged/source-blind rules, the unigram threshold by hand, every cell's
 fairseq command parsed with the plugin, and the whole pipeline (prepare, train, a forced divergence,
 BLEU, report) on the first lines of the real Multi30k."""
 
