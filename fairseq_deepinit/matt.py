@@ -10,8 +10,10 @@ the encoder-decoder attention into one sub-layer with one shared output projecti
     y           = LN(x + dropout(MAtt(x, H)))            (Post-LN; Pre-LN: x + dropout(MAtt(LN(x), H)))
     out         = LN(y + dropout(FFN(y)))
 
-so a decoder layer has two sub-layers (``matt``, ``ffn``) instead of three. ``--matt-share-v`` uses
-the cross-attention's value projection as W_v (the released code; the paper's 72.3M -> 66.0M).
+so a decoder layer has two sub-layers (``matt``, ``ffn``) instead of three. W_v is the
+cross-attention's value projection by default, as in the released code (bzhangGo/zero
+``func.py``, ``dot_attention``: "the important part is sharing v_map"), which the paper's parameter
+count 72.3M -> 66.0M needs; ``--no-matt-share-v`` gives the average branch a W_v of its own.
 The paper's ablations (Table 3) are options of the same layer (``--matt-self-branch``):
 
 - ``aan`` (default): SAAN above;
@@ -161,7 +163,7 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
     DeepNorm/ReZero/Admin scaling and :mod:`~fairseq_deepinit.hooks` statistics apply).
 
     Attributes seen by the init schemes: ``encoder_attn`` (fairseq MultiheadAttention; its
-    ``out_proj`` is the shared W_o, its ``v_proj`` also W_v under ``--matt-share-v``),
+    ``out_proj`` is the shared W_o, its ``v_proj`` also W_v unless ``--no-matt-share-v``),
     ``self_branch`` (:class:`AverageBranch` with ``v_proj`` = W_v and ``gate``, or a fairseq
     MultiheadAttention for the ``self-attn`` ablation, its ``out_proj`` weight tied to W_o),
     ``self_attn = None`` (there is no separate self-attention sub-layer), ``fc1``, ``fc2``.
@@ -183,7 +185,8 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
         self.embed_dim = cfg.decoder.embed_dim
         # absent when a config is built without options.resolve_and_validate: the paper's defaults
         self.self_branch_type = getattr(cfg, "matt_self_branch", None) or "aan"
-        self.share_v = bool(getattr(cfg, "matt_share_v", False))
+        share_v = getattr(cfg, "matt_share_v", None)
+        self.share_v = True if share_v is None else bool(share_v)
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         self.quant_noise = cfg.quant_noise.pq
         self.quant_noise_block_size = cfg.quant_noise.pq_block_size
@@ -202,9 +205,9 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
         self.encoder_attn.out_proj = quant_noise(w_o, self.quant_noise, self.quant_noise_block_size)
         if self.share_v and self.encoder_attn.vdim != self.embed_dim:
             raise ValueError(
-                f"--matt-share-v uses the cross-attention's value projection ({self.encoder_attn.vdim} -> "
-                f"{self.embed_dim}) on decoder states of size {self.embed_dim}; use equal encoder and decoder "
-                "embedding dims or drop --matt-share-v"
+                "MAtt shares W_v with the cross-attention (--matt-share-v, the default), whose value projection "
+                f"({self.encoder_attn.vdim} -> {self.embed_dim}) cannot apply to decoder states of size "
+                f"{self.embed_dim}; use equal encoder and decoder embedding dims or pass --no-matt-share-v"
             )
         self.self_attn = None
         if self.self_branch_type == "self-attn":
@@ -247,7 +250,7 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
                     drop_bias(getattr(branch, proj))
 
     def value_projection(self) -> nn.Module:
-        """W_v of the average branch: its own, or the cross-attention's under ``--matt-share-v``."""
+        """W_v of the average branch: the cross-attention's (default), or its own under ``--no-matt-share-v``."""
         return self.encoder_attn.v_proj if self.share_v else self.self_branch.v_proj
 
     def forward(
@@ -348,8 +351,15 @@ def add_args(group) -> None:
         "--matt-share-v",
         action="store_true",
         default=None,
-        help="matt: use the cross-attention's value projection as the average branch's W_v (released code; "
-        "the paper's parameter count)",
+        help="matt: use the cross-attention's value projection as the average branch's W_v (default: the "
+        "released code and the paper's parameter count)",
+    )
+    group.add_argument(
+        "--no-matt-share-v",
+        dest="matt_share_v",
+        action="store_false",
+        default=None,
+        help="matt: give the average branch a W_v of its own (the equation read literally; an ablation)",
     )
 
 
@@ -371,8 +381,9 @@ def validate(args) -> None:
         dec = getattr(args, "decoder_embed_dim", None)
         if enc is not None and dec is not None and enc != dec:
             raise options.DeepInitConfigError(
-                f"--matt-share-v applies the cross-attention's value projection ({enc} -> {dec}) to decoder "
-                f"states of size {dec}; use equal --encoder-embed-dim and --decoder-embed-dim or drop --matt-share-v"
+                "MAtt shares W_v with the cross-attention (--matt-share-v, the default), whose value projection "
+                f"({enc} -> {dec}) cannot apply to decoder states of size {dec}; use equal --encoder-embed-dim "
+                "and --decoder-embed-dim or pass --no-matt-share-v"
             )
 
 
@@ -381,7 +392,7 @@ def describe(args) -> str:
 
 
 options.register_layer_type_options(
-    "matt", {"matt_self_branch": "aan", "matt_share_v": False}, add_args, validate, describe
+    "matt", {"matt_self_branch": "aan", "matt_share_v": True}, add_args, validate, describe
 )
 
 
@@ -410,7 +421,7 @@ def matt_decoder_layer_params(
     ffn: int,
     d_enc: int | None = None,
     self_branch: str = "aan",
-    share_v: bool = False,
+    share_v: bool = True,
     norm_type: str = "layernorm",
 ) -> int:
     """A MAtt decoder layer: cross-attention (whose out_proj is the shared W_o), FFN, two norms, and
@@ -491,6 +502,6 @@ def paper_param_relation(total_baseline: float = 72.3e6) -> Dict[str, float]:
         out[f"vocab_{layout}"] = vocab_for_total(total_baseline, d, ffn, n, layout)
     v = math.floor(out["vocab_shared-all"])
     out["baseline"] = transformer_params(v, d, ffn, n)
-    out["matt"] = transformer_params(v, d, ffn, n, "matt")
+    out["matt"] = transformer_params(v, d, ffn, n, "matt", share_v=False)
     out["matt_shared_v"] = transformer_params(v, d, ffn, n, "matt", share_v=True)
     return out

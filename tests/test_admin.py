@@ -447,7 +447,10 @@ def test_exported_checkpoint_loads_in_stock_fairseq_and_translates_identically(r
     for key in (k for k in plain if k.startswith("P-")):  # per-token scores
         a = [float(x) for x in plain[key][0].split()]
         b = [float(x) for x in adm[key][0].split()]
-        assert a == pytest.approx(b, abs=1e-4)
+        # fairseq prints 4 decimals: two scores that differ by round-off (the logits agree to well below
+        # 1e-4, test below) can straddle a rounding boundary and print one unit apart, e.g. -4.1998 and
+        # -4.1999 on an AVX2 kernel path; at most one unit, plus the float parse of the printout
+        assert a == pytest.approx(b, abs=1e-4 + 1e-9)
     # the file holds tensors and plain containers only: torch's weights_only loading, no plugin types
     state = torch.load(runs.exported, weights_only=True)
     assert state["cfg"]["model"]["arch"] == "transformer" and state["args"] is None

@@ -215,10 +215,13 @@ def test_generate_prints_bleu(pipelines, case):
     assert m, out[-2000:]
     bleu = float(m.group(1))
     # output that ignores the source scores ~0 BLEU (at most unigram matches): every family is above
-    # that after 120 updates; Post-LN and the stock control learn the task (21 and 24 BLEU when written)
+    # that after 120 updates; Post-LN and the stock control learn the task. Where they get to depends on
+    # the CPU: 120 Adam updates amplify round-off, so kernel paths end in different models (Post-LN:
+    # 21.07 on AVX-512, 20.36 with ATEN_CPU_CAPABILITY=default + MKL SSE4.2, 12.42 on an AVX2-only CPU),
+    # hence a threshold at half the lowest value seen, still 3x above the source-blind level
     assert 2.0 < bleu <= 100.0, out[-1500:]
     if case in ("postln", CONTROL):
-        assert bleu > 15.0, out[-1500:]
+        assert bleu > 6.0, out[-1500:]
 
 
 def allowed_names() -> set[str]:

@@ -3,6 +3,7 @@ reordering, parameter counts, init schemes, options, and fairseq-train/generate/
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -23,8 +24,7 @@ ATOL = 1e-5
 
 def _matt(branch: str = "aan", share_v: bool = False, *extra: str, arch: str = "deepinit_tiny", seed: int = 1):
     flags = ["--decoder-layer-type", "matt", "--matt-self-branch", branch, "--dropout", "0", *extra]
-    if share_v:
-        flags.append("--matt-share-v")
+    flags.append("--matt-share-v" if share_v else "--no-matt-share-v")
     model, args = build_model(arch, *flags, seed=seed)
     return model.eval(), args
 
@@ -391,6 +391,32 @@ def test_base_layer_difference_and_paper_relation():
     assert 54_900 < rel["vocab_shared-all"] < 55_100
 
 
+def test_paper_model_is_the_released_one_by_default():
+    """``dsinit_matt_wmt_en_de`` as built by fairseq (V = 55,008 shared: the solved 55,003 padded to a
+    multiple of 8 as fairseq-preprocess does): the paper's 72.3M -> 66.0M.
+
+    The released code shares W_v between the average branch and the cross-attention (bzhangGo/zero
+    func.py, dot_attention: ``v_q = linear(query, hidden_size, ln=ln, scope="v_map")`` reuses the
+    cross-attention's "v_map" variable); only with sharing does the model reach the paper's count.
+    """
+    vocab = math.floor(matt.paper_param_relation(72.3e6)["vocab_shared-all"])
+    counts = {}
+    for arch, extra in [
+        ("dsinit_wmt_en_de", ()),
+        ("dsinit_matt_wmt_en_de", ()),
+        ("dsinit_matt_wmt_en_de", ("--no-matt-share-v",)),
+    ]:
+        model, args = build_model(arch, "--share-all-embeddings", *extra, n_symbols=vocab - 4)
+        counts[(arch, extra)] = _n(model), args.matt_share_v, model.encoder.embed_tokens.num_embeddings
+        del model
+    (base, _, v), (matt_default, shared, _), (matt_own, own, _) = counts.values()
+    assert (shared, own) == (True, False) and 0 <= v - vocab < 8
+    assert base == matt.transformer_params(v, 512, 2048, 6)
+    assert round(base / 1e6, 1) == 72.3
+    assert round(matt_default / 1e6, 1) == 66.0 and base - matt_default == 6 * (4 * 512**2 + 6 * 512)
+    assert round(matt_own / 1e6, 1) == 67.6 and base - matt_own == 6 * (3 * 512**2 + 5 * 512)
+
+
 # --- options ---------------------------------------------------------------------------------------
 
 
@@ -401,6 +427,11 @@ def test_options_are_validated():
         build_model("deepinit_tiny", "--matt-share-v")
     with pytest.raises(DeepInitConfigError, match="equal --encoder-embed-dim"):
         build_model("deepinit_tiny", "--decoder-layer-type", "matt", "--matt-share-v", "--encoder-embed-dim", "48")
+    # sharing is the default, so unequal dims stop with the flag that turns it off
+    with pytest.raises(DeepInitConfigError, match="the default.*pass --no-matt-share-v"):
+        build_model("deepinit_tiny", "--decoder-layer-type", "matt", "--encoder-embed-dim", "48")
+    with pytest.raises(DeepInitConfigError, match="only applies to --decoder-layer-type matt"):
+        build_model("deepinit_tiny", "--no-matt-share-v", "--matt-self-branch", "aan")
     with pytest.raises(DeepInitConfigError, match="--no-cross-attention"):
         build_model("deepinit_tiny", "--decoder-layer-type", "matt", "--no-cross-attention")
     with pytest.raises(DeepInitConfigError, match="--cross-self-attention"):
@@ -413,7 +444,7 @@ def test_validation_is_idempotent_and_architectures_set_matt():
         "ds-init",
         "matt",
         "aan",
-        False,
+        True,
     )
     before = dict(vars(args))
     resolve_and_validate(args)  # what loading the checkpoint does again

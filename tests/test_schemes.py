@@ -261,9 +261,15 @@ def test_tfixup_scales_baseline_exactly(share):
 # DS-Init (Zhang et al. 2019, eq. 15) and the released code's bound
 
 
+def tf_variance_scaling_bound(fan_in: int, fan_out: int, scale: float) -> float:
+    """``tf.variance_scaling_initializer(scale, mode="fan_avg", distribution="uniform")``: the released
+    DS-Init code's initializer (bzhangGo/zero models/transformer.py lines 38-42), U(+-sqrt(3 scale / fan_avg))."""
+    return math.sqrt(3.0 * scale / ((fan_in + fan_out) / 2.0))
+
+
 @pytest.mark.parametrize(
     "variant,alpha",
-    [("paper", 1.0), ("paper", 0.5), ("code", 0.5)],
+    [("paper", 1.0), ("paper", 0.5), ("code", 0.5), ("code", 1.0)],
 )
 def test_dsinit_bound_per_depth(variant, alpha):
     cli = ["--init-scheme", "ds-init", "--ds-init-variant", variant, "--ds-init-alpha", str(alpha)]
@@ -271,8 +277,12 @@ def test_dsinit_bound_per_depth(variant, alpha):
     assert (args.ds_init_variant, args.ds_init_alpha) == (variant, alpha)
     for stack, depth, layer in layers(model):
         for name, lin in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
-            gamma = math.sqrt(6.0 / (lin.in_features + lin.out_features))
-            bound = gamma * alpha / math.sqrt(depth) if variant == "paper" else gamma * math.sqrt(alpha) * depth**-0.25
+            if variant == "paper":
+                bound = math.sqrt(6.0 / (lin.in_features + lin.out_features)) * alpha / math.sqrt(depth)
+            else:
+                fused = name.startswith("self_attn.") and name[len("self_attn.") :] in ("q_proj", "k_proj", "v_proj")
+                bound = tf_variance_scaling_bound(lin.in_features, 3 * lin.out_features if fused else lin.out_features,
+                                                  alpha * (depth**-0.5))  # fmt: skip
             assert_uniform(lin.weight, bound, f"{stack} layer {depth} {name}")
     assert_zero_biases(model)
     assert_norms_identity_start(model)
@@ -281,6 +291,22 @@ def test_dsinit_bound_per_depth(variant, alpha):
     for stack in ("encoder", "decoder"):
         assert torch.equal(getattr(model, stack).embed_tokens.weight, getattr(base, stack).embed_tokens.weight)
     assert torch.equal(model.decoder.output_projection.weight, base.decoder.output_projection.weight)
+
+
+def test_dsinit_code_fuses_self_attention_fans():
+    """The released code's self-attention q/k/v are one d x 3d matrix (func.py line 196): their bound is
+    1/sqrt(2) of a separate d x d matrix's, the cross-attention's (separate q_map/k_map/v_map) is not;
+    MAtt's W_v shared with the cross-attention keeps the cross-attention's fans (func.py line 260)."""
+    model, _ = wide("--init-scheme", "ds-init", "--ds-init-variant", "code", layers=(1, 1))
+    layer = model.decoder.layers[0]
+    ratio = layer.self_attn.v_proj.weight.abs().max() / layer.encoder_attn.v_proj.weight.abs().max()
+    assert ratio.item() == pytest.approx(2**-0.5, rel=0.01)
+    matt, _ = wide("--init-scheme", "ds-init", "--ds-init-variant", "code", "--decoder-layer-type", "matt",
+                   "--matt-self-branch", "self-attn", layers=(1, 1))  # fmt: skip
+    layer = matt.decoder.layers[0]
+    assert layer.self_branch.v_proj is layer.encoder_attn.v_proj  # shared W_v (the default)
+    assert_uniform(layer.self_branch.q_proj.weight, tf_variance_scaling_bound(D, 3 * D, 1.0), "self-attn q")
+    assert_uniform(layer.encoder_attn.v_proj.weight, tf_variance_scaling_bound(D, D, 1.0), "shared W_v")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -402,9 +402,69 @@ def test_beam_search_same_hypotheses(kernel_calls):
     assert len(kernel_calls) > 20
 
 
+# Tolerance of the training comparison. The two implementations compute the same function with
+# different reduction orders (fused kernel vs. bmm + softmax), so each attention output differs by
+# round-off, about sqrt(n) u relative (u = 2^-24, n <= 32 terms), i.e. ~1e-6; through 2+2 layers,
+# backward and 4 updates it stays below ~5e-6 norm-wise on every CPU kernel path (measured with
+# ATEN_CPU_CAPABILITY=default/avx2/avx512 and MKL_ENABLE_INSTRUCTIONS=SSE4_2/AVX2). 1e-4 leaves 20x
+# margin; a real difference (a scale, a mask, a dropped bias) is O(1e-2) or more.
+TRAIN_RTOL = 1e-4
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
 def test_training_updates_follow_the_same_trajectory():
+    """Four SGD updates: every gradient and every parameter's total update agree norm-wise.
+
+    Norm-wise per tensor, not element-wise: an element whose gradient is a sum of terms that cancel
+    carries round-off far above its own size, on some kernel paths and not others. With Adam, which
+    divides each element by its own running scale, such elements move by arbitrary O(lr) steps, so
+    element-wise Adam trajectories differ between the two paths for reasons that have nothing to do
+    with attention; plain SGD keeps every update proportional to its gradient.
+    """
     ref, fast = model_pair("--attention-dropout", "0")
-    losses = []
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, fast)]
+    curves: list[list[float]] = [[], []]
+    for step in range(4):
+        batch = padded_batch(seed=step)
+        nonpad = batch["prev_output_tokens"].ne(PAD)
+        grads = []
+        for i, (model, opt) in enumerate(zip((ref, fast), opts, strict=True)):
+            model.train()
+            logits, _ = model(**batch)
+            loss = F.cross_entropy(logits[nonpad], torch.arange(nonpad.sum()) % 50 + 4)
+            opt.zero_grad()
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            curves[i].append(loss.item())
+        g_ref, g_fast = grads
+        for name, g in g_ref.items():
+            if name.endswith("k_proj.bias"):
+                # k_proj.bias shifts every score of a query alike, so softmax makes its gradient zero: both
+                # paths give round-off, tiny next to the key weights' gradient
+                w = g_ref[name[: -len("bias")] + "weight"].norm()
+                assert g.norm() < 1e-5 * w and g_fast[name].norm() < 1e-5 * w, name
+            else:
+                assert _rel(g_fast[name], g) < TRAIN_RTOL, (step, name, _rel(g_fast[name], g))
+        for opt in opts:
+            opt.step()
+    assert curves[0][-1] < curves[0][0]
+    for a, b in zip(*curves, strict=True):
+        assert abs(a - b) <= TRAIN_RTOL * abs(a)
+    for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        if not name.endswith("k_proj.bias"):
+            moved_ref, moved_fast = p_ref.detach() - start[name], p_fast.detach() - start[name]
+            assert _rel(moved_fast, moved_ref) < TRAIN_RTOL, (name, _rel(moved_fast, moved_ref))
+
+
+def test_adam_loss_curves_agree():
+    """The optimiser users train with: the loss curves of four Adam updates agree (see above for why
+    the parameters themselves are compared under SGD)."""
+    ref, fast = model_pair("--attention-dropout", "0")
+    curves = []
     for model in (ref, fast):
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -418,15 +478,10 @@ def test_training_updates_follow_the_same_trajectory():
             loss.backward()
             opt.step()
             curve.append(loss.item())
-        losses.append(curve)
-    assert losses[0][-1] < losses[0][0]
-    for a, b in zip(*losses, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a)
-    for (n, p1), p2 in zip(ref.named_parameters(), fast.parameters(), strict=True):
-        # k_proj.bias shifts every score of a query alike, so softmax makes its gradient zero up to
-        # round-off, and Adam normalises that round-off into arbitrary steps: nothing to compare
-        if not n.endswith("k_proj.bias"):
-            torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=n)
+        curves.append(curve)
+    assert curves[0][-1] < curves[0][0]
+    for a, b in zip(*curves, strict=True):
+        assert abs(a - b) <= TRAIN_RTOL * abs(a)
 
 
 # --- options -------------------------------------------------------------------------------------
