@@ -1,11 +1,13 @@
 """fairseq-deepinit: deep-Transformer initialisation, normalisation and residual schemes as a
 fairseq ``--user-dir`` plugin. Importing the package registers the ``deepinit`` model, its named
-architectures, the ``tfixup`` lr scheduler, and makes fairseq checkpoints loadable under torch >= 2.6.
+architectures, the ``tfixup`` lr scheduler, makes fairseq checkpoints loadable under torch >= 2.6, and
+makes checkpoint saving and resuming survive a killed run (:mod:`fairseq_deepinit.resume`).
 """
 
-from . import checkpoint_compat
+from . import checkpoint_compat, resume
 
 checkpoint_compat.install()
+resume.install()  # atomic checkpoint copies, resume fallback, one-line errors for damaged checkpoints
 
 # isort: off
 # the model must be registered before its architectures

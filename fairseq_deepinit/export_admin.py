@@ -232,11 +232,10 @@ def _primitive(obj):
 
 
 def _load(path: str) -> dict:
-    from . import checkpoint_compat
+    from . import checkpoint_compat, resume
 
     checkpoint_compat.install()
-    with open(path, "rb") as f:
-        return torch.load(f, map_location="cpu")
+    return resume.torch_load_checked(path, map_location="cpu")  # a damaged file: one-line error, exit 1
 
 
 def _model_args(state: dict):

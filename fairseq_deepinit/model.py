@@ -25,7 +25,7 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from . import options
+from . import options, resume
 from .fixnorm import FixNormEmbedding, FixNormOutputProjection
 from .layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
 from .norms import build_optional_norm
@@ -104,6 +104,7 @@ class DeepInitTransformerModel(TransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         options.add_model_args(parser)
+        resume.add_args(parser)  # --allow-config-change
 
     @classmethod
     def build_model(cls, args, task):
