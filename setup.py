@@ -20,6 +20,7 @@ setup(
         "sacrebleu==2.6.0",
         "subword-nmt==0.3.8",
         "matplotlib==3.11.2",  # deepinit-diagnose plots
+        "tensorboardX==2.6.5",  # --tensorboard-logdir (fairseq falls back to it without `tensorboard`)
     ],
     extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
     entry_points={

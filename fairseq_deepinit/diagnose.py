@@ -53,25 +53,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("data", nargs="?", help="fairseq-preprocess output folder (not needed with --compare)")
     p.add_argument("--output-dir", required=True, help="where diagnostics.json and the PNG plots go")
-    p.add_argument("--checkpoint", help="measure a trained checkpoint instead of a freshly initialised model")
+    p.add_argument("--checkpoint", help="measure a trained checkpoint (default: none, a freshly initialised model)")
     p.add_argument(
         "--measure",
         default=None,
         help=f"comma-separated subset of {','.join(MEASURES)} (default: all; without 'change' for --checkpoint)",
     )
     p.add_argument("--subset", default="train", help="data split to take batches from (default: train)")
-    p.add_argument("--num-batches", type=int, default=1, help="batches to pool for gradients and statistics")
+    p.add_argument(
+        "--num-batches", type=int, default=1, help="batches to pool for gradients and statistics (default %(default)s)"
+    )
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the model initialisation and the batch order")
+    p.add_argument(
+        "--seed", type=int, default=1, help="seed of the model initialisation and the batch order (default %(default)s)"
+    )
     p.add_argument(
         "--depths", default="2,4,8,16", help="layers per stack for the output-change sweep (default 2,4,8,16)"
     )
     p.add_argument("--repeats", type=int, default=3, help="initialisations averaged per depth (default 3)")
     p.add_argument("--perturb-scale", type=float, default=1e-4, help="std of the random perturbation (default 1e-4)")
     p.add_argument("--adam-lr", type=float, default=1e-5, help="learning rate of the one Adam step (default 1e-5)")
-    p.add_argument("--change-batches", type=int, default=1, help="batches the output change is measured on")
+    p.add_argument(
+        "--change-batches", type=int, default=1, help="batches the output change is measured on (default %(default)s)"
+    )
     p.add_argument("--label", help="name of this run in plots and in --compare (default: the model description)")
-    p.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="overlay the results of earlier runs")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="overlay the results of earlier runs (default: none, measure a model)",
+    )
     return p
 
 

@@ -338,7 +338,8 @@ def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, s
     return diff
 
 
-def main(argv: List[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``deepinit-export-admin``."""
     parser = argparse.ArgumentParser(
         prog="deepinit-export-admin",
         description="Fold Admin's omega into a plain Post-LN fairseq 'transformer' checkpoint (Liu et al. 2020, "
@@ -350,7 +351,11 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument(
         "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default 1e-4)"
     )
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: List[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
     try:
         summary = export_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)

@@ -4,13 +4,20 @@
 # enough for 2 CPU cores), the output change against depth for each scheme, and the learned
 # ScaleNorm g of a Transformers-without-Tears model trained for a short while.
 #
-# Knobs (environment variables): MULTI30K_DIR [../shared/data/multi30k], WORK_DIR [work-data/diagnostics],
-# OUT_DIR [docs/diagnostics], SCHEMES [postln preln admin tfixup dsinit], TWT_UPDATES [1500].
+# Knobs (environment variables):
+#   MULTI30K_DIR [unset: ../shared/data/multi30k if present, else the pinned public release,
+#                 downloaded once into work-data/multi30k and sha256-checked; scripts/multi30k_data.py]
+#   WORK_DIR [work-data/diagnostics]  OUT_DIR [docs/diagnostics]  TWT_UPDATES [1500]
+#   SCHEMES [postln preln admin tfixup dsinit]  PY [.venv/bin/python]
 # About an hour on 2 busy cores. Every finished run is skipped on a re-run.
 set -euo pipefail
+case ${1:-} in
+  -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") ;;
+  *) echo "error: $0 takes no arguments (got $1); set the environment variables of --help instead" >&2; exit 1 ;;
+esac
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-M30K=${MULTI30K_DIR:-../shared/data/multi30k}
 WORK=${WORK_DIR:-work-data/diagnostics}
 OUT=${OUT_DIR:-docs/diagnostics}
 SCHEMES=${SCHEMES:-postln preln admin tfixup dsinit}
@@ -23,6 +30,8 @@ mkdir -p "$WORK" "$OUT"
 
 # 1. word-level, lower-cased Multi30k de-en (read in place; nothing is copied into the repository)
 if [ ! -f "$WORK/bin/dict.en.txt" ]; then
+  # the folder given by MULTI30K_DIR, the local copy, or the public release (one-line error, exit 1)
+  M30K=$("$PY" scripts/multi30k_data.py) || exit 1
   mkdir -p "$WORK/raw"
   for split in train val; do
     for l in de en; do

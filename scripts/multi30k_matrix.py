@@ -24,7 +24,9 @@ at or below the depth's ``--target-bits``. Every cell logs fairseq's per-layer g
 
 Subcommands (all resumable: a finished cell keeps its ``result.json`` and is skipped):
 
-- ``prepare``: Multi30k read in place (gzip) -> tokenised, joint BPE, binarised under the work dir;
+- ``prepare``: Multi30k read in place (gzip; ``--multi30k-dir`` / ``MULTI30K_DIR``, else the local copy,
+  else the pinned public release, downloaded once: ``multi30k_data.py``) -> tokenised, joint BPE,
+  binarised under the work dir;
 - ``matrix``: train the cells of ``--methods x --depths x --regimes`` (``--jobs`` at a time), then probe them;
 - ``probe``: greedy dev translation of given cells (``--cells all``: every trained cell not probed yet);
 - ``bleu``: translate test2016 and test2017 with each given cell's best checkpoint (``--cells select``:
@@ -52,11 +54,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generate_progress  # noqa: E402  (sentences-done lines while fairseq-generate runs)
+import multi30k_data  # noqa: E402  (MULTI30K_DIR, the local copy, or the pinned public release)
 import prepare_bible  # noqa: E402  (the tokeniser, BPE and scorer of the quickstart, shared)
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = REPO / "fairseq_deepinit"
-MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test1": "test_2017_flickr"}
 TEST_SETS = {"test": "test2016", "test1": "test2017"}
 
@@ -90,19 +93,20 @@ def log(msg: str) -> None:
 # data
 
 
-def prepare(work: Path, merges: int) -> Path:
-    """Multi30k de-en -> ``work/bin`` (fairseq binarised; test = test2016, test1 = test2017)."""
+def prepare(work: Path, merges: int, multi30k_dir: str | Path | None = None) -> Path:
+    """Multi30k de-en -> ``work/bin`` (fairseq binarised; test = test2016, test1 = test2017).
+    The corpus is looked up (and downloaded if need be) only when ``work/bin`` is not there yet."""
     bin_dir = work / "bin"
     if (bin_dir / ".done").exists():
         log(f"data already prepared: {bin_dir}")
         return bin_dir
+    corpus = multi30k_data.locate(multi30k_dir)
+    log(f"Multi30k from {corpus}")
     raw = work / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for out, split in SPLITS.items():
         for lang in ("de", "en"):
-            src = MULTI30K / f"{split}.{lang}.gz"
-            if not src.exists():
-                raise MatrixError(f"{src} not found: set MULTI30K_DIR to the folder with Multi30k's gzip files")
+            src = corpus / f"{split}.{lang}.gz"
             with gzip.open(src, "rt", encoding="utf-8") as f, open(raw / f"{out}.{lang}", "w", encoding="utf-8") as g:
                 for line in f:
                     g.write(" ".join(line.split()) + "\n")
@@ -112,7 +116,10 @@ def prepare(work: Path, merges: int) -> Path:
     cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en"]
     cmd += ["--trainpref", str(bpe / "train"), "--validpref", str(bpe / "valid")]
     cmd += ["--testpref", f"{bpe / 'test'},{bpe / 'test1'}", "--destdir", str(bin_dir), "--workers", "2"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    log_path = work / "preprocess.log"
+    with open(log_path, "w", encoding="utf-8") as f:
+        if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+            raise MatrixError(f"fairseq-preprocess failed: see {log_path}, then re-run `prepare`")
     (bin_dir / ".done").write_text("ok\n")
     return bin_dir
 
@@ -395,7 +402,8 @@ def expand(methods: Sequence[str], depths: Sequence[int], regimes: Sequence[str]
 
 
 def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, threads: int) -> Path:
-    """``fairseq-generate`` of ``subset`` with the cell's best checkpoint (skipped when up to date)."""
+    """``fairseq-generate`` of ``subset`` with the cell's best checkpoint (skipped when up to date),
+    logging sentences done of the total every tenth of the set; its stderr goes to a log beside it."""
     ckpt = out / "checkpoint_best.pt"
     gen = out / f"generate-{label}.txt"
     if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
@@ -403,10 +411,19 @@ def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, thre
         cmd += ["--path", str(ckpt), "--gen-subset", subset, "--beam", str(beam), "--remove-bpe"]
         cmd += ["--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "128"]
         cmd += ["--required-batch-size-multiple", "1", "--cpu"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        with open(gen.with_suffix(".tmp"), "w", encoding="utf-8") as f:
-            subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, env=env, check=True)
-        gen.with_suffix(".tmp").replace(gen)
+        # unbuffered, so that hypotheses (and the progress counted from them) arrive batch by batch
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        tmp, err = gen.with_suffix(".tmp"), gen.with_suffix(".log")
+        name = f"{out.name} {label}"
+        with open(tmp, "wb") as f, open(err, "wb") as e:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=e, env=env)
+            raw = bin_dir.parent / "raw" / f"{subset}.en"  # prepare's untokenised copy: one line per sentence
+            total = sum(1 for _ in open(raw, "rb")) if raw.exists() else None
+            with proc.stdout:
+                generate_progress.relay(proc.stdout, f, log, total=total, label=name)
+            if proc.wait() != 0:
+                raise MatrixError(f"fairseq-generate failed on {name} (exit {proc.returncode}): see {err}")
+        tmp.replace(gen)
     return gen
 
 
@@ -589,42 +606,122 @@ def write_between_markers(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+COMMANDS = {
+    "prepare": "Multi30k -> tokenised, joint BPE, binarised under --work-dir",
+    "matrix": "train every cell (--methods x --depths x --regimes, or --cells), then probe it",
+    "probe": "greedy dev translation of --cells (all: every trained cell not probed yet)",
+    "bleu": "test2016 / test2017 sacreBLEU of --cells (select: 6-layer and deepest converging per method)",
+    "report": "the Markdown tables of docs/results.md (to stdout, or into --output)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every option says what it does, which subcommands read it, and its default)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("command", choices=("prepare", "matrix", "probe", "bleu", "report"))
-    p.add_argument("--work-dir", type=Path, default=REPO / "work-data" / "multi30k-matrix")
-    p.add_argument("--bpe-merges", type=int, default=8000)
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--depths", default="6,18,36")
-    p.add_argument("--regimes", default=",".join(REGIMES))
-    p.add_argument("--cells", default="", help="comma-separated METHOD:DEPTH:REGIME (instead of the product)")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the warmup regime")
-    p.add_argument("--lr-nowarmup", type=float, default=2e-3, help="learning rate of the no-warmup regime")
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--budget", default="6:600:50,18:250:25,36:150:25,100:40:20", help="DEPTH:UPDATES:VALID_EVERY,...")
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--stall-bits", type=float, help="stalled = best dev nll not below this (default: unigram model)")
-    p.add_argument("--plateau-bits", type=float, default=PLATEAU_BITS, help="stalled = second half gains less")
-    p.add_argument("--blind-fraction", type=float, default=BLIND_FRACTION, help="source-blind = fewer distinct")
-    p.add_argument("--target-bits", default="6:5.0,18:6.0,36:7.0,100:7.5", help="DEPTH:BITS,... dev-nll targets")
-    p.add_argument("--extra-args", default="", help="appended to every fairseq-train command (last, so they win)")
-    p.add_argument("--dry-run", action="store_true", help="matrix: print the fairseq-train commands, train nothing")
-    p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="OpenMP threads per job")
-    p.add_argument("--beam", type=int, default=5)
     p.add_argument(
-        "--output", type=Path, help=f"report: replace the text between {BEGIN} and {END} in this file (docs/results.md)"
+        "command",
+        choices=tuple(COMMANDS),
+        help="\n".join(f"{name}: {what}" for name, what in COMMANDS.items()),
     )
+    add = p.add_argument
+    add(
+        "--work-dir",
+        type=Path,
+        default=REPO / "work-data" / "multi30k-matrix",
+        help="data, runs and results of every subcommand (default: %(default)s)",
+    )
+    add(
+        "--multi30k-dir",
+        type=str,  # not Path: an empty value means "not given", as an empty MULTI30K_DIR does
+        default=None,
+        help="prepare: folder with Multi30k's task1 raw files (train.de.gz, ...), read in place (default:\n"
+        f"$MULTI30K_DIR, else {multi30k_data.LOCAL_DEFAULT} if present, else the pinned public\n"
+        f"release downloaded once into {multi30k_data.CACHE})",
+    )
+    add("--bpe-merges", type=int, default=8000, help="prepare: joint BPE merge operations (default: %(default)s)")
+    add(
+        "--methods", default=",".join(METHODS), help="matrix/probe/bleu: comma-separated methods (default: %(default)s)"
+    )
+    add(
+        "--depths",
+        default="6,18,36",
+        help="matrix/probe/bleu: layers per stack, comma-separated (default: %(default)s)",
+    )
+    add("--regimes", default=",".join(REGIMES), help="matrix/probe/bleu: learning-rate regimes (default: %(default)s)")
+    add(
+        "--cells",
+        default="",
+        help="comma-separated METHOD:DEPTH:REGIME instead of the product of the three above; probe: 'all',\n"
+        "bleu: 'select' (default: empty, the product)",
+    )
+    add("--dim", type=int, default=64, help="matrix: embedding dimension (default: %(default)s)")
+    add("--ffn", type=int, default=256, help="matrix: FFN inner dimension (default: %(default)s)")
+    add("--heads", type=int, default=4, help="matrix: attention heads (default: %(default)s)")
+    add("--dropout", type=float, default=0.1, help="matrix: dropout (default: %(default)s)")
+    add("--lr", type=float, default=1e-3, help="matrix: peak learning rate of the warmup regime (default: %(default)s)")
+    add(
+        "--lr-nowarmup",
+        type=float,
+        default=2e-3,
+        help="matrix: learning rate of the no-warmup regime (default: %(default)s)",
+    )
+    add("--warmup", type=int, default=100, help="matrix: warm-up updates of the warmup regime (default: %(default)s)")
+    add(
+        "--budget",
+        default="6:600:50,18:250:25,36:150:25,100:40:20",
+        help="matrix: DEPTH:UPDATES:VALID_EVERY,... updates and validation interval per depth\n(default: %(default)s)",
+    )
+    add("--max-tokens", type=int, default=2048, help="matrix: tokens per batch (default: %(default)s)")
+    add("--seed", type=int, default=1, help="matrix: random seed of every cell (default: %(default)s)")
+    add(
+        "--stall-bits",
+        type=float,
+        default=None,
+        help="stalled = best dev nll (bits/token) never below this (default: the unigram model's)",
+    )
+    add(
+        "--plateau-bits",
+        type=float,
+        default=PLATEAU_BITS,
+        help="stalled = the second half of the run gains less than this, bits (default: %(default)s)",
+    )
+    add(
+        "--blind-fraction",
+        type=float,
+        default=BLIND_FRACTION,
+        help="source-blind = fewer distinct dev translations than this share of sentences (default: %(default)s)",
+    )
+    add(
+        "--target-bits",
+        default="6:5.0,18:6.0,36:7.0,100:7.5",
+        help="DEPTH:BITS,... dev-nll targets for 'updates to target' (default: %(default)s)",
+    )
+    add(
+        "--extra-args",
+        default="",
+        help="matrix: appended to every fairseq-train command, last, so they win (default: none)",
+    )
+    add("--dry-run", action="store_true", help="matrix: print the fairseq-train commands, train nothing")
+    add("--jobs", type=int, default=1, help="matrix/probe/bleu: cells run at the same time (default: %(default)s)")
+    add("--threads", type=int, default=1, help="OpenMP threads per job (default: %(default)s)")
+    add("--beam", type=int, default=5, help="bleu: beam size (default: %(default)s)")
+    add(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"report: replace the text between {BEGIN} and\n{END} in this file, e.g. docs/results.md\n"
+        "(default: print the tables)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         work = a.work_dir
         if a.command == "prepare":
-            prepare(work, a.bpe_merges)
+            prepare(work, a.bpe_merges, a.multi30k_dir)
             return 0
         if a.command == "report":
             text = report(work, Rules.of(a))
@@ -643,6 +740,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not (p.parent / "probe.json").exists() and (p.parent / "result.json").exists()
             ]
         else:
+            if not all(d.strip().isdigit() for d in a.depths.split(",")):
+                raise MatrixError(f"--depths {a.depths!r} is not a comma-separated list of layer counts (e.g. 6,18)")
             cells = [c for c in a.cells.split(",") if c] or expand(
                 a.methods.split(","), [int(d) for d in a.depths.split(",")], a.regimes.split(",")
             )
@@ -652,7 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in cells:
                 print(shlex.join(train_command(work / "bin", cell_dir(work, c), c, a)))
             return 0
-        bin_dir = prepare(work, a.bpe_merges)
+        bin_dir = prepare(work, a.bpe_merges, a.multi30k_dir)
         if a.command == "matrix":
             with ThreadPoolExecutor(a.jobs) as pool:
                 list(pool.map(lambda c: train_cell(bin_dir, work, c, a), cells))
@@ -669,9 +768,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ):
                     print(c, json.dumps(scores))
         return 0
-    except (MatrixError, prepare_bible.CorpusError) as e:
+    except (MatrixError, prepare_bible.CorpusError, multi30k_data.Multi30kError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1
 
 
 if __name__ == "__main__":

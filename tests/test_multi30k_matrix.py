@@ -187,7 +187,8 @@ def test_pipeline_on_real_multi30k_lines(tiny_multi30k, tmp_path):
     common += ["--heads", "2", "--max-tokens", "1024", "--target-bits", "2:100"]
     # thresholds a 6-update model passes (the rules themselves are tested above)
     common += ["--stall-bits", "100", "--plateau-bits", "-100", "--blind-fraction", "0"]
-    driver("matrix", "--cells", "postln:2:warmup", *common, m30k=tiny_multi30k)
+    trained = driver("matrix", "--cells", "postln:2:warmup", *common, m30k=tiny_multi30k).stdout
+    assert "[postln-2-warmup dev-greedy] 40/40 sentences (100%)" in trained  # the probe's progress
     driver(
         "matrix", "--cells", "postln:2:nowarmup", *common, "--extra-args",
         "--diagnostics-inject-nan 4:encoder.layers.0.fc1.weight", m30k=tiny_multi30k,
@@ -206,6 +207,7 @@ def test_pipeline_on_real_multi30k_lines(tiny_multi30k, tmp_path):
 
     bleu = driver("bleu", "--cells", "select", *common, "--beam", "2", m30k=tiny_multi30k).stdout
     assert "postln:2:warmup" in bleu and "postln:2:nowarmup" not in bleu  # only converged cells are translated
+    assert "[postln-2-warmup test2017] 20/20 sentences (100%)" in bleu  # progress while translating
     gen = (tmp_path / "runs" / "postln-2-warmup" / "generate-test2017.txt").read_text()
     assert sum(line.startswith("D-") for line in gen.splitlines()) == 20  # every test2017 sentence
 
@@ -237,6 +239,6 @@ def test_report_replaces_only_its_block(tmp_path):
 
 def test_missing_data_says_what_to_do(tmp_path):
     proc = driver("prepare", "--work-dir", str(tmp_path), m30k=tmp_path / "nowhere", check=False)
-    assert proc.returncode == 2 and "set MULTI30K_DIR" in proc.stdout
+    assert proc.returncode == 1 and "has no train.de.gz" in proc.stdout and "Traceback" not in proc.stdout
     proc = driver("report", "--work-dir", str(tmp_path), m30k=tmp_path, check=False)
-    assert proc.returncode == 2 and "run `matrix` first" in proc.stdout
+    assert proc.returncode == 1 and "run `matrix` first" in proc.stdout

@@ -248,7 +248,7 @@ def test_cli_prints_one_error_line_not_a_traceback(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 1
     assert proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
 
 
