@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="fairseq-deepinit",
-    version="0.1.0",
+    version="0.2.0.dev0",
     description=(
         "A fairseq --user-dir plugin with the published fixes for deep Transformer training: "
         "Lipschitz init, T-Fixup, Admin, DS-Init/MAtt, Transformers without Tears, DeepNorm, ReZero."
@@ -25,7 +25,7 @@ setup(
     extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
     entry_points={
         "console_scripts": [
-            "deepinit-diagnose = fairseq_deepinit.diagnose:main",
+            "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",
             "deepinit-export-admin = fairseq_deepinit.export_admin:main",
         ]
     },

@@ -238,7 +238,7 @@ def module_bench(opts) -> None:
     from fairseq.modules.multihead_attention import MultiheadAttention
 
     sys.path.insert(0, str(REPO))
-    from fairseq_deepinit.sdpa_attention import use_sdpa
+    from fairseq_deepinit.modules.attention import use_sdpa
 
     _, dim, _, heads = (int(v) for v in opts.shape.split("x"))
     device = torch.device(opts.device)

@@ -1,23 +1,30 @@
 """fairseq-deepinit: deep-Transformer initialisation, normalisation and residual schemes as a
-fairseq ``--user-dir`` plugin. Importing the package registers the ``deepinit`` model, its named
-architectures, the ``tfixup`` lr scheduler, makes fairseq checkpoints loadable under torch >= 2.6, and
-makes checkpoint saving and resuming survive a killed run (:mod:`fairseq_deepinit.resume`).
+fairseq ``--user-dir`` plugin.
+
+Importing the package registers the ``deepinit`` model and its named architectures, the MAtt layer
+type, Admin's residual scaling and task, the diagnostics criterion, the ``tfixup`` lr scheduler and
+the ``radam`` optimizer; makes fairseq checkpoints loadable under torch >= 2.6; and makes checkpoint
+saving and resuming survive a killed run.
+
+Layout: :mod:`.modules` (norms, FixNorm, residual scaling, attention, layers), :mod:`.schemes` (one
+module per initialisation paper), :mod:`.admin`, :mod:`.matt`, :mod:`.diagnostics`,
+:mod:`.checkpoints`, :mod:`.training` (tasks, optimizer, scheduler); :mod:`.options` and
+:mod:`.errors` are the one home of the model's options and the plugin's errors.
 """
 
-from . import checkpoint_compat, resume
+from .checkpoints import compat, resume
 
-checkpoint_compat.install()
+compat.install()
 resume.install()  # atomic checkpoint copies, resume fallback, one-line errors for damaged checkpoints
 
 # isort: off
 # the model must be registered before its architectures
 from . import model  # noqa: E402,F401
-from . import architectures, tfixup_schedule  # noqa: E402,F401
+from . import architectures  # noqa: E402,F401
 from . import admin, admin_task  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin)
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
-from . import diagnostics_criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from . import radam  # noqa: E402,F401  (--optimizer radam, Admin's recipes)
-from . import autocast  # noqa: E402,F401  (--task translation_deepinit with --autocast-bf16)
+from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
+from .training import autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizer, lr scheduler)
 # isort: on
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -51,8 +51,8 @@ import torch.nn as nn
 
 from . import options
 from .architectures import register_family
-from .hooks import _N, _QB, _QS, _SB, _SS, ResidualStatistics, sublayer_name
-from .residual import Residual, register_residual
+from .diagnostics.hooks import _N, _QB, _QS, _SB, _SS, ResidualStatistics, sublayer_name
+from .modules.residual import Residual, register_residual
 from .schemes import WITH_NORM, SchemeSpec, register_scheme
 from .schemes.baseline import apply_baseline
 

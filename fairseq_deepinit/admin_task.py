@@ -28,7 +28,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from . import admin
-from .autocast import AutocastConfig, AutocastTaskMixin
+from .training.autocast import AutocastConfig, AutocastTaskMixin
 
 logger = logging.getLogger(__name__)
 

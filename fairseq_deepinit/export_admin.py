@@ -42,6 +42,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from . import admin, options
+from .checkpoints.integrity import torch_load_checked
 
 logger = logging.getLogger("fairseq_deepinit.export_admin")
 
@@ -232,10 +233,9 @@ def _primitive(obj):
 
 
 def _load(path: str) -> dict:
-    from . import checkpoint_compat, resume
-
-    checkpoint_compat.install()
-    return resume.torch_load_checked(path, map_location="cpu")  # a damaged file: one-line error, exit 1
+    # the package import allow-listed fairseq's Namespace (checkpoints.compat); a damaged file is a
+    # one-line error, exit 1
+    return torch_load_checked(path, map_location="cpu")
 
 
 def _model_args(state: dict):

@@ -25,10 +25,11 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from . import options, resume
-from .fixnorm import FixNormEmbedding, FixNormOutputProjection
-from .layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
-from .norms import build_optional_norm
+from . import options
+from .checkpoints import config_check
+from .modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
+from .modules.layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
+from .modules.norms import build_optional_norm
 from .schemes import apply_init_scheme
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class DeepInitTransformerModel(TransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         options.add_model_args(parser)
-        resume.add_args(parser)  # --allow-config-change
+        config_check.add_args(parser)  # --allow-config-change
 
     @classmethod
     def build_model(cls, args, task):

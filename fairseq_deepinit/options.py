@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from . import sdpa_attention
-from .layers import DECODER_LAYER_TYPES
-from .norms import NORM_TYPES
-from .residual import RESIDUAL_BUILDERS
+from .errors import DeepInitConfigError
+from .modules import attention
+from .modules.layers import DECODER_LAYER_TYPES
+from .modules.norms import NORM_TYPES
+from .modules.residual import RESIDUAL_BUILDERS
 from .schemes import SCHEMES
 
 logger = logging.getLogger(__name__)
-
-
-class DeepInitConfigError(ValueError):
-    """An invalid or incompatible combination of deepinit options."""
 
 
 # fairseq store_true flags that named architectures set: their default becomes None so that an
@@ -87,7 +84,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         add_args(g)
     for add_args, _validate, _describe in _RESIDUAL_HOOKS.values():
         add_args(g)
-    sdpa_attention.add_args(g)
+    attention.add_args(g)
 
 
 # defaults of options that are not scheme-specific
@@ -234,7 +231,7 @@ def resolve_and_validate(args) -> None:
     _resolve_owned_options(args, _RESIDUAL_OPTIONS, "residual_scale")
     if args.residual_scale in _RESIDUAL_HOOKS:
         _RESIDUAL_HOOKS[args.residual_scale][1](args)
-    sdpa_attention.validate(args)
+    attention.validate(args)
 
     if args.fixnorm:
         if not (args.share_decoder_input_output_embed or args.share_all_embeddings):

@@ -20,8 +20,8 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks.translation import TranslationConfig
 
 from conftest import TINY_DIMS, USER_DIR, make_dictionary
-from fairseq_deepinit import autocast
-from fairseq_deepinit.autocast import (
+from fairseq_deepinit.training import autocast
+from fairseq_deepinit.training.autocast import (
     AutocastConfigError,
     AutocastCriterion,
     TranslationDeepInitConfig,

@@ -135,7 +135,7 @@ def test_scalenorm_hand_written_backward_is_autograd_of_eq3():
     on a transposed input with a zero row and a row whose norm is clamped at eps."""
     import torch
 
-    from fairseq_deepinit.norms import ScaleNorm, _ScaleNormFunction
+    from fairseq_deepinit.modules.norms import ScaleNorm, _ScaleNormFunction
 
     eps = 1e-5
     torch.manual_seed(0)
@@ -169,7 +169,7 @@ def test_residual_sum_is_contiguous_on_fairseqs_transposed_stream():
     """The residual modules sum branch first: same values, contiguous result (Linears stay on addmm)."""
     import torch
 
-    from fairseq_deepinit.residual import ConstantResidual, Residual, ReZeroResidual
+    from fairseq_deepinit.modules.residual import ConstantResidual, Residual, ReZeroResidual
 
     residual = torch.randn(4, 3, 8).transpose(0, 1)  # (T, B, C) view of (B, T, C), as fairseq's
     branch = torch.randn(3, 4, 8)

@@ -30,7 +30,8 @@ import torch
 from cli_fork import run_forked
 
 from conftest import TINY_DIMS, USER_DIR, build_model, run_cli, tiny_batch
-from fairseq_deepinit import architectures, checkpoint_compat
+from fairseq_deepinit import architectures
+from fairseq_deepinit.checkpoints import compat as checkpoint_compat
 
 TRAIN_UPDATES = 100  # first run
 RESUME_UPDATES = 120  # second run in the same save dir continues to here
@@ -263,7 +264,7 @@ def test_checkpoint_reloads_exactly(pipelines, synthetic_bin, case):
     for key, value in saved.items():
         assert torch.equal(loaded[key], value), key
     if case == "twt":
-        from fairseq_deepinit.fixnorm import FixNormOutputProjection
+        from fairseq_deepinit.modules.fixnorm import FixNormOutputProjection
 
         proj = model.decoder.output_projection
         assert isinstance(proj, FixNormOutputProjection) and proj.embedding is model.decoder.embed_tokens
@@ -352,7 +353,7 @@ def test_checkpoint_activations_same_gradients(arch):
 
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY  # noqa: E402
 
-from fairseq_deepinit.norms import is_norm  # noqa: E402
+from fairseq_deepinit.modules.norms import is_norm  # noqa: E402
 
 NAMED_ARCHS = sorted(a for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m == "deepinit")
 HUGE = "tfixup_iwslt_de_en_200l"  # built once, at its own dims, below

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_DIMS, build_model, tiny_batch
-from fairseq_deepinit.norms import is_norm
-from fairseq_deepinit.residual import ReZeroResidual
+from fairseq_deepinit.modules.norms import is_norm
+from fairseq_deepinit.modules.residual import ReZeroResidual
 
 PRE = ("--encoder-normalize-before", "--decoder-normalize-before")
 CONFIGS = {

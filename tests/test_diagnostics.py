@@ -12,8 +12,9 @@ import torch
 from fairseq.logging import metrics
 
 from conftest import TINY_DIMS, USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
-from fairseq_deepinit import diagnose, diagnostics, hooks
-from fairseq_deepinit.diagnostics_criterion import (
+from fairseq_deepinit.diagnostics import diagnose, hooks
+from fairseq_deepinit.diagnostics import stats as diagnostics
+from fairseq_deepinit.diagnostics.criterion import (
     DiagnosticsCriterion,
     DivergenceError,
     _parse_inject,
@@ -86,7 +87,7 @@ def test_residual_parameters_and_scalenorm_gains_read_generically():
     assert hooks.residual_parameters(model)["encoder.layers.1.ffn"]["alpha"].item() == 0.25
 
     # any Residual that owns a vector parameter is read the same way (Admin's omega)
-    from fairseq_deepinit.residual import Residual
+    from fairseq_deepinit.modules.residual import Residual
 
     class VectorResidual(Residual):
         def __init__(self):

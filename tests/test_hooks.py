@@ -3,7 +3,7 @@
 import torch
 
 from conftest import build_model, tiny_batch
-from fairseq_deepinit.hooks import ResidualStatistics
+from fairseq_deepinit.diagnostics.hooks import ResidualStatistics
 
 
 def test_hooks_match_by_hand_moments():

@@ -270,7 +270,7 @@ def test_every_scheme_builds_and_decodes_incrementally(scheme):
 
 @pytest.mark.parametrize("norm", ["layernorm", "scalenorm", "rmsnorm"])
 def test_norm_types_apply_to_matt_norms(norm):
-    from fairseq_deepinit.norms import build_norm
+    from fairseq_deepinit.modules.norms import build_norm
 
     model, _ = _matt("aan", False, "--norm-type", norm)
     layer = model.decoder.layers[1]
@@ -298,7 +298,7 @@ def test_own_value_projection_initialised_as_a_value_projection(scheme):
     """DeepNorm: W_v ~ xavier_normal(beta_dec); SmallInit: W_v ~ N(0, sqrt(2/(5d))), like attention v_proj."""
     import math
 
-    from fairseq_deepinit.residual import deepnorm_beta
+    from fairseq_deepinit.modules.residual import deepnorm_beta
     from fairseq_deepinit.schemes.smallinit import smallinit_std
 
     model, args = _matt("aan", False, "--init-scheme", scheme, "--decoder-embed-dim", "256",
@@ -337,7 +337,7 @@ def test_shared_weights_are_single_parameters():
 
 
 def test_residual_statistics_see_two_decoder_sublayers():
-    from fairseq_deepinit.hooks import ResidualStatistics
+    from fairseq_deepinit.diagnostics.hooks import ResidualStatistics
 
     model, _ = _matt("aan", False, "--residual-scale", "rezero", "--init-scheme", "rezero")
     with ResidualStatistics(model) as stats:

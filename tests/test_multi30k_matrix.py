@@ -43,7 +43,7 @@ def test_parse_log_reads_curves_layers_and_failures():
             valid_line(10, 8.5, 8.1),  # fairseq validates again when an epoch ends on the interval
             train_line(20, 7.0),
             valid_line(20, 7.5, 7.2),
-            "fairseq_deepinit.diagnostics_criterion.DivergenceError: divergence guard: training stopped at update 23",
+            "fairseq_deepinit.diagnostics.criterion.DivergenceError: divergence guard: training stopped at update 23",
         ]
     )
     parsed = mm.parse_log(text)

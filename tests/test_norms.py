@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import TINY_DIMS, build_model, tiny_batch
-from fairseq_deepinit.fixnorm import FixNormEmbedding, FixNormOutputProjection
-from fairseq_deepinit.norms import RMSNorm, ScaleNorm, build_norm, build_optional_norm, is_norm
-from fairseq_deepinit.residual import ConstantResidual, ReZeroResidual
+from fairseq_deepinit.modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
+from fairseq_deepinit.modules.norms import RMSNorm, ScaleNorm, build_norm, build_optional_norm, is_norm
+from fairseq_deepinit.modules.residual import ConstantResidual, ReZeroResidual
 
 # ---------------------------------------------------------------------------------------------
 # ScaleNorm (Nguyen & Salazar 2019, eq. 3)

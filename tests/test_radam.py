@@ -31,7 +31,7 @@ def test_radam_matches_the_algorithm_by_hand():
     import torch
 
     import fairseq_deepinit  # noqa: F401  (registers the optimizer)
-    from fairseq_deepinit.radam import FairseqRAdam, FairseqRAdamConfig
+    from fairseq_deepinit.training.radam import FairseqRAdam, FairseqRAdamConfig
 
     lr, wd, grads = 0.01, 0.1, [0.5, -1.0, 2.0, 0.3, 0.3, -0.7, 1.1, 0.2, -0.4, 0.9]
     param = torch.nn.Parameter(torch.tensor([1.5], dtype=torch.float64))

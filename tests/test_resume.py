@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from conftest import TINY_DIMS, USER_DIR, run_cli
-from fairseq_deepinit import resume
+from fairseq_deepinit import errors
+from fairseq_deepinit.checkpoints import atomic, config_check, integrity, resume
 
 ARCH = "postln_iwslt_de_en"
 
@@ -97,19 +98,19 @@ def test_installed_on_import():
     from fairseq import checkpoint_utils
     from fairseq.file_io import PathManager
 
-    assert checkpoint_utils.PathManager is resume.AtomicCopyPathManager
+    assert checkpoint_utils.PathManager is atomic.AtomicCopyPathManager
     assert checkpoint_utils.load_checkpoint is resume.load_checkpoint
     assert checkpoint_utils.load_checkpoint_to_cpu is resume.load_checkpoint_to_cpu
-    assert PathManager.copy is not resume.AtomicCopyPathManager.copy  # the rest of fairseq is untouched
+    assert PathManager.copy is not atomic.AtomicCopyPathManager.copy  # the rest of fairseq is untouched
 
 
 def test_atomic_copy_replaces_and_leaves_no_temporaries(tmp_path, monkeypatch):
     src, dst = tmp_path / "checkpoint_1_2.pt", tmp_path / "checkpoint_last.pt"
     src.write_bytes(os.urandom(3 << 20))
     dst.write_bytes(b"old")
-    assert resume.AtomicCopyPathManager.copy(str(src), str(dst), overwrite=True) is True
+    assert atomic.AtomicCopyPathManager.copy(str(src), str(dst), overwrite=True) is True
     assert dst.read_bytes() == src.read_bytes()
-    assert resume.atomic_copy(src, dst, overwrite=False) is False  # PathManager.copy's contract
+    assert atomic.atomic_copy(src, dst, overwrite=False) is False  # PathManager.copy's contract
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2.pt", "checkpoint_last.pt"]
 
     # an error in the middle of the copy: the target keeps its old content, no temporary is left
@@ -119,16 +120,16 @@ def test_atomic_copy_replaces_and_leaves_no_temporaries(tmp_path, monkeypatch):
         out.write(inp.read(1 << 20))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(resume.shutil, "copyfileobj", fail_halfway)
+    monkeypatch.setattr(atomic.shutil, "copyfileobj", fail_halfway)
     with pytest.raises(OSError, match="No space left"):
-        resume.atomic_copy(src, dst, overwrite=True)
+        atomic.atomic_copy(src, dst, overwrite=True)
     assert dst.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2.pt", "checkpoint_last.pt"]
 
 
 COPY_CHILD = """
 import sys
-from fairseq_deepinit.resume import atomic_copy
+from fairseq_deepinit.checkpoints.atomic import atomic_copy
 atomic_copy(sys.argv[1], sys.argv[2], overwrite=True)
 """
 
@@ -144,7 +145,7 @@ def test_atomic_copy_killed_midway_keeps_the_old_file(tmp_path):
             w.write(os.urandom(2 << 20))  # half of the "checkpoint"; the child is now waiting for more
             w.flush()
             deadline = time.time() + 60
-            while not resume.stale_temporaries(tmp_path) and time.time() < deadline:
+            while not atomic.stale_temporaries(tmp_path) and time.time() < deadline:
                 time.sleep(0.01)
             time.sleep(0.2)
             child.send_signal(signal.SIGKILL)
@@ -153,36 +154,36 @@ def test_atomic_copy_killed_midway_keeps_the_old_file(tmp_path):
         child.kill()
     assert child.returncode == -signal.SIGKILL
     assert dst.read_bytes() == b"previous checkpoint"
-    stale = resume.stale_temporaries(tmp_path)
+    stale = atomic.stale_temporaries(tmp_path)
     assert len(stale) == 1 and os.path.getsize(stale[0]) > 0  # the kill landed mid-copy
-    assert resume.remove_stale_temporaries(tmp_path) == stale
-    assert resume.stale_temporaries(tmp_path) == []
+    assert atomic.remove_stale_temporaries(tmp_path) == stale
+    assert atomic.stale_temporaries(tmp_path) == []
 
 
 def test_inspect_checkpoint_tells_damage_from_refusal(trained, tmp_path):
     last = trained / "checkpoint_last.pt"
-    st = resume.inspect_checkpoint(last, deep=True)
+    st = integrity.inspect_checkpoint(last, deep=True)
     assert st.ok and st.num_updates == 5 and st.model_args.arch == ARCH
     for how, reason in (("truncated", "is truncated"), ("empty", "is empty"), ("random", "is not a torch checkpoint")):
         bad = tmp_path / f"{how}.pt"
         shutil.copy(last, bad)
         damage(bad, how)
-        st = resume.inspect_checkpoint(bad)
+        st = integrity.inspect_checkpoint(bad)
         assert st.damaged and st.reason.startswith(reason), st
-    assert resume.inspect_checkpoint(tmp_path / "nope.pt").missing
+    assert integrity.inspect_checkpoint(tmp_path / "nope.pt").missing
 
     # an unexpected pickled class is torch's weights_only refusal, not damage: fairseq's error stays
     state = torch.load(last)
     state["extra_state"]["payload"] = Smuggled()
     tampered = tmp_path / "tampered.pt"
     torch.save(state, tampered)
-    st = resume.inspect_checkpoint(tampered)
+    st = integrity.inspect_checkpoint(tampered)
     assert st.refused and not st.damaged
     from fairseq import checkpoint_utils
 
     with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
         checkpoint_utils.load_checkpoint_to_cpu(str(tampered))
-    with pytest.raises(resume.CheckpointFileError, match=re.escape(str(tmp_path / "truncated.pt"))):
+    with pytest.raises(errors.CheckpointFileError, match=re.escape(str(tmp_path / "truncated.pt"))):
         checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "truncated.pt"))
 
 
@@ -203,13 +204,13 @@ def test_kill_during_checkpoint_last_copy_then_resume(synthetic_bin, tmp_path):
     checkpoint_last.pt, silently start again from update 0.
     """
     save = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", resume.TEST_HOOK_SLOW_COPY_ENV: "0.5"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", atomic.TEST_HOOK_SLOW_COPY_ENV: "0.5"}
     cmd = [sys.executable, "-m", "fairseq_cli.train", *map(str, train_cmd(synthetic_bin, save, 50))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
-            if any(".checkpoint_last.pt." in p for p in resume.stale_temporaries(save)):
+            if any(".checkpoint_last.pt." in p for p in atomic.stale_temporaries(save)):
                 break
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
@@ -225,18 +226,18 @@ def test_kill_during_checkpoint_last_copy_then_resume(synthetic_bin, tmp_path):
     assert re.search(r"resuming from \S+checkpoint_1_2\.pt \(2 updates\).*checkpoint_last\.pt does not exist", log)
     assert loaded_updates(log) == 2
     assert "removed 1 temporary file(s) of an interrupted checkpoint save" in log
-    assert resume.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
-    assert resume.stale_temporaries(save) == []
+    assert integrity.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
+    assert atomic.stale_temporaries(save) == []
 
 
 def kill_state(save: Path) -> str:
     """Where a kill interrupted the save, read from what it left in ``save``."""
-    if any(".deepinit-tmp" in p for p in resume.stale_temporaries(save)):
+    if any(".deepinit-tmp" in p for p in atomic.stale_temporaries(save)):
         return "in a copy"
-    if resume.stale_temporaries(save):
+    if atomic.stale_temporaries(save):
         return "in fairseq's torch.save"
-    last = resume.inspect_checkpoint(save / "checkpoint_last.pt")
-    steps = [resume.inspect_checkpoint(p).num_updates or 0 for p in save.glob("checkpoint_*_*.pt")]
+    last = integrity.inspect_checkpoint(save / "checkpoint_last.pt")
+    steps = [integrity.inspect_checkpoint(p).num_updates or 0 for p in save.glob("checkpoint_*_*.pt")]
     if not last.ok or (steps and max(steps) > last.num_updates):
         return "between the save and its copy"
     return "outside a save"
@@ -282,7 +283,7 @@ def test_random_kills_during_saves_always_resume(synthetic_bin, tmp_path):
             loaded.append(n)
         states.append(kill_state(save))
     log = train(synthetic_bin, save, (loaded[-1] if loaded else 0) + 2, *wide).stdout
-    assert loaded_updates(log) is not None and resume.stale_temporaries(save) == []
+    assert loaded_updates(log) is not None and atomic.stale_temporaries(save) == []
     counts = {s: states.count(s) for s in sorted(set(states))}
     print(f"{kills} kills, where they landed: {counts}; updates loaded by the resumes: {loaded}")
 
@@ -307,7 +308,7 @@ def test_resume_falls_back_from_damaged_last(trained, synthetic_bin, tmp_path, h
     if how == "random":
         assert "skipped checkpoint_1_4.pt, which is truncated" in lines[0]
     assert loaded_updates(log) == int(want.split("(")[1].split()[0])
-    assert resume.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
+    assert integrity.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
 
 
 def test_no_intact_checkpoint_is_a_one_line_error(trained, synthetic_bin, tmp_path):
@@ -346,14 +347,17 @@ def test_generate_with_damaged_path_is_a_one_line_error(trained, synthetic_bin, 
     assert_one_line_error(proc, str(bad), "is truncated", "intact checkpoint")
 
 
-@pytest.mark.parametrize("tool", ["export_admin", "diagnose"])
+TOOL_MODULES = {"export_admin": "fairseq_deepinit.export_admin", "diagnose": "fairseq_deepinit.diagnostics.diagnose"}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOL_MODULES))
 def test_plugin_tools_with_damaged_checkpoint(synthetic_bin, tmp_path, tool):
     bad = tmp_path / "checkpoint_last.pt"
     bad.write_bytes(random.Random(1).randbytes(4096))
     args = [str(bad), str(tmp_path / "plain.pt")] if tool == "export_admin" else [
         str(synthetic_bin), "--checkpoint", str(bad), "--output-dir", str(tmp_path / "diag")]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", f"fairseq_deepinit.{tool}", *args],
+        [sys.executable, "-m", TOOL_MODULES[tool], *args],
         cwd=Path(USER_DIR).parent,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,
@@ -386,7 +390,7 @@ def test_config_differences_cover_every_axis():
     from conftest import build_model
 
     _, base = build_model(ARCH, *TINY_DIMS)
-    same = resume.config_differences(base, build_model(ARCH, *TINY_DIMS)[1])
+    same = config_check.config_differences(base, build_model(ARCH, *TINY_DIMS)[1])
     assert same == []
     cases = {
         ("--encoder-normalize-before",): "encoder_normalize_before",
@@ -398,5 +402,5 @@ def test_config_differences_cover_every_axis():
     }
     for flags, option in cases.items():
         other = build_model(ARCH, *TINY_DIMS, *flags)[1]
-        names = [d[0] for d in resume.config_differences(base, other)]
+        names = [d[0] for d in config_check.config_differences(base, other)]
         assert option in names, (flags, names)

@@ -38,7 +38,7 @@ def lrs_of(optimizer) -> list[float]:
 def test_tfixup_is_registered_with_its_class():
     from fairseq.optim.lr_scheduler import LR_SCHEDULER_REGISTRY
 
-    from fairseq_deepinit.tfixup_schedule import TFixupSchedule
+    from fairseq_deepinit.training.tfixup_schedule import TFixupSchedule
 
     assert LR_SCHEDULER_REGISTRY["tfixup"] is TFixupSchedule
 

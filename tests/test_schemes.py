@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 
 from conftest import build_model
-from fairseq_deepinit.norms import is_norm
-from fairseq_deepinit.residual import ConstantResidual, ReZeroResidual
+from fairseq_deepinit.modules.norms import is_norm
+from fairseq_deepinit.modules.residual import ConstantResidual, ReZeroResidual
 
 D, FFN, HEADS, N_SYMBOLS = 512, 1024, 8, 1000
 N_E, N_D = 2, 3  # different depths so that an encoder/decoder mix-up in a formula shows

@@ -23,9 +23,9 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import TINY_DIMS, USER_DIR, build_model, make_dictionary
-from fairseq_deepinit import sdpa_attention
+from fairseq_deepinit.modules import attention as sdpa_attention
+from fairseq_deepinit.modules.attention import SDPAMultiheadAttention, is_future_mask, use_sdpa
 from fairseq_deepinit.options import DeepInitConfigError, resolve_and_validate
-from fairseq_deepinit.sdpa_attention import SDPAMultiheadAttention, is_future_mask, use_sdpa
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 E, H = 32, 4

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..residual import deepnorm_beta
-from . import WITH_NORM, SchemeSpec, iter_layers, own_value_projections, register_scheme
+from ..modules.residual import deepnorm_beta
+from .base import WITH_NORM, SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
 
 

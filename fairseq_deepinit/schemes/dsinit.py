@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from fairseq.modules import MultiheadAttention
 
-from . import SchemeSpec, iter_layers, register_scheme
+from .base import SchemeSpec, iter_layers, register_scheme
 from .baseline import apply_baseline
 
 

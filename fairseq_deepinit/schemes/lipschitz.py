@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
-from . import SchemeSpec, register_scheme
+from .base import SchemeSpec, register_scheme
 from .baseline import zero_bias
 
 

@@ -7,7 +7,7 @@ rezero``); weights from the fairseq 0.8/0.9 baseline. ``rezero`` removes every n
 
 from __future__ import annotations
 
-from . import WITH_NORM, SchemeSpec, register_scheme
+from .base import WITH_NORM, SchemeSpec, register_scheme
 from .baseline import apply_baseline
 
 register_scheme(

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from fairseq.modules import MultiheadAttention
 
-from . import SchemeSpec, iter_layers, own_value_projections, register_scheme
+from .base import SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline, layer_linears
 
 

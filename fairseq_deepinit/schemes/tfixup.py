@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from . import SchemeSpec, iter_layers, own_value_projections, register_scheme
+from .base import SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
 
 

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
+from ..errors import DeepInitConfigError
+
 ATTENTION_IMPLS = ("fairseq", "sdpa")
 DEFAULT_IMPL = "fairseq"
 
@@ -283,7 +285,6 @@ def add_args(group) -> None:
 
 def validate(args) -> None:
     """Resolve ``--attention-impl`` (default fairseq) and refuse what the fused path cannot serve."""
-    from .options import DeepInitConfigError  # options imports the layers, which import this module
 
     impl = getattr(args, "attention_impl", None)
     if impl is None:

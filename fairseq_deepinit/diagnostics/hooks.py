@@ -23,8 +23,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from .norms import ScaleNorm, is_norm
-from .residual import Residual
+from ..modules.norms import ScaleNorm, is_norm
+from ..modules.residual import Residual
 
 # moment slots: element count, sum and sum of squares of the branch, then of the skip term
 _N, _SB, _QB, _SS, _QS = range(5)

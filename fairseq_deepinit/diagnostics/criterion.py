@@ -49,7 +49,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.logging import metrics
 
 from . import hooks
-from .diagnostics import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
+from .stats import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -30,28 +30,23 @@ encoder keys/values. The norms, residual scaling and init schemes are the plugin
 
 from __future__ import annotations
 
-import math
 from typing import Dict
 
 import torch
 import torch.nn as nn
 from fairseq import utils
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.models import register_model_architecture
-from fairseq.models.transformer.transformer_legacy import transformer_iwslt_de_en
 from fairseq.modules import LayerNorm
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor
 
-from . import options
-from .architectures import register_family
-from .layers import DeepInitLayerMixin, drop_bias, register_decoder_layer_type
+from ..modules.layers import DeepInitLayerMixin, drop_bias, register_decoder_layer_type
 
 SELF_BRANCHES = ("aan", "self-attn", "gated-aan")
 # fairseq (NormFormer) options that change the standard layer's sub-layers; MAtt has no counterpart
-_UNSUPPORTED_FAIRSEQ_FLAGS = ("cross_self_attention", "scale_attn", "scale_heads", "scale_fc", "scale_resids")
+UNSUPPORTED_FAIRSEQ_FLAGS = ("cross_self_attention", "scale_attn", "scale_heads", "scale_fc", "scale_resids")
 
 
 class SharedOutputProjection(nn.Linear):
@@ -335,173 +330,3 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
 
 
 register_decoder_layer_type("matt", MAttDecoderLayer)
-
-
-# --- options -----------------------------------------------------------------------------------
-
-
-def add_args(group) -> None:
-    group.add_argument(
-        "--matt-self-branch",
-        choices=SELF_BRANCHES,
-        help="matt: the self branch merged with the encoder-decoder attention: aan (the paper's simplified "
-        "average attention, default), self-attn or gated-aan (the paper's Table 3 ablations)",
-    )
-    group.add_argument(
-        "--matt-share-v",
-        action="store_true",
-        default=None,
-        help="matt: use the cross-attention's value projection as the average branch's W_v (default: the "
-        "released code and the paper's parameter count)",
-    )
-    group.add_argument(
-        "--no-matt-share-v",
-        dest="matt_share_v",
-        action="store_false",
-        default=None,
-        help="matt: give the average branch a W_v of its own (the equation read literally; an ablation)",
-    )
-
-
-def validate(args) -> None:
-    """Start-up checks of ``--decoder-layer-type matt`` (its own options are resolved by options.py)."""
-    for name in _UNSUPPORTED_FAIRSEQ_FLAGS:
-        if getattr(args, name, False):
-            raise options.DeepInitConfigError(
-                f"--{name.replace('_', '-')} changes the standard decoder layer's sub-layers and has no MAtt "
-                "counterpart; drop it or use --decoder-layer-type standard"
-            )
-    if getattr(args, "no_cross_attention", False):
-        raise options.DeepInitConfigError(
-            "--decoder-layer-type matt merges the self branch into the encoder-decoder attention; drop "
-            "--no-cross-attention or use --decoder-layer-type standard"
-        )
-    if args.matt_share_v:
-        enc = getattr(args, "encoder_embed_dim", None)
-        dec = getattr(args, "decoder_embed_dim", None)
-        if enc is not None and dec is not None and enc != dec:
-            raise options.DeepInitConfigError(
-                "MAtt shares W_v with the cross-attention (--matt-share-v, the default), whose value projection "
-                f"({enc} -> {dec}) cannot apply to decoder states of size {dec}; use equal --encoder-embed-dim "
-                "and --decoder-embed-dim or pass --no-matt-share-v"
-            )
-
-
-def describe(args) -> str:
-    return f"matt={args.matt_self_branch}" + (",shared-v" if args.matt_share_v else "")
-
-
-options.register_layer_type_options(
-    "matt", {"matt_self_branch": "aan", "matt_share_v": True}, add_args, validate, describe
-)
-
-
-# --- parameter counts (closed form) ------------------------------------------------------------
-
-
-def norm_params(norm_type: str, d: int) -> int:
-    """Parameters of one ``--norm-type`` norm of width d (:mod:`fairseq_deepinit.norms`)."""
-    return {"layernorm": 2 * d, "rmsnorm": d, "scalenorm": 1, "none": 0}[norm_type]
-
-
-def standard_decoder_layer_params(d: int, ffn: int, d_enc: int | None = None, norm_type: str = "layernorm") -> int:
-    """fairseq's decoder layer: self-attention 4(d^2+d), cross-attention 2d^2 + 2 d d_enc + 4d,
-    FFN 2 d ffn + ffn + d, three norms."""
-    d_enc = d if d_enc is None else d_enc
-    return (
-        (4 * d * d + 4 * d)
-        + (2 * d * d + 2 * d * d_enc + 4 * d)
-        + (2 * d * ffn + ffn + d)
-        + 3 * norm_params(norm_type, d)
-    )
-
-
-def matt_decoder_layer_params(
-    d: int,
-    ffn: int,
-    d_enc: int | None = None,
-    self_branch: str = "aan",
-    share_v: bool = True,
-    norm_type: str = "layernorm",
-) -> int:
-    """A MAtt decoder layer: cross-attention (whose out_proj is the shared W_o), FFN, two norms, and
-    the self branch: W_v (d^2 + d, none when shared); ``gated-aan`` adds the gate 4d^2 + 2d;
-    ``self-attn`` has q and k (2d^2 + 2d) and W_v, its output projection being W_o."""
-    d_enc = d if d_enc is None else d_enc
-    w_v = 0 if share_v else d * d + d
-    branch = {"aan": w_v, "gated-aan": w_v + 4 * d * d + 2 * d, "self-attn": 2 * d * d + 2 * d + w_v}[self_branch]
-    return branch + (2 * d * d + 2 * d * d_enc + 4 * d) + (2 * d * ffn + ffn + d) + 2 * norm_params(norm_type, d)
-
-
-def encoder_layer_params(d: int, ffn: int, norm_type: str = "layernorm") -> int:
-    return (4 * d * d + 4 * d) + (2 * d * ffn + ffn + d) + 2 * norm_params(norm_type, d)
-
-
-def transformer_params(
-    vocab: int,
-    d: int,
-    ffn: int,
-    layers: int,
-    decoder_layer_type: str = "standard",
-    embeddings: str = "shared-all",
-    final_norms: bool = False,
-    norm_type: str = "layernorm",
-    **matt_kwargs,
-) -> int:
-    """Parameters of an encoder-decoder Transformer with sinusoidal positions and a tied output layer.
-
-    ``embeddings``: ``shared-all`` (one V x d matrix for source, target and output layer),
-    ``tied-target`` (source and target matrices of V rows each, output tied to the target) or
-    ``untied`` (three). ``final_norms``: the Pre-LN stacks' final norms.
-    """
-    emb = {"shared-all": 1, "tied-target": 2, "untied": 3}[embeddings] * vocab * d
-    dec = (
-        matt_decoder_layer_params(d, ffn, norm_type=norm_type, **matt_kwargs)
-        if decoder_layer_type == "matt"
-        else standard_decoder_layer_params(d, ffn, norm_type=norm_type)
-    )
-    final = 2 * norm_params(norm_type, d) if final_norms else 0
-    return emb + layers * (encoder_layer_params(d, ffn, norm_type) + dec) + final
-
-
-def vocab_for_total(total: float, d: int, ffn: int, layers: int, embeddings: str = "shared-all") -> float:
-    """The vocabulary size V at which the standard model has ``total`` parameters."""
-    rest = transformer_params(0, d, ffn, layers)
-    per_row = {"shared-all": 1, "tied-target": 2, "untied": 3}[embeddings] * d
-    return (total - rest) / per_row
-
-
-# --- named architectures ----------------------------------------------------------------------
-
-# DS-Init + MAtt, the paper's model; MAtt alone (fairseq 0.8/0.9 baseline init) for its ablation rows
-register_family("dsinit_matt", dict(init_scheme="ds-init", decoder_layer_type="matt"))
-register_family("matt", dict(decoder_layer_type="matt"))
-
-
-@register_model_architecture("deepinit", "dsinit_matt_iwslt_de_en_12l")
-def dsinit_matt_iwslt_12l(args) -> None:
-    """IWSLT14 De-En, 12 + 12 layers of the IWSLT small dims (the paper's 35.63 BLEU row)."""
-    for key, value in dict(
-        init_scheme="ds-init", decoder_layer_type="matt", encoder_layers=12, decoder_layers=12
-    ).items():
-        if getattr(args, key, None) is None:  # command-line values win, as in every named architecture
-            setattr(args, key, value)
-    transformer_iwslt_de_en(args)
-
-
-def paper_param_relation(total_baseline: float = 72.3e6) -> Dict[str, float]:
-    """WMT14 En-De base 6L (d=512, FFN 2048): the baseline's 72.3M and what MAtt gives.
-
-    The vocabulary is not in the paper; it is solved from the baseline's count for each embedding
-    layout. The MAtt difference does not depend on it: 6 (3d^2 + 5d) = 4.73M fewer parameters with
-    a separate W_v, 6 (4d^2 + 6d) = 6.31M fewer with the released code's shared W_v.
-    """
-    d, ffn, n = 512, 2048, 6
-    out: Dict[str, float] = {}
-    for layout in ("shared-all", "tied-target", "untied"):
-        out[f"vocab_{layout}"] = vocab_for_total(total_baseline, d, ffn, n, layout)
-    v = math.floor(out["vocab_shared-all"])
-    out["baseline"] = transformer_params(v, d, ffn, n)
-    out["matt"] = transformer_params(v, d, ffn, n, "matt", share_v=False)
-    out["matt_shared_v"] = transformer_params(v, d, ffn, n, "matt", share_v=True)
-    return out

@@ -22,9 +22,9 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from .attention import build_attention
 from .norms import build_norm
 from .residual import build_residuals
-from .sdpa_attention import build_attention
 
 
 def drop_bias(linear: nn.Module) -> None:

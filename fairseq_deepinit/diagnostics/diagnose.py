@@ -31,16 +31,18 @@ import copy
 import json
 import logging
 import os
-import re
 import sys
 from typing import Dict, List, Sequence
 
 import torch
 
+from . import plots
+from .hooks import NormInputStatistics, residual_parameters, scalenorm_gains
+from .stats import GradientFlow, fit_growth, grad_norms_per_layer, output_change, per_type_means, stack_layers
+
 logger = logging.getLogger("fairseq_deepinit.diagnose")
 
 MEASURES = ("grad", "flow", "norm", "change", "scalenorm")
-FLOW_KEYS = ("beta_ln", "beta_rc", "beta", "var_r")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,8 +127,6 @@ class Setup:
         from fairseq import checkpoint_utils, options, tasks
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-        import fairseq_deepinit  # noqa: F401  (registers the model, architectures, criterion)
-
         if not opts.data or not os.path.isdir(opts.data):
             raise SystemExit(
                 f"deepinit-diagnose: data folder {opts.data!r} not found (the output of fairseq-preprocess)"
@@ -201,7 +201,7 @@ class Setup:
         return float(sum(b[key].size(0) if key == "target" else b[key] for b in batches))
 
     def describe(self) -> str:
-        from . import options
+        from .. import options
 
         try:
             return options.describe(self.args).replace("deepinit: ", "")
@@ -213,7 +213,7 @@ def _profile_admin(model, args, batch: dict) -> None:
     """Admin's omega is set from a profiling forward pass before training (Liu et al. 2020, sec. 4.3);
     measure the model as fairseq-train would train it, so profile it here as ``--task translation_admin`` does."""
     try:
-        from . import admin
+        from .. import admin
     except ImportError:  # Admin not available in this version
         return
     if admin.admin_residuals(model) and not admin.is_profiled(model):
@@ -228,8 +228,6 @@ def _profile_admin(model, args, batch: dict) -> None:
 
 def measure_gradients(setup: Setup, measures: Sequence[str]) -> dict:
     """Gradient norm per layer, gradient flow and norm-input statistics from one pooled backward pass."""
-    from .diagnostics import GradientFlow, grad_norms_per_layer, per_type_means, stack_layers
-    from .hooks import NormInputStatistics
 
     model = setup.model
     batches = setup.batches[: setup.opts.num_batches]
@@ -262,7 +260,7 @@ def measure_gradients(setup: Setup, measures: Sequence[str]) -> dict:
         }
     if flow is not None:
         per_sub = flow.results()
-        out["gradient_flow"] = {"per_sublayer": per_sub, "per_type": per_type_means(per_sub, FLOW_KEYS)}
+        out["gradient_flow"] = {"per_sublayer": per_sub, "per_type": per_type_means(per_sub, plots.FLOW_KEYS)}
     if norms is not None:
         out["norm_input"] = norms.statistics()
     model.zero_grad()
@@ -271,7 +269,6 @@ def measure_gradients(setup: Setup, measures: Sequence[str]) -> dict:
 
 def measure_output_change(setup: Setup) -> dict:
     """Admin Fig. 4: output change against depth, averaged over ``--repeats`` initialisations, with fits."""
-    from .diagnostics import fit_growth, output_change
 
     opts = setup.opts
     depths = _parse_depths(opts.depths)
@@ -307,146 +304,7 @@ def measure_output_change(setup: Setup) -> dict:
     return result
 
 
-# --------------------------------------------------------------------------------------------
-# plots
-# --------------------------------------------------------------------------------------------
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    _plt().close(fig)
-    return path
-
-
-def plot_grad_norm(runs: List[dict], path: str) -> str:
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, stack in zip(axes, ("encoder", "decoder"), strict=True):
-        for run in runs:
-            values = run["grad_norm"][stack]
-            ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=run["label"])
-        ax.set_yscale("log")
-        ax.set_xlabel(f"{stack} layer")
-        ax.set_ylabel("gradient norm")
-        ax.set_title(f"{stack} (DS-Init Fig. 1)", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    return _save(fig, path)
-
-
-def _depth_of(sub: str) -> int:
-    return int(sub.split(".")[2]) + 1
-
-
-def plot_gradient_flow(run: dict, path: str) -> str:
-    from .diagnostics import sublayer_type
-
-    plt = _plt()
-    per_sub = run["gradient_flow"]["per_sublayer"]
-    fig, axes = plt.subplots(1, 4, figsize=(11, 3.0))
-    titles = {"beta_ln": "beta_LN", "beta_rc": "beta_RC", "beta": "beta", "var_r": "Var(r)"}
-    types: Dict[str, List[str]] = {}
-    for sub in per_sub:
-        types.setdefault(sublayer_type(sub), []).append(sub)
-    for ax, key in zip(axes, FLOW_KEYS, strict=True):
-        for t, subs in types.items():
-            ax.plot([_depth_of(s) for s in subs], [per_sub[s][key] for s in subs], marker="o", ms=3, label=t)
-        if key != "var_r":
-            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_title(titles[key] + " (DS-Init Tab. 1)", fontsize=9)
-        ax.set_xlabel("layer")
-        ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=6)
-    fig.suptitle(run["label"], fontsize=9)
-    return _save(fig, path)
-
-
-def plot_norm_input(run: dict, path: str) -> str:
-    plt = _plt()
-    stats = run["norm_input"]
-    groups: Dict[str, List[tuple]] = {}
-    for name, s in stats.items():
-        parts = name.split(".")
-        if len(parts) >= 4 and parts[1] == "layers":
-            groups.setdefault(f"{parts[0]} {parts[3]}", []).append((int(parts[2]) + 1, s["mean_norm"]))
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    for g, pts in groups.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=g)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("mean ||input||_2")
-    ax.set_title(f"norm-layer input (T-Fixup Fig. 3)\n{run['label']}", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    return _save(fig, path)
-
-
-def _sweep_label(run: dict) -> str:
-    """The run's label without its ``<N>L`` suffix: the output-change sweep sets the depth itself."""
-    return re.sub(rf"\s*\b{run.get('encoder_layers')}L$", "", run["label"]) or run["label"]
-
-
-def plot_output_change(runs: List[dict], path: str) -> str:
-    plt = _plt()
-    fig, axes = plt.subplots(2, 2, figsize=(8, 5.6))
-    for row, kind in enumerate(("random", "adam")):
-        for col, stack in enumerate(("encoder", "decoder")):
-            ax = axes[row][col]
-            for run in runs:
-                oc = run["output_change"]
-                depths, values, fit = oc["depths"], oc[kind][stack], oc[kind]["fit"][stack]
-                label = f"{_sweep_label(run)} (N^{fit['exponent']:.2f})"
-                line = ax.plot(depths, values, marker="o", ms=3, label=label)
-                xs = [min(depths), max(depths)]
-                ax.plot(xs, [fit["intercept"] + fit["slope"] * x for x in xs], ls=":", color=line[0].get_color())
-            what = "random delta" if kind == "random" else "one Adam step"
-            ax.set_title(f"{stack} output, {what}", fontsize=9)
-            ax.set_xlabel("layers per stack N")
-            ax.set_ylabel("|F(x,W) - F(x,W+delta)|^2")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
-    fig.suptitle("output change against depth (Admin Fig. 4); dotted: linear fit", fontsize=9)
-    return _save(fig, path)
-
-
-def plot_scalenorm(run: dict, path: str) -> str:
-    plt = _plt()
-    groups: Dict[str, List[tuple]] = {}
-    for name, g in run["scalenorm_g"].items():
-        parts = name.split(".")
-        if len(parts) >= 4 and parts[1] == "layers":
-            groups.setdefault(f"{parts[0]} {parts[3]}", []).append((int(parts[2]) + 1, g))
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    for g, pts in groups.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=g)
-    for name, g in run["scalenorm_g"].items():
-        if ".layers." not in name:
-            ax.axhline(g, ls=":", lw=0.8, color="grey")
-            ax.annotate(name, (1, g), fontsize=6)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("ScaleNorm g")
-    ax.set_title(f"learned ScaleNorm g (TwT Fig. 3)\n{run['label']}", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    return _save(fig, path)
-
-
-# --------------------------------------------------------------------------------------------
-# entry points
-# --------------------------------------------------------------------------------------------
-
-
 def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
-    from .hooks import residual_parameters, scalenorm_gains
 
     measures = _measures(opts.measure, bool(opts.checkpoint))
     os.makedirs(opts.output_dir, exist_ok=True)
@@ -477,15 +335,15 @@ def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
         result["output_change"] = measure_output_change(setup)
     out = opts.output_dir
     if "grad_norm" in result:
-        result["plots"].append(plot_grad_norm([result], os.path.join(out, "grad_norm.png")))
+        result["plots"].append(plots.plot_grad_norm([result], os.path.join(out, "grad_norm.png")))
     if "gradient_flow" in result:
-        result["plots"].append(plot_gradient_flow(result, os.path.join(out, "gradient_flow.png")))
+        result["plots"].append(plots.plot_gradient_flow(result, os.path.join(out, "gradient_flow.png")))
     if result.get("norm_input"):
-        result["plots"].append(plot_norm_input(result, os.path.join(out, "norm_input.png")))
+        result["plots"].append(plots.plot_norm_input(result, os.path.join(out, "norm_input.png")))
     if "output_change" in result:
-        result["plots"].append(plot_output_change([result], os.path.join(out, "output_change.png")))
+        result["plots"].append(plots.plot_output_change([result], os.path.join(out, "output_change.png")))
     if result.get("scalenorm_g"):
-        result["plots"].append(plot_scalenorm(result, os.path.join(out, "scalenorm_g.png")))
+        result["plots"].append(plots.plot_scalenorm(result, os.path.join(out, "scalenorm_g.png")))
     with open(os.path.join(out, "diagnostics.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(summary(result))
@@ -505,10 +363,10 @@ def compare(opts: argparse.Namespace) -> List[str]:
     written = []
     with_grad = [r for r in runs if "grad_norm" in r]
     if with_grad:
-        written.append(plot_grad_norm(with_grad, os.path.join(opts.output_dir, "grad_norm.png")))
+        written.append(plots.plot_grad_norm(with_grad, os.path.join(opts.output_dir, "grad_norm.png")))
     with_change = [r for r in runs if "output_change" in r]
     if with_change:
-        written.append(plot_output_change(with_change, os.path.join(opts.output_dir, "output_change.png")))
+        written.append(plots.plot_output_change(with_change, os.path.join(opts.output_dir, "output_change.png")))
     if not written:
         raise SystemExit("deepinit-diagnose --compare: none of the runs has gradient norms or output changes")
     for p in written:

@@ -1,0 +1,125 @@
+"""A resumed ``deepinit`` run must build the model its checkpoint holds.
+
+Before any state is loaded, the options that define the model (:data:`CHECKED_OPTIONS`, with the
+``auto`` values resolved as the model build resolves them) are compared with the checkpoint's; a
+difference stops the run with :class:`~fairseq_deepinit.errors.ConfigChangeError` listing them,
+unless ``--allow-config-change`` (or a fine-tuning reset flag) says it is on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+from typing import Any, List, Tuple
+
+from .. import options
+from ..errors import ConfigChangeError
+from .integrity import CheckpointStatus
+
+logger = logging.getLogger(__name__)
+
+ALLOW_FLAG = "--allow-config-change"
+
+# model options whose change on resume gives a different model (checked for the deepinit model)
+CHECKED_OPTIONS: Tuple[str, ...] = (
+    "arch",
+    "init_scheme",
+    "norm_type",
+    "norm_eps",
+    "encoder_normalize_before",
+    "decoder_normalize_before",
+    "residual_scale",
+    "fixnorm",
+    "decoder_layer_type",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_embed_dim",
+    "decoder_embed_dim",
+    "encoder_ffn_embed_dim",
+    "decoder_ffn_embed_dim",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "share_all_embeddings",
+    "share_decoder_input_output_embed",
+    "lipschitz_bias_free",
+    "ds_init_variant",
+    "ds_init_alpha",
+    "matt_share_v",
+    "matt_self_branch",
+)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """``--allow-config-change``; called from the ``deepinit`` model's ``add_args``."""
+    parser.add_argument(
+        ALLOW_FLAG,
+        action="store_true",
+        help="resume a checkpoint whose model options (arch, init scheme, norms, residual scale, layers, dims, "
+        "decoder layer type) differ from this command's: log the differences and continue instead of stopping",
+    )
+
+
+def _is_deepinit(args: argparse.Namespace | None) -> bool:
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    return args is not None and ARCH_MODEL_NAME_REGISTRY.get(getattr(args, "arch", None)) == "deepinit"
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the deepinit ``auto`` values resolved as the model build resolves them (a copy)."""
+
+    out = copy.copy(args)
+    if _is_deepinit(out):
+        with contextlib.suppress(Exception):  # an invalid stored combination: compare as stored
+            options.resolve_and_validate(out)
+    return out
+
+
+def _norm(value: Any) -> Any:
+    return False if value is None else value
+
+
+def config_differences(saved: argparse.Namespace, current: argparse.Namespace) -> List[Tuple[str, Any, Any]]:
+    """``(option, checkpoint value, current value)`` for every :data:`CHECKED_OPTIONS` entry that differs.
+
+    Options only one side knows (a stock ``transformer`` checkpoint has no ``init_scheme``) are
+    skipped, except ``arch``.
+    """
+    saved, current = _resolved(saved), _resolved(current)
+    diffs = []
+    for name in CHECKED_OPTIONS:
+        if name != "arch" and not (hasattr(saved, name) and hasattr(current, name)):
+            continue
+        a, b = _norm(getattr(saved, name, None)), _norm(getattr(current, name, None))
+        if a != b:
+            diffs.append((name, a, b))
+    return diffs
+
+
+def _fmt_diffs(diffs: List[Tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"--{n.replace('_', '-')} {a} -> {b}" for n, a, b in diffs)
+
+
+def check_config(status: CheckpointStatus, current: Any, fine_tuning: bool) -> None:
+    """Stop (:class:`ConfigChangeError`) if ``current`` (a deepinit model's args) differs from the checkpoint's.
+
+    With ``--allow-config-change``, or when ``fine_tuning`` (any ``--reset-*`` flag: the run starts
+    anew from the weights), the differences are logged as a warning instead.
+    """
+    if not isinstance(current, argparse.Namespace) or not _is_deepinit(current) or status.model_args is None:
+        return
+    diffs = config_differences(status.model_args, current)
+    if not diffs:
+        return
+    what = f"{status.path} was trained with different model options (checkpoint -> now): {_fmt_diffs(diffs)}"
+    if getattr(current, "allow_config_change", False):
+        logger.warning(f"{what}; continuing because of {ALLOW_FLAG}")
+    elif fine_tuning:
+        logger.warning(f"{what}; continuing because a --reset-* flag starts a new training from these weights")
+    else:
+        raise ConfigChangeError(
+            f"{what}. Resume with the checkpoint's options, use another --save-dir for a new run, or add "
+            f"{ALLOW_FLAG} to continue with the new ones on purpose"
+        )

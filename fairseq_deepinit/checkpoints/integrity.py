@@ -1,0 +1,197 @@
+"""Is a checkpoint file intact, and which checkpoint of a save dir is the newest intact one.
+
+Cheap checks first (size, the zip's table of contents, the pickled record without its tensors), a
+full read of the file that is chosen; a damaged file gives :class:`~fairseq_deepinit.errors.CheckpointFileError`,
+one line that names the file and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, List, Tuple
+
+import torch
+from fairseq.file_io import PathManager
+
+from ..errors import CheckpointFileError
+
+PathLike = str | os.PathLike
+
+
+@dataclass
+class CheckpointStatus:
+    """What :func:`inspect_checkpoint` found: ``reason`` is None for an intact file."""
+
+    path: str
+    reason: str | None = None
+    missing: bool = False
+    refused: bool = False  # torch's weights_only refusal (unexpected class), not damage
+    num_updates: int | None = None
+    model_args: argparse.Namespace | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    @property
+    def damaged(self) -> bool:
+        return not self.ok and not self.missing and not self.refused
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def _load_error(e: BaseException) -> str:
+    """The informative part of a torch.load error, without torch's hint to turn ``weights_only`` off."""
+    m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))
+    return f"{type(e).__name__}: {m.group(1)[:200]}" if m else _first_line(e)
+
+
+def _saved_model_args(state: Any) -> argparse.Namespace | None:
+    cfg = state.get("cfg") if isinstance(state, dict) else None
+    args = cfg.get("model") if isinstance(cfg, dict) else None
+    if not isinstance(args, argparse.Namespace) and isinstance(state, dict):
+        args = state.get("args")
+    return args if isinstance(args, argparse.Namespace) else None
+
+
+def inspect_checkpoint(path: PathLike, deep: bool = False) -> CheckpointStatus:
+    """Check a checkpoint file cheaply: size, zip central directory, then the pickle (memory-mapped).
+
+    ``torch.load(mmap=True, weights_only=True)`` reads the pickled part (``num_updates``, the
+    model arguments) without reading the tensors, so this costs milliseconds even for large
+    files. ``deep`` also verifies the CRC of every zip member (reads the whole file once).
+    Never raises for a bad file; the result says what is wrong.
+    """
+    path = os.fspath(path)
+    st = CheckpointStatus(path)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        st.reason, st.missing = "does not exist", True
+        return st
+    except OSError as e:
+        st.reason = f"cannot be read ({_first_line(e)})"
+        return st
+    if size == 0:
+        st.reason = "is empty (0 bytes)"
+        return st
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        is_zip = zipfile.is_zipfile(path)
+    except OSError as e:
+        st.reason = f"cannot be read ({_first_line(e)})"
+        return st
+    if not is_zip and head == b"PK\x03\x04":
+        st.reason = f"is truncated ({size} bytes, no zip central directory: its write was interrupted)"
+        return st
+    if is_zip:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in zf.namelist()):
+                    st.reason = "is a zip file but not a torch checkpoint (no data.pkl)"
+                    return st
+                if deep:
+                    bad = zf.testzip()
+                    if bad is not None:
+                        st.reason = f"is damaged (CRC mismatch in {bad})"
+                        return st
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+            st.reason = f"is damaged ({_first_line(e)})"
+            return st
+    try:
+        # not a zip: torch's legacy format or garbage, which only a full load can tell apart
+        state = torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
+    except Exception as e:  # torch reports damage as UnpicklingError, RuntimeError, EOFError, ValueError, ...
+        if isinstance(e, pickle.UnpicklingError) and "Unsupported global" in str(e):
+            st.reason, st.refused = "pickles a class that torch.load(weights_only=True) refuses", True
+            return st
+        what = "is damaged" if is_zip else "is not a torch checkpoint (neither torch's zip nor its legacy format)"
+        st.reason = f"{what}: loading it fails with {_load_error(e)}"
+        return st
+    if not isinstance(state, dict) or "model" not in state:
+        st.reason = "is not a fairseq checkpoint (no 'model' entry)"
+        return st
+    try:
+        st.num_updates = int(state["optimizer_history"][-1]["num_updates"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        st.num_updates = 0
+    st.model_args = _saved_model_args(state)
+    return st
+
+
+def checkpoint_candidates(save_dir: PathLike, suffix: str = "", exclude: Tuple[str, ...] = ()) -> List[str]:
+    """Every ``checkpoint*{suffix}.pt`` file in ``save_dir`` (fairseq's names), minus ``exclude``."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    excluded = {os.path.abspath(p) for p in exclude}
+    out = []
+    for n in names:
+        if not (n.startswith("checkpoint") and n.endswith(f"{suffix}.pt")):
+            continue
+        if not suffix and re.search(r"(-shard\d+|_part\d+)\.pt$", n):
+            continue  # another rank's shard
+        p = os.path.join(save_dir, n)
+        if os.path.abspath(p) not in excluded and os.path.isfile(p):
+            out.append(p)
+    return sorted(out)
+
+
+def newest_intact(paths: List[str]) -> Tuple[CheckpointStatus | None, List[CheckpointStatus]]:
+    """The intact checkpoint with the most saved updates (then the newest file), and the rejected ones.
+
+    Every file gets the cheap check; the chosen one also the CRC check (:func:`inspect_checkpoint`
+    with ``deep``), falling back to the next if that fails.
+    """
+    found = [inspect_checkpoint(p) for p in paths]
+    rejected = [s for s in found if not s.ok]
+
+    def mtime(s: CheckpointStatus) -> float:
+        with contextlib.suppress(OSError):
+            return os.path.getmtime(s.path)
+        return 0.0
+
+    for s in sorted((s for s in found if s.ok), key=lambda s: (s.num_updates or 0, mtime(s)), reverse=True):
+        deep = inspect_checkpoint(s.path, deep=True)
+        if deep.ok:
+            return deep, rejected
+        rejected.append(deep)
+    return None, rejected
+
+
+def damaged_file_error(path: PathLike, reason: str) -> CheckpointFileError:
+    return CheckpointFileError(
+        f"checkpoint {os.fspath(path)} {reason}. Use an intact checkpoint instead (for example another "
+        "checkpoint*.pt of the same save dir), or delete this one"
+    )
+
+
+def raise_if_damaged(path: PathLike) -> None:
+    """Raise :class:`CheckpointFileError` naming ``path`` if it exists and is damaged; else return."""
+    path = os.fspath(path)
+    if PathManager.path_requires_pathmanager(path):
+        return
+    st = inspect_checkpoint(path)
+    if st.damaged:
+        raise damaged_file_error(path, st.reason)
+
+
+def torch_load_checked(path: PathLike, **kwargs: Any) -> Any:
+    """``torch.load(path, **kwargs)`` whose failure on a damaged file is a :class:`CheckpointFileError`."""
+    try:
+        with open(path, "rb") as f:
+            return torch.load(f, **kwargs)
+    except Exception:
+        raise_if_damaged(path)
+        raise
