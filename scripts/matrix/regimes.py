@@ -120,7 +120,7 @@ class Regime:
         if self.attention_dropout or self.activation_dropout:
             drop += f" (attention {self.attention_dropout:g}, activation {self.activation_dropout:g})"
         return (
-            f"{self.optimizer.upper() if self.optimizer == 'radam' else 'Adam'} (0.9, 0.98), peak lr {self.lr:g}, "
+            f"{'RAdam' if self.optimizer == 'radam' else 'Adam'} (0.9, 0.98), peak lr {self.lr:g}, "
             f"{warm}, {sched}, {drop}, label smoothing {self.label_smoothing:g}, "
             f"clip {self.clip_norm:g}, weight decay {self.weight_decay:g}, {mt} tokens/update"
         )
