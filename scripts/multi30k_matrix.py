@@ -31,7 +31,10 @@ Subcommands (all resumable: a finished cell keeps its ``result.json`` and is ski
 - ``probe``: greedy dev translation of given cells (``--cells all``: every trained cell not probed yet);
 - ``bleu``: translate test2016 and test2017 with each given cell's best checkpoint (``--cells select``:
   the 6-layer and deepest converging cell of each method); sacreBLEU;
-- ``report``: the Markdown tables of ``docs/results.md`` from the results found.
+- ``report``: the Markdown tables of ``docs/results.md`` from the results found;
+- ``converge`` and ``report --converged``: the converged matrix of issue #17 (each method trained to
+  convergence in its paper's regime and a common one, on CPU or CUDA, in resumable chunks), in the
+  package ``scripts/matrix/`` (``regimes.py``, ``run.py``, ``report.py``).
 
 Cells are named ``METHOD:DEPTH:REGIME`` (``postln:18:nowarmup``).
 """
@@ -401,16 +404,17 @@ def expand(methods: Sequence[str], depths: Sequence[int], regimes: Sequence[str]
 # BLEU
 
 
-def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, threads: int) -> Path:
+def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, threads: int, device: str = "cpu") -> Path:
     """``fairseq-generate`` of ``subset`` with the cell's best checkpoint (skipped when up to date),
-    logging sentences done of the total every tenth of the set; its stderr goes to a log beside it."""
+    logging sentences done of the total every tenth of the set; its stderr goes to a log beside it.
+    ``device`` "cuda" decodes on the GPU (fp32), "cpu" with ``--cpu``."""
     ckpt = out / "checkpoint_best.pt"
     gen = out / f"generate-{label}.txt"
     if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
         cmd = [sys.executable, "-m", "fairseq_cli.generate", str(bin_dir), "--user-dir", str(USER_DIR)]
         cmd += ["--path", str(ckpt), "--gen-subset", subset, "--beam", str(beam), "--remove-bpe"]
         cmd += ["--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "128"]
-        cmd += ["--required-batch-size-multiple", "1", "--cpu"]
+        cmd += ["--required-batch-size-multiple", "1"] + (["--cpu"] if device == "cpu" else [])
         # unbuffered, so that hypotheses (and the progress counted from them) arrive batch by batch
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         tmp, err = gen.with_suffix(".tmp"), gen.with_suffix(".log")
@@ -611,7 +615,10 @@ COMMANDS = {
     "matrix": "train every cell (--methods x --depths x --regimes, or --cells), then probe it",
     "probe": "greedy dev translation of --cells (all: every trained cell not probed yet)",
     "bleu": "test2016 / test2017 sacreBLEU of --cells (select: 6-layer and deepest converging per method)",
-    "report": "the Markdown tables of docs/results.md (to stdout, or into --output)",
+    "report": "the Markdown tables of docs/results.md (to stdout, or into --output); `report --converged`:\n"
+    "  the converged matrix (merges result files and packs into docs/results/converged.json and docs/results.md;\n"
+    "  `report --converged --help`)",
+    "converge": "train cells to convergence on CPU or CUDA, resumably, in chunks (`converge --help`)",
 }
 
 
@@ -716,6 +723,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["converge"]:  # the converged matrix (issue #17): scripts/matrix/
+        from matrix import run as converge_run
+
+        return converge_run.main(argv[1:])
+    if argv[:1] == ["report"] and "--converged" in argv:
+        from matrix import report as converge_report
+
+        return converge_report.main([x for x in argv[1:] if x != "--converged"])
     p = build_parser()
     a = p.parse_args(argv)
     try:

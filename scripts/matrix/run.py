@@ -1,0 +1,592 @@
+"""``multi30k_matrix.py converge``: train cells to convergence on CPU or CUDA, resumably.
+
+A cell trains with ``fairseq-train`` until its dev loss has not improved for ``--patience``
+consecutive epochs (fairseq's ``--patience``, validation once per epoch) or until ``--max-epochs``.
+Then its best checkpoint translates the dev set greedily (the source-blindness probe of the CPU
+matrix) and test2016 / test2017 with beam 5 (sacreBLEU), and everything is written into the cell's
+``result.json``; its checkpoints are deleted. Status, from the dev curve, the log and the probe:
+
+- ``diverged``: non-finite loss or gradient (the diagnostics criterion's guard, or fairseq's
+  minimum loss scale), or a non-finite dev loss;
+- ``failed``: fairseq-train exited non-zero for another reason;
+- ``stalled``: the best dev nll never got below the unigram model's (``--stall-bits``);
+- ``source-blind``: fewer than 5 % distinct greedy dev translations;
+- ``converged``: the dev loss stopped improving for ``patience`` epochs (or TwT's plateau schedule
+  reached ``--stop-min-lr``);
+- ``capped``: the epoch cap came first while the dev loss was still improving (not converged).
+
+Resuming: a cell whose ``result.json`` exists is skipped; a cell killed while training restarts
+from its ``checkpoint_last.pt`` (fairseq's own resume); one killed after training (``train.done``)
+only decodes again. ``--deadline-min`` stops training processes before a device command's time
+limit, leaving them resumable, and ``--pack FILE`` writes every finished result of the selected
+cells into one JSON file (what a GPU session brings back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import multi30k_matrix as mm  # noqa: E402  (data, BLEU, unigram threshold, arch flags of each method)
+import prepare_bible  # noqa: E402
+
+from matrix import regimes as rg
+
+PACK_FORMAT = "deepinit-converged-pack/1"
+LOG_INTERVAL = 50
+_VALID = re.compile(r"\| valid \| (\{.*\})\s*$")
+_TRAIN = re.compile(r"\| train \| (\{.*\})\s*$")
+_EARLY_PATIENCE = "early stop since valid performance hasn't improved"
+_EARLY_LR = "early stop since lr is lower than"
+STOP_MIN_LR = 5e-5  # examples/twt/iwslt15_en_vi.sh --stop-min-lr (TwT's plateau schedule ends there)
+
+
+class ConvergeError(RuntimeError):
+    """An expected failure (bad option, missing data); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every cell of one ``converge`` invocation shares."""
+
+    data: Path  # the prepared work dir (bin/, raw/, bpe*/)
+    runs: Path
+    device: str = "cpu"
+    precision: str = "fp32"
+    jobs: int = 1
+    dim: int = 256
+    ffn: int = 1024
+    heads: int = 4
+    patience: int = 3
+    max_epochs: int = 50
+    max_tokens: int | None = None  # None: the regime's
+    max_tokens_per_job: int | None = None
+    threads: int = 1
+    beam: int = 5
+    stall_bits: float | None = None
+    blind_fraction: float = mm.BLIND_FRACTION
+    extra_args: str = ""
+    deadline: float | None = None  # time.time() after which no training goes on
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def precision_flags(method: str, device: str, precision: str) -> List[str]:
+    """fairseq flags for ``precision`` on ``device``: fp16 = fairseq's ``--fp16``; bf16 = the plugin's
+    ``--task translation_deepinit --autocast-bf16`` (fairseq's own ``--bf16`` is for TPUs); Admin
+    keeps its ``translation_admin`` task, which has ``--autocast-bf16`` too."""
+    if precision == "fp32":
+        return []
+    if device != "cuda":
+        raise ConvergeError(f"--precision {precision} needs --device cuda; use --precision fp32 on the CPU")
+    if precision == "fp16":
+        return ["--fp16"]
+    if precision == "bf16":
+        has_task = "--task" in mm.METHODS[method][1]
+        return ["--autocast-bf16"] if has_task else ["--task", "translation_deepinit", "--autocast-bf16"]
+    raise ConvergeError(f"--precision {precision!r}: choose fp16, bf16 or fp32")
+
+
+def train_command(cell: rg.Cell, o: Options) -> List[str]:
+    """The exact fairseq-train command of ``cell`` (resumes from its save dir's checkpoint_last.pt)."""
+    regime = cell.spec
+    batch = o.max_tokens or regime.max_tokens
+    per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
+    cmd = [sys.executable, "-m", "fairseq_cli.train", str(o.data / "bin"), "--user-dir", str(mm.USER_DIR)]
+    cmd += mm.METHODS[cell.method][1]
+    cmd += precision_flags(cell.method, o.device, o.precision)
+    cmd += ["--encoder-layers", str(cell.depth), "--decoder-layers", str(cell.depth)]
+    for side in ("encoder", "decoder"):
+        cmd += [f"--{side}-embed-dim", str(o.dim), f"--{side}-ffn-embed-dim", str(o.ffn)]
+        cmd += [f"--{side}-attention-heads", str(o.heads)]
+    cmd += ["--share-decoder-input-output-embed"]
+    cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "0"]
+    cmd += regime.flags(batch)
+    if regime.scheduler == "reduce_lr_on_plateau":
+        cmd += ["--stop-min-lr", f"{STOP_MIN_LR:g}"]
+    cmd += ["--max-tokens", str(per_forward), "--update-freq", str(freq), "--seed", str(cell.seed)]
+    cmd += ["--max-epoch", str(o.max_epochs), "--patience", str(o.patience), "--validate-interval", "1"]
+    cmd += ["--save-dir", str(o.runs / cell.dirname), "--no-epoch-checkpoints", "--save-interval", "1"]
+    cmd += ["--log-format", "json", "--log-interval", str(LOG_INTERVAL)]
+    cmd += ["--cpu", "--num-workers", "0"] if o.device == "cpu" else ["--num-workers", "1"]
+    return cmd + shlex.split(o.extra_args)
+
+
+def printable(cmd: Sequence[str]) -> str:
+    """A command as it is recorded: ``fairseq-train ...`` with paths relative to the checkout."""
+    return "fairseq-train " + shlex.join(list(cmd[3:])).replace(str(mm.REPO) + "/", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# logs and status
+
+
+def valid_curve(text: str) -> List[Tuple[int, float, float, int]]:
+    """``[(epoch, dev loss, dev nll, updates)]`` of a fairseq-train json log, one per epoch (the
+    last record wins: a run killed between validation and checkpoint validates that epoch again)."""
+    by_epoch: Dict[int, Tuple[int, float, float, int]] = {}
+    for line in text.splitlines():
+        m = _VALID.search(line)
+        if m:
+            r = json.loads(m.group(1))
+            e = int(r["epoch"])
+            by_epoch[e] = (e, float(r["valid_loss"]), float(r["valid_nll_loss"]), int(float(r["valid_num_updates"])))
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def train_wps(text: str) -> float | None:
+    """Median target tokens/s over the epochs (fairseq's epoch-level ``train_wps``)."""
+    wps = [float(json.loads(m.group(1))["train_wps"]) for m in map(_TRAIN.search, text.splitlines()) if m]
+    return round(statistics.median(wps)) if wps else None
+
+
+def plateaued(curve: Sequence[Tuple], patience: int) -> bool:
+    """True when the last ``patience`` validations did not improve the best dev loss (fairseq's
+    ``--patience`` rule, lower is better, strict improvement)."""
+    losses = [c[1] for c in curve]
+    if patience <= 0 or len(losses) <= patience:
+        return False
+    best_before = min(losses[:-patience])
+    return all(not (x < best_before) for x in losses[-patience:])
+
+
+def classify(
+    curve: Sequence[Tuple],
+    text: str,
+    returncode: int,
+    patience: int,
+    stall_bits: float,
+    probe: dict | None,
+    blind_fraction: float = mm.BLIND_FRACTION,
+) -> Tuple[str, str]:
+    """(status, stop reason) of a finished cell; see the module docstring."""
+    error = mm.parse_log(text)["error"]
+    finite = [c for c in curve if math.isfinite(c[1]) and math.isfinite(c[2])]
+    stop = "patience" if _EARLY_PATIENCE in text else "min-lr" if _EARLY_LR in text else "epoch-cap"
+    if error or len(finite) < len(curve):
+        return "diverged", "error"
+    if returncode != 0:
+        return "failed", "error"
+    if not finite or min(c[2] for c in finite) >= stall_bits:
+        return "stalled", stop
+    if probe and probe["distinct"] < blind_fraction * probe["sentences"]:
+        return "source-blind", stop
+    if stop != "epoch-cap" or plateaued(finite, patience):
+        return "converged", stop if stop != "epoch-cap" else "patience"
+    return "capped", stop
+
+
+# ---------------------------------------------------------------------------------------------
+# one cell
+
+
+def device_name(device: str) -> str:
+    """The GPU's name (torch.cuda.get_device_name) or the CPU model (/proc/cpuinfo)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_procs: Dict[int, subprocess.Popen] = {}
+_lock = threading.Lock()
+
+
+def _run_until(cmd: List[str], log_path: Path, env: dict, deadline: float | None) -> int | None:
+    """Run ``cmd`` appending to ``log_path``; None when stopped at ``deadline`` (SIGTERM, then SIGKILL)."""
+    with open(log_path, "a", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=mm.REPO)
+        with _lock:
+            _procs[proc.pid] = proc
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    if deadline is not None and time.time() > deadline:
+                        proc.send_signal(signal.SIGTERM)
+                        try:
+                            proc.wait(timeout=20)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                        return None
+        finally:
+            with _lock:
+                _procs.pop(proc.pid, None)
+
+
+def _decode(o: Options, out: Path) -> dict:
+    """Greedy dev probe and beam test2016/test2017 sacreBLEU of the cell's best checkpoint."""
+    bin_dir = o.data / "bin"
+    gen = mm.translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device)
+    hyps = prepare_bible.read_hypotheses(gen)
+    dev = prepare_bible.score(gen, o.data / "raw" / "valid.en")
+    found: dict = {"probe": {"distinct": len(set(hyps)), "sentences": len(hyps), "bleu": _bleu(dev)}}
+    for subset, label in mm.TEST_SETS.items():
+        line = prepare_bible.score(
+            mm.translate(bin_dir, out, subset, label, o.beam, o.threads, device=o.device),
+            o.data / "raw" / f"{subset}.en",
+        )
+        found[f"{label}_bleu"] = _bleu(line)
+        found["bleu_signature"] = line.split("signature: ")[-1].rstrip(")") if "signature: " in line else None
+    return found
+
+
+def _bleu(line: str) -> float:
+    m = mm._BLEU.search(line)
+    return float(m.group(1)) if m else float("nan")
+
+
+def stall_bits_of(o: Options) -> float:
+    if o.stall_bits is not None:
+        return o.stall_bits
+    return mm.unigram_bits(o.data / "bin", o.data / f"bpe{mm._merges(o.data)}" / "valid.en")
+
+
+def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict | None:
+    """Train, decode and record one cell; returns its result, or None when the deadline stopped it."""
+    out = o.runs / cell.dirname
+    result_path = out / "result.json"
+    if result_path.exists():
+        mm.log(f"{cell.name}: finished before ({result_path}), skipped")
+        return json.loads(result_path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = train_command(cell, o)
+    attempts_path = out / "attempts.json"
+    attempts = json.loads(attempts_path.read_text()) if attempts_path.exists() else []
+    done_path = out / "train.done"
+    if not done_path.exists():
+        if o.deadline is not None and time.time() > o.deadline:
+            return None
+        threads = str(o.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        resumed = (out / "checkpoint_last.pt").exists()
+        mm.log(f"train {cell.name}" + (" (resuming from checkpoint_last.pt)" if resumed else ""))
+        start = time.time()
+        rc = _run_until(cmd, out / "train.log", env, o.deadline)
+        attempts.append(
+            {"wall_s": round(time.time() - start, 1), "resumed": resumed, "stopped_at_deadline": rc is None}
+        )
+        attempts_path.write_text(json.dumps(attempts, indent=1))
+        if rc is None:
+            mm.log(f"{cell.name}: stopped at the deadline; resumes from checkpoint_last.pt next time")
+            return None
+        done_path.write_text(json.dumps({"returncode": rc}))
+    rc = json.loads(done_path.read_text())["returncode"]
+    text = (out / "train.log").read_text(encoding="utf-8")
+    curve = valid_curve(text)
+    decoded: dict = {"probe": None, "test2016_bleu": None, "test2017_bleu": None, "bleu_signature": None}
+    if (out / "checkpoint_best.pt").exists():
+        if o.deadline is not None and time.time() > o.deadline:
+            return None
+        decoded = _decode(o, out)
+    status, stop = classify(curve, text, rc, o.patience, stall_bits, decoded["probe"], o.blind_fraction)
+    finite = [c for c in curve if math.isfinite(c[1])]
+    best = min(finite, key=lambda c: c[1]) if finite else None
+    regime = cell.spec
+    batch = o.max_tokens or regime.max_tokens
+    per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
+    error = mm.parse_log(text)["error"] or (None if rc == 0 else mm._last_line(text))
+    record = {
+        "cell": cell.name,
+        "method": cell.method,
+        "layers": cell.depth,
+        "regime": cell.regime,
+        "seed": cell.seed,
+        "status": status,
+        "stop": stop,
+        "test2016_bleu": decoded["test2016_bleu"],
+        "test2017_bleu": decoded["test2017_bleu"],
+        "bleu_signature": decoded["bleu_signature"],
+        "epochs": curve[-1][0] if curve else 0,
+        "best_epoch": best[0] if best else None,
+        "updates": curve[-1][3] if curve else 0,
+        "wall_s": round(sum(a["wall_s"] for a in attempts), 1),
+        "dev_loss": best[1] if best else None,
+        "dev_nll": best[2] if best else None,
+        "probe": decoded["probe"],
+        "tokens_per_s": train_wps(text),
+        "device": device,
+        "device_type": o.device,
+        "precision": o.precision,
+        "jobs": o.jobs,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "regime_label": regime.label,
+        "regime_source": regime.source,
+        "settings": {
+            "patience": o.patience,
+            "max_epochs": o.max_epochs,
+            "dim": o.dim,
+            "ffn": o.ffn,
+            "heads": o.heads,
+            "max_tokens": batch,
+            "tokens_per_forward": per_forward,
+            "update_freq": freq,
+            "stall_bits": round(stall_bits, 3),
+            "beam": o.beam,
+        },
+        "valid": [list(c) for c in curve],
+        "attempts": len(attempts),
+        "error": error,
+        "command": printable(cmd),
+    }
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(result_path)
+    for ckpt in out.glob("*.pt"):
+        ckpt.unlink()
+    mm.log(
+        f"{cell.name}: {status} ({stop}), {record['epochs']} epochs, dev nll {record['dev_nll']}, "
+        f"BLEU {record['test2016_bleu']} / {record['test2017_bleu']}, {record['wall_s']:.0f}s"
+    )
+    return record
+
+
+def pack(runs: Path, cells: Sequence[rg.Cell], path: Path) -> int:
+    """Write the finished results of ``cells`` under ``runs`` into one JSON file; returns how many."""
+    found = []
+    for c in cells:
+        p = runs / c.dirname / "result.json"
+        if p.exists():
+            found.append(json.loads(p.read_text()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": PACK_FORMAT, "cells": found}, indent=1))
+    return len(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def select_cells(a: argparse.Namespace) -> Tuple[List[rg.Cell], rg.Chunk | None]:
+    """The cells of ``--chunk`` or of ``--cells`` or of ``--methods x --depths x --regime x --seeds``."""
+    if a.chunk:
+        if a.chunk not in rg.CHUNKS:
+            raise ConvergeError(f"unknown --chunk {a.chunk!r}; choose from {', '.join(rg.CHUNKS)} (--list-chunks)")
+        return list(rg.CHUNKS[a.chunk].cells), rg.CHUNKS[a.chunk]
+    try:
+        if a.cells:
+            return [rg.Cell.parse(c) for c in a.cells.split(",") if c], None
+        methods = a.methods.split(",")
+        for m in methods:
+            if m not in rg.PAPER_REGIMES:
+                raise ValueError(f"unknown method {m!r} in --methods; choose from {', '.join(rg.METHODS)}")
+        depths = _ints(a.depths, "--depths")
+        seeds = _ints(a.seeds, "--seeds")
+        return [c for d in depths for c in rg.cells_of(d, a.regime, methods, seeds)], None
+    except ValueError as e:
+        raise ConvergeError(str(e)) from None
+
+
+def _ints(text: str, flag: str) -> List[int]:
+    if not all(x.strip().isdigit() for x in text.split(",")):
+        raise ValueError(f"{flag} {text!r} is not a comma-separated list of integers (e.g. 6,18)")
+    return [int(x) for x in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="multi30k_matrix.py converge",
+        description="Train cells of the Multi30k matrix to convergence (patience or epoch cap), on CPU or CUDA, "
+        "resumably; each cell ends as one small result.json (see docs/results.md, 'Converged reproduction').",
+    )
+    add = p.add_argument
+    add(
+        "--chunk",
+        default=None,
+        help="train this chunk of the matrix (--list-chunks shows them; default: none, "
+        "use --cells or --methods/--depths/--regime/--seeds)",
+    )
+    add("--list-chunks", action="store_true", help="print the chunks, their cells and estimated GPU minutes, then exit")
+    add("--cells", default="", help="comma-separated METHOD:DEPTH:REGIME[:sSEED] (default: none)")
+    add("--methods", default=",".join(rg.METHODS), help="methods (default: %(default)s)")
+    add("--depths", default="6,18,36", help="layers per stack (default: %(default)s)")
+    add(
+        "--regime",
+        default="both",
+        choices=("paper", "common", "both"),
+        help="each method's paper regime(s), the common regime, or both (default: %(default)s)",
+    )
+    add("--seeds", default="1", help="seeds, comma-separated (default: %(default)s)")
+    add(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where fairseq trains and decodes (default: %(default)s)",
+    )
+    add(
+        "--precision",
+        default=None,
+        choices=("fp16", "bf16", "fp32"),
+        help="fp16: fairseq --fp16; bf16: --task translation_deepinit --autocast-bf16 (fp32 weights); fp32\n"
+        "(default: bf16 on cuda, fp32 on cpu)",
+    )
+    add("--jobs", type=int, default=1, help="cells trained at the same time, sharing the device (default: %(default)s)")
+    add("--max-epochs", type=int, default=50, help="epoch cap of every cell (default: %(default)s)")
+    add(
+        "--patience",
+        type=int,
+        default=3,
+        help="stop when the dev loss has not improved for this many epochs (default: %(default)s)",
+    )
+    add("--dim", type=int, default=256, help="embedding dimension (default: %(default)s)")
+    add("--ffn", type=int, default=1024, help="FFN inner dimension (default: %(default)s)")
+    add("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    add(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per update instead of the regime's (default: the regime's, 8192)",
+    )
+    add(
+        "--max-tokens-per-job",
+        type=int,
+        default=None,
+        help="memory limit: tokens per forward of one job; a larger batch is split with --update-freq\n"
+        "(default: the chunk's, else no limit)",
+    )
+    add(
+        "--work-dir",
+        type=Path,
+        default=mm.REPO / "work-data" / "multi30k-matrix",
+        help="prepared data (bin/, raw/, bpe*/), made by `prepare` when missing (default: %(default)s)",
+    )
+    add(
+        "--runs-dir",
+        type=Path,
+        default=None,
+        help="one folder per cell (log, checkpoints until it finishes, result.json) (default: WORK_DIR/converged)",
+    )
+    add("--multi30k-dir", type=str, default=None, help="Multi30k raw files for `prepare` (default: as `prepare`)")
+    add("--bpe-merges", type=int, default=8000, help="joint BPE merges when preparing (default: %(default)s)")
+    add("--threads", type=int, default=1, help="OpenMP threads per job (default: %(default)s)")
+    add("--beam", type=int, default=5, help="beam size for test2016/test2017 (default: %(default)s)")
+    add(
+        "--stall-bits",
+        type=float,
+        default=None,
+        help="stalled = best dev nll never below this (default: the unigram model's)",
+    )
+    add(
+        "--deadline-min",
+        type=float,
+        default=None,
+        help="stop training this many minutes after the start, cells left resumable (default: none)",
+    )
+    add(
+        "--pack",
+        type=Path,
+        default=None,
+        help="write the selected cells' finished results into this one JSON file (default: none)",
+    )
+    add("--extra-args", default="", help="appended to every fairseq-train command (default: none)")
+    add("--dry-run", action="store_true", help="print the commands and the estimated GPU minutes, train nothing")
+    return p
+
+
+def list_chunks(dim: int, jobs: int) -> str:
+    lines = [f"estimated H100 minutes with --jobs {jobs}, d={dim}, {rg.EPOCHS_EXPECTED} epochs per cell:"]
+    for name, ch in rg.CHUNKS.items():
+        lines.append(
+            f"  {name:<11} {len(ch.cells):>3} cells {rg.estimate_chunk(ch.cells, dim, jobs):6.1f} min  {ch.description}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        if a.jobs < 1 or a.patience < 1 or a.max_epochs < 1:
+            raise ConvergeError("--jobs, --patience and --max-epochs must be at least 1")
+        if a.list_chunks:
+            print(list_chunks(a.dim, a.jobs))
+            return 0
+        cells, chunk = select_cells(a)
+        precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
+        runs = a.runs_dir or a.work_dir / "converged"
+        limit = a.max_tokens_per_job or (chunk.max_tokens_per_job if chunk else None)
+        deadline = time.time() + 60 * a.deadline_min if a.deadline_min else None
+        o = Options(
+            a.work_dir,
+            runs,
+            a.device,
+            precision,
+            a.jobs,
+            a.dim,
+            a.ffn,
+            a.heads,
+            a.patience,
+            a.max_epochs,
+            a.max_tokens,
+            limit,
+            a.threads,
+            a.beam,
+            a.stall_bits,
+            extra_args=a.extra_args,
+            deadline=deadline,
+        )
+        for c in cells:
+            precision_flags(c.method, o.device, o.precision)  # refuse bad combinations before anything runs
+        if a.dry_run:
+            for c in cells:
+                print(f"# {c.name}: {c.spec.label}")
+                print(printable(train_command(c, o)))
+            print(
+                f"# {len(cells)} cells, estimated {rg.estimate_chunk(cells, a.dim, a.jobs):.1f} H100 minutes with "
+                f"--jobs {a.jobs} ({rg.EPOCHS_EXPECTED} epochs per cell; scripts/matrix/regimes.py)"
+            )
+            return 0
+        if a.device == "cuda":
+            try:
+                import torch
+            except ImportError:
+                raise ConvergeError("--device cuda needs torch in this Python") from None
+            if not torch.cuda.is_available():
+                raise ConvergeError("--device cuda: no CUDA device is visible; use --device cpu")
+        mm.prepare(a.work_dir, a.bpe_merges, a.multi30k_dir)
+        dev = device_name(a.device)
+        stall = stall_bits_of(o)
+        mm.log(
+            f"{len(cells)} cells on {dev} ({precision}), {a.jobs} at a time, patience {a.patience}, "
+            f"at most {a.max_epochs} epochs; results in {runs}"
+        )
+        with ThreadPoolExecutor(a.jobs) as pool:
+            results = list(pool.map(lambda c: run_cell(c, o, dev, stall), cells))
+        left = [c.name for c, r in zip(cells, results, strict=True) if r is None]
+        if a.pack:
+            n = pack(runs, cells, a.pack)
+            mm.log(f"packed {n} results into {a.pack}")
+        if left:
+            mm.log(
+                f"{len(left)} cells not finished (deadline); run the same command again to resume: {', '.join(left)}"
+            )
+        return 0
+    except (ConvergeError, mm.MatrixError, prepare_bible.CorpusError, mm.multi30k_data.Multi30kError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

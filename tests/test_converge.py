@@ -1,0 +1,267 @@
+"""The converged Multi30k matrix (``multi30k_matrix.py converge`` / ``report --converged``, issue #17):
+patience and status rules, each paper's regime flags, the chunk budget estimate, CUDA command
+construction, and a 2-cell CUDA-free smoke run of the whole converge path (train to the epoch cap,
+decode, result file, resume, pack, report) on the first lines of the real Multi30k."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import MULTI30K, REPO, read_multi30k
+
+SCRIPT = REPO / "scripts" / "multi30k_matrix.py"
+sys.path.insert(0, str(REPO / "scripts"))
+from matrix import regimes as rg  # noqa: E402
+from matrix import report as rp  # noqa: E402
+from matrix import run as cr  # noqa: E402
+
+
+def curve(*losses: float) -> list:
+    return [(e + 1, x, x - 0.1, 100 * (e + 1)) for e, x in enumerate(losses)]
+
+
+@pytest.mark.parametrize(
+    "losses, patience, expected",
+    [
+        ((9.0, 8.0, 7.0, 7.5, 7.2), 2, True),  # best at epoch 3, two epochs without a better loss
+        ((9.0, 8.0, 7.0, 7.5), 2, False),  # only one epoch since the best
+        ((9.0, 8.0, 7.0, 6.9), 1, False),  # still improving
+        ((9.0, 7.0, 7.0), 1, True),  # equal is not better (fairseq's strict rule)
+        ((9.0,), 1, False),
+    ],
+)
+def test_patience_rule(losses, patience, expected):
+    assert cr.plateaued(curve(*losses), patience) is expected
+
+
+def test_status_of_a_finished_cell():
+    plateau, improving = curve(9.0, 6.0, 5.0, 5.1, 5.2), curve(9.0, 6.0, 5.0, 4.9, 4.8)
+    early = "INFO | fairseq_cli.train | early stop since valid performance hasn't improved for last 2 runs"
+    ok = {"distinct": 900, "sentences": 1000}
+    assert cr.classify(plateau, early, 0, 2, 7.9, ok) == ("converged", "patience")
+    assert cr.classify(improving, "", 0, 2, 7.9, ok) == ("capped", "epoch-cap")
+    assert cr.classify(plateau, "", 0, 2, 4.0, ok)[0] == "stalled"  # never below the unigram bits
+    assert cr.classify(plateau, early, 0, 2, 7.9, {"distinct": 3, "sentences": 1000})[0] == "source-blind"
+    assert cr.classify(curve(9.0, float("nan")), "", 0, 2, 7.9, ok)[0] == "diverged"
+    assert cr.classify(plateau, "FloatingPointError: Minimum loss scale reached (0.0001).", 1, 2, 7.9, ok)[0] == (
+        "diverged"
+    )
+    assert cr.classify(plateau, "Killed", 137, 2, 7.9, ok)[0] == "failed"
+    lr = "early stop since lr is lower than 5e-05"
+    assert cr.classify(improving, lr, 0, 2, 7.9, ok) == ("converged", "min-lr")
+
+
+def test_valid_curve_keeps_one_record_per_epoch_and_reads_tokens_per_second():
+    def v(epoch: int, loss: float) -> str:
+        rec = {"epoch": epoch, "valid_loss": loss, "valid_nll_loss": loss - 0.2, "valid_num_updates": 100 * epoch}
+        return f"2026 | INFO | valid | {json.dumps(rec)}"
+
+    text = "\n".join([v(1, 8.0), v(2, 7.0), v(2, 6.9), '2026 | INFO | train | {"epoch": 1, "train_wps": "1000"}'])
+    for epoch, wps in ((2, 3000), (3, 2000)):
+        text += f'\n2026 | INFO | train | {{"epoch": {epoch}, "train_wps": "{wps}"}}'
+    # a resumed run validates epoch 2 again: the last record wins
+    assert cr.valid_curve(text) == [(1, 8.0, 7.8, 100), (2, 6.9, pytest.approx(6.7), 200)]
+    assert cr.train_wps(text) == 2000
+
+
+def flags_of(method: str, regime: str, depth: int = 18) -> str:
+    return " ".join(rg.Cell(depth, method, regime).spec.flags())
+
+
+def test_each_paper_regime_has_its_recipe_flags():
+    admin = flags_of("admin", "paper")
+    assert "--optimizer radam" in admin and "--lr 0.0007" in admin and "--warmup-updates 550" in admin
+    assert "--dropout 0.3 --attention-dropout 0.1 --activation-dropout 0.1" in admin
+    assert flags_of("postln", "paper") == admin and flags_of("preln", "paper") == admin  # Admin's Table 2 rows
+    tfixup = flags_of("tfixup", "paper")  # T-Fixup's claim: no warm-up; P = 4000 IWSLT updates = 3.6 epochs
+    assert "--lr-scheduler tfixup --decay-period 360" in tfixup and "--warmup-updates" not in tfixup
+    assert "--dropout 0.5" in tfixup and "--lr 0.0005" in tfixup
+    tfixup_w = flags_of("tfixup", "paper-warmup")  # ... and run the other way too
+    assert "--lr-scheduler inverse_sqrt --warmup-updates 360" in tfixup_w and "--dropout 0.5" in tfixup_w
+    twt = flags_of("twt", "paper")
+    assert "reduce_lr_on_plateau" in twt and "--lr-shrink 0.8 --lr-patience 3" in twt and "--clip-norm 1" in twt
+    assert "--warmup-updates" not in flags_of("twt", "paper-nowarmup") and "--lr 0.0003" in flags_of(
+        "twt", "paper-nowarmup"
+    )
+    deepnorm = flags_of("deepnorm", "paper")
+    assert "--optimizer radam" in deepnorm and "--lr 0.001" in deepnorm and "--weight-decay 0 " in deepnorm + " "
+    assert "--warmup-updates 150" in deepnorm  # 8000 WMT17 updates at 4x8192 tokens = 1.5 epochs
+    assert "--lr 0.0007" in flags_of("lipschitz", "paper") and "--dropout 0.1" in flags_of("lipschitz", "paper")
+    common = flags_of("postln", "common")
+    assert "--optimizer adam" in common and "--lr 0.0005" in common and "--warmup-updates 360" in common
+    # DS-Init's paper regime is the common one: one cell, not two
+    assert rg.Cell.parse("dsinit:18:common") == rg.Cell(18, "dsinit", "paper")
+    both = rg.cells_of(18, "both")
+    assert len(both) == len(set(both)) == 11 + 7
+    assert {c.regime for c in both if c.method == "tfixup"} == {"paper", "paper-warmup", "common"}
+
+
+def test_chunks_cover_the_matrix_and_the_estimate_follows_the_h100_figures():
+    cells = [c for name, ch in rg.CHUNKS.items() if name != "smoke" for c in ch.cells]
+    assert len(cells) == len(set(cells))
+    for d in (6, 18, 36):
+        assert set(rg.cells_of(d, "both")) <= set(cells)
+    assert {c.seed for c in cells if c.depth == 18 and c.regime == "paper" and c.method == "admin"} == {1, 2, 3}
+    # the anchors: d=512 at 6 and 18 layers give the known H100 figures (18 layers within the CPU-vs-H100 gap)
+    assert rg.h100_tokens_per_s(6, 512) == pytest.approx(173_000)
+    assert rg.h100_tokens_per_s(18, 512) == pytest.approx(62_000, rel=0.03)
+    one = [rg.Cell(18, "preln", "paper")]
+    single = rg.estimate_cell_s(one[0], 256, rg.EPOCHS_EXPECTED) / 60
+    assert rg.estimate_chunk(one, 256, 4) == pytest.approx(single)  # one cell: no sharing gain
+    eight = [rg.Cell(18, m, "paper") for m in rg.METHODS[:8]]
+    assert rg.estimate_chunk(eight, 256, 4) == pytest.approx(8 * single / rg.JOBS_SPEEDUP[4])
+    assert rg.estimate_chunk(eight, 256, 1) > rg.estimate_chunk(eight, 256, 4)
+    assert rg.estimate_chunk(eight, 512, 4) > rg.estimate_chunk(eight, 256, 4)
+    for name, ch in rg.CHUNKS.items():
+        if not name.startswith("100l"):
+            assert rg.estimate_chunk(ch.cells, 256, 4) < 22, name  # one GPU session each
+
+
+def opts(tmp_path: Path, **kw) -> cr.Options:
+    return cr.Options(tmp_path, tmp_path / "runs", **kw)
+
+
+def test_cuda_commands(tmp_path):
+    cell = rg.Cell(18, "preln", "paper")
+    fp16 = cr.train_command(cell, opts(tmp_path, device="cuda", precision="fp16"))
+    assert "--fp16" in fp16 and "--cpu" not in fp16 and "--bf16" not in fp16
+    bf16 = " ".join(cr.train_command(cell, opts(tmp_path, device="cuda", precision="bf16")))
+    assert "--task translation_deepinit --autocast-bf16" in bf16 and "--fp16" not in bf16
+    admin = cr.train_command(rg.Cell(18, "admin", "paper"), opts(tmp_path, device="cuda", precision="bf16"))
+    assert admin.count("--task") == 1 and "translation_admin" in admin and "--autocast-bf16" in admin
+    split = cr.train_command(rg.Cell(100, "tfixup", "paper"), opts(tmp_path, device="cuda", max_tokens_per_job=4096))
+    i, j = split.index("--max-tokens"), split.index("--update-freq")
+    assert (split[i + 1], split[j + 1]) == ("4096", "2")  # 8192 tokens per update in two forwards
+    whole = cr.train_command(cell, opts(tmp_path, device="cuda", max_tokens_per_job=16384))
+    assert whole[whole.index("--update-freq") + 1] == "1"
+    assert rg.update_freq(12000, 5000) == (4000, 3)
+    cpu = cr.train_command(cell, opts(tmp_path))
+    assert "--cpu" in cpu and "--patience" in cpu and cpu[cpu.index("--max-epoch") + 1] == "50"
+    with pytest.raises(cr.ConvergeError, match="needs --device cuda"):
+        cr.precision_flags("preln", "cpu", "fp16")
+
+
+def driver(*args: str, m30k: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MULTI30K_DIR": str(m30k), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert not check or proc.returncode == 0, proc.stdout[-3000:]
+    return proc
+
+
+def test_bad_input_is_one_line(tmp_path):
+    for args, msg in (
+        (["converge", "--chunk", "nope"], "unknown --chunk"),
+        (["converge", "--cells", "bert:6:paper"], "unknown method"),
+        (["converge", "--cells", "tfixup:6:paper-nowarmup"], "has no regime"),
+        (["converge", "--device", "cpu", "--precision", "bf16", "--cells", "preln:6:paper"], "needs --device cuda"),
+        (["converge", "--patience", "0"], "at least 1"),
+    ):
+        proc = driver(*args, "--work-dir", str(tmp_path), m30k=tmp_path, check=False)
+        assert proc.returncode == 1 and msg in proc.stdout and "Traceback" not in proc.stdout, proc.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    proc = driver("report", "--converged", "--packs", str(bad), "--docs-dir", str(tmp_path), m30k=tmp_path, check=False)
+    assert proc.returncode == 1 and "is not a `converge --pack` file" in proc.stdout
+
+
+def test_dry_run_prints_commands_and_estimate(tmp_path):
+    out = driver(
+        "converge", "--chunk", "18l-seed2", "--device", "cuda", "--dry-run", "--work-dir", str(tmp_path), m30k=tmp_path
+    ).stdout
+    commands = [ln for ln in out.splitlines() if ln.startswith("fairseq-train ")]
+    assert len(commands) == 9 and all("--seed 2" in c and "--autocast-bf16" in c for c in commands)
+    assert "estimated" in out and "H100 minutes" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_multi30k(tmp_path_factory) -> Path:
+    """The first lines of every Multi30k split, gzip, in Multi30k's own file names."""
+    if not (MULTI30K / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
+    root = tmp_path_factory.mktemp("m30k")
+    for split, n in {"train": 300, "val": 30, "test_2016_flickr": 16, "test_2017_flickr": 12}.items():
+        for lang in ("de", "en"):
+            with gzip.open(root / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(read_multi30k(split, lang, n)) + "\n")
+    return root
+
+
+def test_two_cell_smoke_run_resumes_packs_and_reports(tiny_multi30k, tmp_path):
+    """The converge code path without CUDA: 2 cells to the epoch cap, a result file per cell with
+    every field, a second invocation that skips them, one pack, and the report into a temp docs folder."""
+    pack = tmp_path / "out" / "chunk.json"
+    args = [
+        "converge",
+        "--work-dir",
+        str(tmp_path / "w"),
+        "--bpe-merges",
+        "300",
+        "--cells",
+        "preln:2:paper,tfixup:2:paper",
+        "--dim",
+        "32",
+        "--ffn",
+        "64",
+        "--heads",
+        "2",
+        "--max-epochs",
+        "2",
+        "--patience",
+        "1",
+        "--max-tokens",
+        "1024",
+        "--beam",
+        "2",
+        "--jobs",
+        "2",
+        "--pack",
+        str(pack),
+    ]
+    driver(*args, m30k=tiny_multi30k)
+    runs = tmp_path / "w" / "converged"
+    for name in ("preln-2-paper-s1", "tfixup-2-paper-s1"):
+        r = json.loads((runs / name / "result.json").read_text())
+        for key in (*rp.REQUIRED, "command", "date", "settings", "tokens_per_s", "dev_loss", "probe", "bleu_signature"):
+            assert r.get(key) is not None, key
+        assert r["epochs"] == 2 and r["settings"]["patience"] == 1 and r["settings"]["max_epochs"] == 2
+        assert r["command"].startswith("fairseq-train ") and "--cpu" in r["command"] and r["device_type"] == "cpu"
+        assert r["status"] in ("converged", "capped", "stalled", "source-blind")
+        assert not list((runs / name).glob("*.pt"))  # checkpoints deleted once the result exists
+    again = driver(*args, m30k=tiny_multi30k).stdout
+    assert again.count("finished before") == 2 and "train preln" not in again
+    packed = json.loads(pack.read_text())
+    assert packed["format"] == cr.PACK_FORMAT and len(packed["cells"]) == 2
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text(f"intro\n{rp.BEGIN}\nold\n{rp.END}\nkept\n")
+    driver(
+        "report",
+        "--converged",
+        "--packs",
+        str(pack),
+        "--runs-dir",
+        str(tmp_path / "none"),
+        "--docs-dir",
+        str(docs),
+        m30k=tiny_multi30k,
+    )
+    stored = json.loads((docs / "results" / "converged.json").read_text())
+    assert sorted(c["cell"] for c in stored) == ["preln:2:paper:s1", "tfixup:2:paper:s1"]
+    md = (docs / "results.md").read_text()
+    assert md.startswith("intro\n") and md.endswith(f"{rp.END}\nkept\n") and "old" not in md
+    assert "`preln:2:paper:s1`" in md and "| Pre-LN | paper |" in md and "sacreBLEU signature" in md
+    # a newer result of the same cell replaces the stored one; an older one does not
+    newer = {**stored[0], "date": "2100-01-01T00:00:00+00:00", "status": "converged"}
+    older = {**stored[1], "date": "2000-01-01T00:00:00+00:00", "status": "diverged"}
+    merged = rp.merge({c["cell"]: c for c in stored}, [newer, older])
+    assert merged[newer["cell"]]["status"] == "converged" and merged[older["cell"]]["status"] == stored[1]["status"]
