@@ -40,7 +40,7 @@ for _p in (str(REPO), str(HERE)):  # this checkout's package and the harness, ne
         sys.path.insert(0, _p)
 
 import harness  # noqa: E402
-from harness import fairseq_cli  # noqa: E402
+from harness import fairseq_tools  # noqa: E402
 from harness.fairseq_train import Run, Shape, Variant, fairseq_config, fixed_batches, setup_task, to_device  # noqa: E402
 from harness.fairseq_train import train_argv as _train_argv  # noqa: E402
 from harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k  # noqa: E402
@@ -214,8 +214,8 @@ def cli_shape(shape: Shape, configs: Sequence[Config], data: Path, opts) -> dict
                 "--no-save",
                 "--disable-validation",
             ]
-            res = fairseq_cli.run_tool("train", argv, env=env)
-            wps = [r["wps"] for r in fairseq_cli.train_inner(res.output)]
+            res = fairseq_tools.run_tool("train", argv, env=env)
+            wps = [r["wps"] for r in fairseq_tools.train_inner(res.output)]
             if len(wps) < 2:
                 raise SystemExit(
                     f"fairseq-train logged {len(wps)} train_inner lines for {cfg.name}; raise --cli-updates"
@@ -324,61 +324,42 @@ def markdown(results: dict) -> str:
 
 def build_parser() -> harness.Parser:
     """Every option of throughput.py, with its help and default."""
-    pos = harness.positive_int
+    pos, nonneg = harness.positive_int, harness.nonnegative_int
+    quick = " ".join(QUICK_CONFIGS)
     p = harness.Parser(prog="throughput.py", description=__doc__.split("\n\n")[0])
+    # fmt: off
     p.add_argument("--quick", action="store_true", help="smoke run: tiny shapes, few configs and steps, 2000 sentences")
-    p.add_argument("--gpu-matrix", action="store_true",
-                   help="run the GPU matrix (stock vs plugin x precision x attention x compile, 6/18/36 layers, "
-                   "loss-curve check; benchmarks/gpu_matrix.py) instead of the CPU table")  # fmt: skip
-    p.add_argument("--mode", choices=("inprocess", "cli"), default="inprocess",
-                   help="in-process timing, or time fairseq-train processes")  # fmt: skip
+    p.add_argument("--gpu-matrix", action="store_true", help="run the GPU matrix of issue #13 (stock vs plugin x "
+                   "precision x attention x compile, 6/18/36 layers, loss check; gpu_matrix.py), not the table")
+    p.add_argument("--mode", choices=("inprocess", "cli"), default="inprocess", help="in-process, or fairseq-train")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
     p.add_argument("--fp16", action="store_true", help="fairseq --fp16 (CUDA only)")
     p.add_argument("--amp", action="store_true", help="fairseq --amp (CUDA only)")
-    p.add_argument(
-        "--threads", type=pos, default=None, help="torch intra-op threads (default: OMP_NUM_THREADS or torch's)"
-    )
-    p.add_argument(
-        "--shapes",
-        type=Shape.parse,
-        nargs="+",
-        help="LAYERSxDIMxFFNxHEADS (default: 6x256x1024x4 18x128x512x4; quick 2x64x128x2)",
-    )
-    p.add_argument(
-        "--configs",
-        nargs="+",
-        choices=sorted(CONFIGS),
-        help=f"configurations; their references are added (default: all but plugin; quick {' '.join(QUICK_CONFIGS)})",
-    )
+    p.add_argument("--threads", type=pos, help="torch intra-op threads (default: OMP_NUM_THREADS or torch's)")
+    p.add_argument("--shapes", type=Shape.parse, nargs="+",
+                   help="LAYERSxDIMxFFNxHEADS (default: 6x256x1024x4 18x128x512x4; quick 2x64x128x2)")
+    p.add_argument("--configs", nargs="+", choices=sorted(CONFIGS),
+                   help=f"configurations, their references added (default: all but plugin; quick {quick})")
     p.add_argument("--max-tokens", type=pos, help="tokens per batch (default: 1024; quick 512; gpu matrix 16384)")
     p.add_argument("--batches", type=pos, help="distinct fixed batches (default: 2; gpu matrix 8)")
     p.add_argument("--steps", type=pos, help="training steps per timed trial (default: 2; gpu matrix 10)")
     p.add_argument("--repeats", type=pos, help="interleaved rounds (default: 5; quick 2)")
-    p.add_argument(
-        "--warmup",
-        type=harness.nonnegative_int,
-        help="untimed steps per configuration (default: 2; quick 1; gpu matrix 3)",
-    )
+    p.add_argument("--warmup", type=nonneg, help="untimed steps per configuration (default: 2; quick 1; gpu matrix 3)")
     p.add_argument("--memory-steps", type=pos, default=2, help="CPU: training steps while measuring peak memory")
     p.add_argument("--no-memory", action="store_true", help="CPU: skip the peak-memory measurement (forked children)")
-    p.add_argument(
-        "--cli-updates", type=pos, default=40, help="--mode cli: --max-update of every fairseq-train run (quick 6)"
-    )
+    p.add_argument("--cli-updates", type=pos, default=40, help="--mode cli: --max-update of each run (quick 6)")
     p.add_argument("--cli-log-interval", type=pos, default=10, help="--mode cli: --log-interval (quick 2)")
-    p.add_argument(
-        "--loss-updates", type=pos, help="gpu matrix: updates of the loss-curve check (default: 300; quick 2)"
-    )
+    p.add_argument("--loss-updates", type=pos, help="gpu matrix: loss-check updates (default: 300; quick 2)")
     p.add_argument("--no-compile", action="store_true", help="gpu matrix: leave out the torch.compile row")
     p.add_argument("--seed", type=int, default=1, help="model and batch-order seed")
-    p.add_argument(
-        "--multi30k", type=Path, default=DEFAULT_MULTI30K, help="folder with train.{de,en}.gz (env MULTI30K_DIR)"
-    )
+    p.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K, help="train.{de,en}.gz folder (env MULTI30K_DIR)")
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK, help="where the binarised corpus is cached")
     p.add_argument("--train-sentences", type=pos, help="sentences to binarise (default: all 29000; quick 2000)")
     p.add_argument("--json", type=Path, help="also write every measurement as JSON here")
     p.add_argument("--markdown", type=Path, help="also write the markdown report here")
     p.add_argument("--verbose", action="store_true", help="print every round's tokens/s")
-    return p  # fmt: skip
+    # fmt: on
+    return p
 
 
 def parse_args(argv: Sequence[str] | None = None):

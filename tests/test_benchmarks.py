@@ -323,7 +323,8 @@ def test_interleave_rotates_the_start_and_pairs_ratios_per_round():
 
 def test_json_and_markdown_writers(tmp_path):
     meta = {"device": "cpu", "device_name": "Fake CPU, 2 cores", "date": "2026-01-02", "time_utc": "03:04",
-            "command": "python benchmarks/x.py --quick", "torch": "t", "fairseq": "f", "python": "3", "threads": 1}  # fmt: skip
+            "command": "python benchmarks/x.py --quick", "torch": "t", "fairseq": "f", "python": "3",
+            "threads": 1}  # fmt: skip
     report.write_json(tmp_path / "sub" / "r.json", {"rows": [{"x": float("nan"), "y": 1.5}]}, meta)
     doc = json.loads((tmp_path / "sub" / "r.json").read_text())
     assert doc == {"meta": meta, "rows": [{"x": None, "y": 1.5}]}  # NaN -> null, strict JSON
