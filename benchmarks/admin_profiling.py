@@ -19,66 +19,50 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import gzip
-import json
-import os
-import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import harness  # noqa: E402
+from harness.fairseq_tools import run_tool  # noqa: E402
+from harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k  # noqa: E402
+
+# the plugin is reached only through fairseq's --user-dir (its one place in this script)
 USER_DIR = str(REPO / "fairseq_deepinit")
-DEFAULT_MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
 
 
-def tokenize(line: str) -> str:
-    return " ".join(re.findall(r"\w+|[^\w\s]", line.lower()))
-
-
-def binarize(raw_dir: Path, dest: Path) -> Path:
-    """Multi30k de-en train and val, word level, min count 2, binarised into ``dest`` (once)."""
-    stamp = dest / "STAMP.json"
-    want = {"raw": str(raw_dir.resolve()), "tokenizer": "words+punct, lower", "threshold": 2}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
-        return dest
-    dest.mkdir(parents=True, exist_ok=True)
-    for split, name in (("train", "train"), ("val", "valid")):
-        for lang in ("de", "en"):
-            src = raw_dir / f"{split}.{lang}.gz"
-            if not src.exists():
-                raise SystemExit(f"Multi30k not found: {src} is missing; pass --multi30k DIR")
-            with gzip.open(src, "rt", encoding="utf-8") as f:
-                (dest / f"{name}.tok.{lang}").write_text("".join(tokenize(x) + "\n" for x in f), encoding="utf-8")
-    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
-           "--trainpref", str(dest / "train.tok"), "--validpref", str(dest / "valid.tok"), "--destdir", str(dest),
-           "--thresholdsrc", "2", "--thresholdtgt", "2", "--workers", "2"]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for tok in dest.glob("*.tok.*"):
-        tok.unlink()  # never keep a text copy of the corpus
-    stamp.write_text(json.dumps(want))
-    return dest
+def build_parser() -> harness.Parser:
+    """Every option of admin_profiling.py, with its help and default."""
+    p = harness.Parser(prog="admin_profiling.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--multi30k", type=Path, default=DEFAULT_MULTI30K, help="folder with Multi30k's *.gz (env MULTI30K_DIR)"
+    )
+    p.add_argument("--work-dir", type=Path, default=REPO / "work-data" / "admin-bench", help="binarised data and logs")
+    p.add_argument("--arch", default="admin_iwslt_de_en", help="the plugin's Admin architecture")
+    p.add_argument("--layers", type=harness.positive_int, default=6, help="encoder and decoder layers")
+    p.add_argument("--dim", type=harness.positive_int, default=256, help="model dimension (FFN 4x)")
+    p.add_argument(
+        "--max-tokens", type=harness.positive_int, default=4096, help="training batch (Admin's IWSLT recipe)"
+    )
+    p.add_argument(
+        "--max-update", type=harness.nonnegative_int, default=0, help="stop early (smoke run); 0 = the whole epoch"
+    )
+    p.add_argument("--json", type=Path, help="also write the numbers here")
+    return p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K)
-    p.add_argument("--work-dir", type=Path, default=REPO / "work-data" / "admin-bench")
-    p.add_argument("--arch", default="admin_iwslt_de_en")
-    p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (default 6)")
-    p.add_argument("--dim", type=int, default=256, help="model dimension (default 256; FFN 4x)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="training batch (default 4096, Admin's IWSLT recipe)")
-    p.add_argument("--max-update", type=int, default=0, help="stop early (smoke run); 0 = the whole epoch")
-    p.add_argument("--json", type=Path, help="also write the numbers here")
-    a = p.parse_args(argv)
-
-    data = binarize(a.multi30k, a.work_dir / "bin")
+    """Train one epoch (or ``--max-update`` updates), print profiling time against epoch time."""
+    a = build_parser().parse_args(argv)
+    data = binarize_multi30k(a.multi30k, a.work_dir / "bin", {"train": ("train", None), "valid": ("val", None)})
     d = str(a.dim)
     cmd = [
-        sys.executable, "-m", "fairseq_cli.train", str(data), "--user-dir", USER_DIR, "--task", "translation_admin",
+        str(data), "--user-dir", USER_DIR, "--task", "translation_admin",
         "-s", "de", "-t", "en", "--arch", a.arch, "--encoder-layers", str(a.layers), "--decoder-layers",
         str(a.layers), "--encoder-embed-dim", d, "--decoder-embed-dim", d, "--encoder-ffn-embed-dim", str(4 * a.dim),
         "--decoder-ffn-embed-dim", str(4 * a.dim), "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
@@ -90,16 +74,8 @@ def main(argv=None) -> int:
     ]  # fmt: skip
     if a.max_update:
         cmd += ["--max-update", str(a.max_update)]
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(cmd, env=env, cwd=a.work_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = proc.stdout
-    if proc.returncode:
-        print(log[-4000:], file=sys.stderr)
-        return proc.returncode
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    log = run_tool("train", cmd, cwd=a.work_dir).output
     prof = re.search(r"admin: omega from profiling .*?, ([\d.]+) s\)", log)
     done = re.search(r"done training in ([\d.]+) seconds", log)
     updates = re.findall(r"\| train \| epoch 001 \|.*?num_updates (\d+)", log)
@@ -108,12 +84,10 @@ def main(argv=None) -> int:
         print(log[-4000:], file=sys.stderr)
         raise SystemExit("could not find the profiling time, the epoch time or the update count in the log")
     t_prof, t_epoch, n = float(prof.group(1)), float(done.group(1)), int(updates[-1])
-    import torch
-
+    meta = harness.environment("cpu", "admin_profiling.py", argv)
     result = {
-        "date": datetime.date.today().isoformat(),
-        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores visible, "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {torch.__version__}",
+        "date": meta["date"],
+        "hardware": meta["device_name"],
         "model": f"{a.arch} {a.layers}+{a.layers} layers, d={a.dim}, FFN {4 * a.dim}, 4 heads",
         "max_tokens": a.max_tokens,
         "profiling_seconds": t_prof,
@@ -125,15 +99,15 @@ def main(argv=None) -> int:
     }
     epoch = "one epoch" if not a.max_update else "smoke run, not a whole epoch"
     print(f"Admin profiling cost on Multi30k de-en ({result['model']}, --max-tokens {a.max_tokens})")
-    print(f"{result['hardware']}; {result['date']}")
+    print(harness.provenance(meta))
     print()
-    print("| | seconds | share of the epoch |")
-    print("|---|---:|---:|")
-    print(f"| profiling: 1 forward pass on the first batch | {t_prof:.3f} | {100 * t_prof / t_epoch:.3f}% |")
-    print(f"| training: {epoch}, {n} updates | {t_epoch:.1f} | 100% |")
-    print(f"| one update (mean) | {t_epoch / n:.3f} | {100 / n:.3f}% |")
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    rows = [
+        ["profiling: 1 forward pass on the first batch", f"{t_prof:.3f}", f"{100 * t_prof / t_epoch:.3f}%"],
+        [f"training: {epoch}, {n} updates", f"{t_epoch:.1f}", "100%"],
+        ["one update (mean)", f"{t_epoch / n:.3f}", f"{100 / n:.3f}%"],
+    ]
+    print(harness.markdown_table(["", "seconds", "share of the epoch"], rows, right=(1, 2)))
+    harness.write_json(a.json, result, meta)
     return 0
 
 

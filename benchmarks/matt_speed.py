@@ -26,89 +26,46 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import gzip
-import itertools
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for _p in (str(REPO), str(HERE)):  # this checkout's package and the harness, never installed copies
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import harness  # noqa: E402
+from harness.fairseq_tools import run_tool  # noqa: E402
+from harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k  # noqa: E402
+
 USER_DIR = str(REPO / "fairseq_deepinit")
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "multi30k"
 MODELS = {"standard": "dsinit", "matt": "dsinit_matt"}
+DECODE_TARGET = 1.5  # Zhang et al. 2019: MAtt decodes 1.54x faster
 
 
-def child(tool: str, argv: list[str]) -> None:
-    """Run ``fairseq-<tool>`` in this process, its meters on the clock chosen by ``MATT_BENCH_CLOCK``.
-
-    With ``cpu`` fairseq's timers (generation time, ``wps``) read this process's CPU time instead
-    of the wall clock: on a machine shared with other jobs the wall clock also counts the time
-    spent waiting for a core, which is the main source of noise on it.
-    """
-    import importlib
-    import time as _time
-    import types
-
-    from fairseq.logging import meters
-
-    if os.environ.get("MATT_BENCH_CLOCK", "wall") == "cpu":
-        meters.time = types.SimpleNamespace(perf_counter=_time.process_time)
-    sys.argv = [f"fairseq-{tool}", *argv]
-    importlib.import_module(f"fairseq_cli.{tool}").cli_main()
+def plugin() -> None:
+    """Every import from fairseq_deepinit in this script (one place, for the package's re-layout)."""
+    import fairseq_deepinit  # noqa: F401  (registers the models)
 
 
-def run(tool: str, *args: str, env: dict, log: Path) -> str:
-    """Run ``fairseq-<tool>``, its output appended to ``log`` as it comes (``tail -f`` to follow)."""
-    cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
-    if tool in ("train", "generate"):
-        cmd = [sys.executable, __file__, "--child", tool, *map(str, args)]
-    with open(log, "a") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
-        f.flush()
-        start = f.tell()
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
-    with open(log) as f:
-        f.seek(start)
-        text = f.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{text[-4000:]}")
-    return text
+def run(tool: str, *args, env: dict, log: Path) -> str:
+    """Run ``fairseq-<tool>`` (its meters on ``MATT_BENCH_CLOCK``), output appended to ``log``."""
+    clock = env.get("MATT_BENCH_CLOCK", "wall")
+    return run_tool(tool, [str(a) for a in args], env=env, log=log, clock=clock).output
 
 
-def prepare(data: Path, work: Path, bs1_sentences: int, env: dict, log: Path) -> Path:
+def prepare(data: Path, work: Path, bs1_sentences: int) -> Path:
     """Lower-cased, word-level Multi30k de-en, binarised; ``test1`` = the first test sentences."""
-    dest = work / "bin"
-    if (dest / "test1.de-en.de.bin").exists():
-        return dest
-    if not (data / "train.de.gz").exists():
-        raise SystemExit(f"Multi30k not found at {data}; pass --data")
-    raw = work / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for split, out, limit in (
-        ("train", "train", None),
-        ("val", "valid", None),
-        ("test_2016_flickr", "test", None),
-        ("test_2016_flickr", "test1", bs1_sentences),
-    ):
-        for lang in ("de", "en"):
-            with gzip.open(data / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
-                lines = [line.strip().lower() for line in itertools.islice(f, limit)]
-            (raw / f"{out}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    run(
-        "preprocess", "--source-lang", "de", "--target-lang", "en", "--trainpref", raw / "train",
-        "--validpref", raw / "valid", "--testpref", f"{raw / 'test'},{raw / 'test1'}", "--destdir", dest,
-        "--thresholdsrc", "2", "--thresholdtgt", "2", "--workers", "1", env=env, log=log,
-    )  # fmt: skip
-    return dest
+    splits = {"train": ("train", None), "valid": ("val", None), "test": ("test_2016_flickr", None),
+              "test1": ("test_2016_flickr", bs1_sentences)}  # fmt: skip
+    return binarize_multi30k(data, work / "bin", splits, tokenizer="lower")
 
 
 def train_wps(out: str) -> list[float]:
@@ -151,8 +108,7 @@ def breakdown(work: Path, bin_dir: Path, batch_sizes: list[int], threads: int, s
     import torch
     from fairseq import checkpoint_utils
 
-    sys.path.insert(0, str(REPO))  # this checkout's plugin, never an installed copy
-    import fairseq_deepinit  # noqa: F401  (registers the model)
+    plugin()
 
     torch.set_num_threads(threads)
     models = {}
@@ -213,52 +169,57 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+def build_parser() -> harness.Parser:
+    """Every option of matt_speed.py, with its help and default."""
+    pos = harness.positive_int
+    p = harness.Parser(prog="matt_speed.py", description=__doc__)
+    p.add_argument("--data", type=Path, default=DEFAULT_MULTI30K, help="Multi30k's *.gz (env MULTI30K_DIR)")
     p.add_argument("--work", type=Path, help="working folder (default: a temporary one)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--fp16", action="store_true")
-    p.add_argument("--size", default="iwslt_de_en", help="architecture size suffix (default: iwslt_de_en)")
-    p.add_argument("--dims", default="128,512,4,6", help="d,ffn,heads,layers per stack (default 128,512,4,6)")
-    p.add_argument("--updates", type=int, default=200)
-    p.add_argument("--train-rounds", type=int, default=2, help="interleaved training segments per model")
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--batch-sizes", default="1,32,128")
-    p.add_argument("--bs1-sentences", type=int, default=100)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
-    p.add_argument(
-        "--clock",
-        choices=("cpu", "wall"),
-        help="what fairseq's timers read: this process's CPU time (default on CPU: robust to other jobs on a "
-        "shared machine, needs --threads 1 to mean compute time) or the wall clock (default on CUDA)",
-    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train and decode")
+    p.add_argument("--fp16", action="store_true", help="fairseq --fp16 for training and decoding (CUDA)")
+    p.add_argument("--size", default="iwslt_de_en", help="architecture size suffix")
+    p.add_argument("--dims", default="128,512,4,6", help="d,ffn,heads,layers per stack")
+    p.add_argument("--updates", type=pos, default=200, help="training updates per model")
+    p.add_argument("--train-rounds", type=pos, default=2, help="interleaved training segments per model")
+    p.add_argument("--max-tokens", type=pos, default=2048, help="training batch")
+    p.add_argument("--batch-sizes", type=harness.int_list,
+                   help="decoding batch sizes (default: 1,32,128 on CPU, 1,128 on CUDA)")  # fmt: skip
+    p.add_argument("--bs1-sentences", type=pos, default=100, help="test sentences decoded at batch 1")
+    p.add_argument("--reps", type=pos, default=3, help="decoding rounds")
+    p.add_argument("--threads", type=pos, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                   help="torch threads of every fairseq process (OMP_NUM_THREADS)")  # fmt: skip
+    p.add_argument("--clock", choices=("cpu", "wall"),
+                   help="what fairseq's timers read: this process's CPU time (default on CPU: robust to other jobs "
+                   "on a shared machine, needs --threads 1 to mean compute time) or the wall clock "
+                   "(default on CUDA)")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write every measurement here")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny dims, few updates, 1 rep")
-    p.add_argument(
-        "--match-source-len",
-        action="store_true",
-        help="decode every hypothesis to its source length (fairseq-generate --match-source-len), so that both "
-        "models run the same number of steps per sentence and sentences/s compare like for like",
-    )
-    p.add_argument(
-        "--skip-train",
-        action="store_true",
-        help="decode with the checkpoints already in --work (no training, no training row)",
-    )
-    p.add_argument(
-        "--breakdown-steps", type=int, default=14, help="decoding steps of the breakdown (default 14, ~ mean length)"
-    )
-    p.add_argument(
-        "--breakdown-only",
-        action="store_true",
-        help="only the per-step time breakdown, from the checkpoints already in --work",
-    )
-    args = p.parse_args()
+    p.add_argument("--match-source-len", action="store_true",
+                   help="decode every hypothesis to its source length (fairseq-generate --match-source-len), so that "
+                   "both models run the same number of steps per sentence and sentences/s compare "
+                   "like for like")  # fmt: skip
+    p.add_argument("--skip-train", action="store_true",
+                   help="decode with the checkpoints already in --work (no training, no training row)")  # fmt: skip
+    p.add_argument("--breakdown-steps", type=pos, default=14, help="decoding steps of the breakdown (~ mean length)")
+    p.add_argument("--breakdown-only", action="store_true",
+                   help="only the per-step time breakdown, from the checkpoints already in --work")  # fmt: skip
+    p.add_argument("--no-breakdown", action="store_true",
+                   help="skip the per-step CPU-time breakdown (always skipped with --device cuda)")  # fmt: skip
+    return p
+
+
+def main(argv=None) -> None:
+    """Train both models, decode side by side, print the table (and the CPU breakdown)."""
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.dims, args.updates, args.reps, args.bs1_sentences = "64,128,2,2", 20, 1, 10
-
+    if args.fp16 and args.device != "cuda":
+        harness.fail("--fp16 needs --device cuda")
+    try:
+        d, ffn, heads, layers = (int(x) for x in args.dims.split(","))
+    except ValueError:
+        harness.fail(f"--dims {args.dims!r} is not d,ffn,heads,layers")
+    batch_sizes = args.batch_sizes or ([1, 128] if args.device == "cuda" else [1, 32, 128])
     args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     env["MATT_BENCH_CLOCK"] = args.clock
@@ -266,7 +227,6 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="matt_speed_"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "commands.log"
-    d, ffn, heads, layers = (int(x) for x in args.dims.split(","))
     dims = [
         "--encoder-embed-dim", d, "--decoder-embed-dim", d, "--encoder-ffn-embed-dim", ffn,
         "--decoder-ffn-embed-dim", ffn, "--encoder-attention-heads", heads, "--decoder-attention-heads", heads,
@@ -274,9 +234,8 @@ def main() -> None:
     ]  # fmt: skip
     t0 = time.time()
     load0 = os.getloadavg()[0]
-    bin_dir = prepare(args.data, work, args.bs1_sentences, env, log)
+    bin_dir = prepare(args.data, work, args.bs1_sentences)
     print(f"data ready in {work} ({time.time() - t0:.0f}s)", flush=True)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.breakdown_only:
         print(breakdown(work, bin_dir, batch_sizes, args.threads, steps=args.breakdown_steps))
         return
@@ -309,8 +268,7 @@ def main() -> None:
     gen: dict = {(name, bs): [] for name in MODELS for bs in batch_sizes}
     for rep in range(args.reps):
         for bs in batch_sizes:
-            order = list(MODELS) if rep % 2 == 0 else list(reversed(MODELS))
-            for name in order:
+            for name in harness.rotation(list(MODELS), rep):
                 subset = "test1" if bs == 1 else "test"
                 res = generate(bin_dir, work / name / "checkpoint_last.pt", subset, bs, args, env, log)
                 gen[(name, bs)].append(res)
@@ -342,14 +300,23 @@ def main() -> None:
         "| measurement | standard decoder | MAtt | MAtt / standard (median, min-max) | tokens/s ratio | "
         "output tokens per sentence (std / MAtt) |\n|---|---|---|---|---|---|"
     )
-    cmd = " ".join(["python", "benchmarks/matt_speed.py", *sys.argv[1:]])
+    verdicts = []
+    for bs in (1, 128):
+        if bs in batch_sizes:
+            r = med(
+                [
+                    m["sent_per_s"] / s["sent_per_s"]
+                    for s, m in zip(gen[("standard", bs)], gen[("matt", bs)], strict=True)
+                ]
+            )
+            verdicts.append(f"- decode batch {bs}: MAtt {r:.2f}x standard; target >= {DECODE_TARGET}: "
+                            f"{'MET' if r >= DECODE_TARGET else 'MISSED'}")  # fmt: skip
+    meta = harness.environment(args.device, "matt_speed.py", argv)
     summary = "\n".join(
         [
-            f"date: {datetime.datetime.now().isoformat(timespec='minutes')}; command: `OMP_NUM_THREADS="
-            f"{args.threads} {cmd}`",
-            f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, device "
-            f"{args.device}, {args.threads} thread(s), timers on the {args.clock} clock; load average at start "
-            f"{load0:.1f}, at end {os.getloadavg()[0]:.1f}",
+            harness.provenance(meta),
+            f"timers on the {args.clock} clock, {args.threads} thread(s); load average at start {load0:.1f}, at end "
+            f"{os.getloadavg()[0]:.1f}",
             f"models: {args.size} family, d={d}, FFN {ffn}, {heads} heads, {layers}+{layers} layers, "
             f"{args.updates} updates of {args.max_tokens} tokens; parameters standard {params.get('standard')}, "
             f"MAtt {params.get('matt')}; test BLEU (beam 4) standard {bleu['standard']}, MAtt {bleu['matt']}"
@@ -357,22 +324,20 @@ def main() -> None:
             "",
             header,
             *rows,
+            "",
+            *verdicts,
         ]
     )
     print("\n" + summary)
-    print("\nwhere a decoding step's time goes (CPU time, in-process, same checkpoints):\n")
-    print(breakdown(work, bin_dir, batch_sizes, args.threads, steps=args.breakdown_steps))
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {"wps": wps, "params": params, "generate": {f"{k[0]}@{k[1]}": v for k, v in gen.items()}}, indent=1
-            )
-        )
+    if args.no_breakdown or args.device == "cuda":
+        print("\n(per-step breakdown skipped: it instruments CPU time only)")
+    else:
+        print("\nwhere a decoding step's time goes (CPU time, in-process, same checkpoints):\n")
+        print(breakdown(work, bin_dir, batch_sizes, args.threads, steps=args.breakdown_steps))
+    payload = {"wps": wps, "params": params, "generate": {f"{k[0]}@{k[1]}": v for k, v in gen.items()}}
+    harness.write_json(args.json, payload, meta)
     print(f"\nlogs: {log} (total {time.time() - t0:.0f}s)")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3:])
-    else:
-        main()
+    main()

@@ -36,44 +36,47 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import gzip
 import itertools
-import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for _p in (str(REPO), str(HERE)):  # this checkout's package and the harness, never installed copies
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import harness  # noqa: E402
+from harness.fairseq_tools import run_tool, train_inner  # noqa: E402
+from harness.fairseq_train import Shape  # noqa: E402
+from harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k  # noqa: E402
+
 USER_DIR = str(REPO / "fairseq_deepinit")
-MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
 WORK = REPO / "work-data" / "speed"
 
 
-def shape_flags(shape: str) -> list:
-    layers, dim, ffn, heads = shape.split("x")
-    return [
-        "--encoder-layers", layers, "--decoder-layers", layers, "--encoder-embed-dim", dim,
-        "--decoder-embed-dim", dim, "--encoder-ffn-embed-dim", ffn, "--decoder-ffn-embed-dim", ffn,
-        "--encoder-attention-heads", heads, "--decoder-attention-heads", heads,
-    ]  # fmt: skip
+def plugin() -> SimpleNamespace:
+    """Every import from fairseq_deepinit in this script (one place, for the package's re-layout)."""
+    import fairseq_deepinit
+    from fairseq_deepinit.modules.attention import use_sdpa
+
+    return SimpleNamespace(package=fairseq_deepinit, use_sdpa=use_sdpa)
 
 
-def configs(experiment: str, device: str, shape: str) -> dict:
+def configs(experiment: str, device: str, shape: Shape) -> dict:
     """name -> fairseq-train flags (beyond the common ones)."""
     if experiment == "deep":
         deep = ["--arch", "tfixup_iwslt_de_en_200l", "--lr-scheduler", "tfixup", "--lr", "1e-4"]
         return {"200l": deep, "200l-checkpoint-activations": [*deep, "--checkpoint-activations"]}
-    dims = shape_flags(shape)
-    plugin = ["--arch", "deepinit", "--init-scheme", "fairseq", *dims]  # fairseq's own init: same model as stock
+    dims = shape.flags()
+    plugin_model = ["--arch", "deepinit", "--init-scheme", "fairseq", *dims]  # fairseq's own init: stock's model
     out = {
         "stock": ["--arch", "transformer", *dims],
-        "deepinit-fairseq-attn": [*plugin, "--attention-impl", "fairseq"],
-        "sdpa": [*plugin, "--attention-impl", "sdpa"],
-        "sdpa-bf16": [*plugin, "--attention-impl", "sdpa", "--task", "translation_deepinit", "--autocast-bf16"],
+        "deepinit-fairseq-attn": [*plugin_model, "--attention-impl", "fairseq"],
+        "sdpa": [*plugin_model, "--attention-impl", "sdpa"],
+        "sdpa-bf16": [*plugin_model, "--attention-impl", "sdpa", "--task", "translation_deepinit", "--autocast-bf16"],
     }
     if device == "cuda":
         out["stock-fp16"] = [*out["stock"], "--fp16"]
@@ -81,43 +84,8 @@ def configs(experiment: str, device: str, shape: str) -> dict:
     return out
 
 
-def prepare_data(work: Path) -> Path:
-    dest = work / "bin"
-    if (dest / "dict.en.txt").exists():
-        return dest
-    raw = work / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for split, out in (("train", "train"), ("val", "valid")):
-        for lang in ("de", "en"):
-            with gzip.open(MULTI30K / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
-                lines = [line.strip().lower() for line in f]
-            (raw / f"{out}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
-         "--trainpref", raw / "train", "--validpref", raw / "valid", "--destdir", dest,
-         "--thresholdsrc", "2", "--thresholdtgt", "2", "--workers", "2"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return dest
-
-
-def child_main(argv: list) -> None:
-    """Run fairseq-train in this process, then print its peak memory."""
-    import resource
-
-    import torch
-    from fairseq_cli.train import cli_main
-
-    sys.argv = ["fairseq-train", *argv]
-    try:
-        cli_main()
-    finally:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        cuda = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
-        print(f"SPEED_PEAK rss_mb={rss:.1f} cuda_mb={cuda:.1f}", flush=True)
-
-
 def run(name: str, flags: list, opts, data: Path, log_dir: Path, round_: int) -> dict:
+    """One fairseq-train process: wps per log interval (the first dropped), losses, peak memory."""
     common = [
         data, "--user-dir", USER_DIR, "-s", "de", "-t", "en", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", opts.max_tokens,
@@ -131,21 +99,14 @@ def run(name: str, flags: list, opts, data: Path, log_dir: Path, round_: int) ->
     if opts.device == "cpu":
         common.append("--cpu")
     argv = [str(a) for a in [*common, *flags]]
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    log = proc.stdout
-    (log_dir / f"{name}.{round_}.log").write_text(log)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (log in {log_dir}):\n{log[-3000:]}")
-    inner = [dict(re.findall(r"(\w+)=([-\d.e]+)", line)) for line in log.splitlines() if "| train_inner |" in line]
-    peak = dict(re.findall(r"(\w+_mb)=([\d.]+)", log.split("SPEED_PEAK")[-1]))
+    res = run_tool("train", argv, log=log_dir / f"{name}.{round_}.log")
+    inner = train_inner(res.output)
     return {
-        "wps": [float(s["wps"]) for s in inner[1:]],
-        "loss": [float(s["loss"]) for s in inner],
+        "wps": [s["wps"] for s in inner[1:]],
+        "loss": [s["loss"] for s in inner],
         "updates": [int(s["num_updates"]) for s in inner],
-        "rss_mb": float(peak["rss_mb"]),
-        "cuda_mb": float(peak["cuda_mb"]),
+        "rss_mb": res.peak_rss_mib,
+        "cuda_mb": res.peak_cuda_mib or 0.0,
         "command": "fairseq-train " + " ".join(argv),
     }
 
@@ -162,9 +123,7 @@ def check(opts) -> None:
     from fairseq.data import Dictionary
     from fairseq.tasks.translation import TranslationTask
 
-    sys.path.insert(0, str(REPO))
-    import fairseq_deepinit  # noqa: F401
-
+    plugin()  # registers the plugin's model and --attention-impl
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(opts.device)
@@ -173,7 +132,7 @@ def check(opts) -> None:
         d.add_symbol(f"w{i}")
     models = {}
     for impl in ("fairseq", "sdpa"):
-        cli = ["/x", "--task", "translation", "--arch", "deepinit", "-s", "a", "-t", "b", *shape_flags(opts.shape)]
+        cli = ["/x", "--task", "translation", "--arch", "deepinit", "-s", "a", "-t", "b", *opts.shape.flags()]
         args = options.parse_args_and_arch(
             options.get_training_parser(), [*cli, "--dropout", "0", "--attention-impl", impl]
         )
@@ -237,10 +196,8 @@ def module_bench(opts) -> None:
     from fairseq import utils
     from fairseq.modules.multihead_attention import MultiheadAttention
 
-    sys.path.insert(0, str(REPO))
-    from fairseq_deepinit.modules.attention import use_sdpa
-
-    _, dim, _, heads = (int(v) for v in opts.shape.split("x"))
+    use_sdpa = plugin().use_sdpa
+    dim, heads = opts.shape.dim, opts.shape.heads
     device = torch.device(opts.device)
     t = opts.seq_len
     bsz = max(1, opts.max_tokens // t)
@@ -297,23 +254,31 @@ def module_bench(opts) -> None:
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
 
 
-def main(argv=None) -> None:
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child_main(sys.argv[2:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("experiment", choices=("attention", "deep", "check", "module"))
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--shape", default="6x256x1024x4", help="attention: LAYERSxDIMxFFNxHEADS (base: 6x512x2048x8)")
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--updates", type=int, default=40)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--configs", nargs="+", help="subset of the experiment's configurations")
+def build_parser() -> harness.Parser:
+    """Every option of speed.py, with its help and default."""
+    pos = harness.positive_int
+    p = harness.Parser(prog="speed.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("experiment", choices=("attention", "deep", "check", "module"), help="what to measure")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
+    p.add_argument("--shape", type=Shape.parse, default=Shape.parse("6x256x1024x4"),
+                   help="attention/check/module: LAYERSxDIMxFFNxHEADS (base: 6x512x2048x8)")  # fmt: skip
+    p.add_argument("--max-tokens", type=pos, default=1024, help="tokens per batch")
+    p.add_argument("--updates", type=pos, default=40, help="--max-update of every run (module: calls per timing)")
+    p.add_argument("--log-interval", type=pos, default=10, help="fairseq-train --log-interval")
+    p.add_argument("--repeats", type=pos, default=2, help="interleaved rounds (module: best of)")
+    p.add_argument("--seed", type=int, default=1, help="fairseq-train --seed")
+    p.add_argument("--configs", nargs="+", help="subset of the experiment's configurations (default: all)")
     p.add_argument("--data", type=Path, help="binarised de-en data (default: Multi30k, binarised once)")
+    p.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K, help="Multi30k's *.gz (env MULTI30K_DIR)")
     p.add_argument("--json", type=Path, help="write every measurement here")
-    p.add_argument("--seq-len", type=int, default=32, help="module: tokens per sentence")
+    p.add_argument("--seq-len", type=pos, default=32, help="module: tokens per sentence")
     p.add_argument("--bf16", action="store_true", help="module: run under bf16 autocast")
+    return p
+
+
+def main(argv=None) -> None:
+    """Run one experiment; prints a markdown table (attention, deep) or the check/module report."""
+    p = build_parser()
     opts = p.parse_args(argv)
     if opts.experiment == "check":
         return check(opts)
@@ -321,7 +286,8 @@ def main(argv=None) -> None:
         return module_bench(opts)
     if opts.log_interval >= opts.updates:
         p.error("--log-interval must be below --updates (the first log interval is dropped as start-up)")
-    data = opts.data or prepare_data(WORK)
+    splits = {"train": ("train", None), "valid": ("val", None)}
+    data = opts.data or binarize_multi30k(opts.multi30k, WORK / "bin", splits, tokenizer="lower")
     runs = configs(opts.experiment, opts.device, opts.shape)
     if opts.configs:
         unknown = set(opts.configs) - set(runs)
@@ -333,32 +299,31 @@ def main(argv=None) -> None:
     names = list(runs)
     results: dict = {n: [] for n in names}
     for r in range(opts.repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        for name in harness.rotation(names, r):
             res = run(name, runs[name], opts, data, log_dir, r)
             results[name].append(res)
-            print(f"round {r} {name}: median wps {statistics.median(res['wps']):.1f}", flush=True)
+            print(f"round {r} {name}: median wps {harness.median(res['wps']):.1f}", flush=True)
 
     def wps(name: str) -> float:
         return statistics.median(itertools.chain.from_iterable(r["wps"] for r in results[name]))
 
     refs = [n for n in ("stock", "stock-fp16", "200l") if n in results]
     what = f"shape {opts.shape}" if opts.experiment == "attention" else "tfixup_iwslt_de_en_200l"
+    meta = harness.environment(opts.device, "speed.py", argv)
     print(f"\n{opts.experiment}: device {opts.device}, {what}, --max-tokens {opts.max_tokens}, "
           f"{opts.updates} updates x {opts.repeats} runs")  # fmt: skip
-    header = "| config | tokens/s (median) | " + " | ".join(f"vs {r}" for r in refs) + " | peak RSS MB | peak CUDA MB |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for name in names:
-        ratios = " | ".join(f"{wps(name) / wps(r):.2f}x" for r in refs)
-        rss = max(r["rss_mb"] for r in results[name])
-        cuda = max(r["cuda_mb"] for r in results[name])
-        print(f"| {name} | {wps(name):.1f} | {ratios} | {rss:.0f} | {cuda:.0f} |")
+    print(harness.provenance(meta))
+    header = ["config", "tokens/s (median)", *[f"vs {r}" for r in refs], "peak RSS MB", "peak CUDA MB"]
+    rows = [
+        [name, f"{wps(name):.1f}", *[f"{wps(name) / wps(r):.2f}x" for r in refs],
+         f"{max(r['rss_mb'] for r in results[name]):.0f}", f"{max(r['cuda_mb'] for r in results[name]):.0f}"]
+        for name in names
+    ]  # fmt: skip
+    print(harness.markdown_table(header, rows, right=range(1, len(header))))
     print("\nloss at updates " + ", ".join(map(str, results[names[0]][0]["updates"])) + " (run 0):")
     for name in names:
         print(f"  {name}: " + ", ".join(f"{x:.3f}" for x in results[name][0]["loss"]))
-    if opts.json:
-        opts.json.write_text(json.dumps({"options": {k: str(v) for k, v in vars(opts).items()}, "results": results}))
+    harness.write_json(opts.json, {"options": {k: str(v) for k, v in vars(opts).items()}, "results": results}, meta)
 
 
 if __name__ == "__main__":

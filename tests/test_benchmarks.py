@@ -20,6 +20,10 @@ import pytest
 from conftest import MULTI30K, REPO
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
+SCRIPTS = ("throughput.py", "speed.py", "matt_speed.py", "admin_profiling.py")
+sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the scripts import it
+
+from harness import flops, report, timing  # noqa: E402
 
 
 def load_script():
@@ -54,6 +58,8 @@ def test_quick_run_builds_the_claimed_models_on_the_same_tokens(quick_run):
     rows = result["shapes"][shape]
     # the quick configurations plus the references they are compared against, added automatically
     assert list(rows) == ["stock", "stock-preln", "postln", "preln", "preln-scalenorm"]
+    meta = result["meta"]
+    assert meta["device"] == "cpu" and meta["date"] and "throughput.py --quick" in meta["command"]
     assert len({row["tokens_per_trial"] for row in rows.values()}) == 1  # identical fixed batches
     assert rows["stock"]["model_class"] == rows["stock-preln"]["model_class"] == "TransformerModel"
     assert {rows[n]["model_class"] for n in ("postln", "preln", "preln-scalenorm")} == {"DeepInitTransformerModel"}
@@ -118,10 +124,10 @@ def test_options_add_references_and_reject_cpu_half_precision():
     assert [c.name for c in opts.configs] == ["stock", "stock-preln", "t-fixup", "twt"]
     opts = tp.parse_args(["--configs", "preln-scalenorm"])
     assert [c.name for c in opts.configs] == ["stock-preln", "preln", "preln-scalenorm"]
-    with pytest.raises(SystemExit):
-        tp.parse_args(["--fp16"])
-    with pytest.raises(SystemExit):
-        tp.parse_args(["--steps", "0"])
+    for bad in (["--fp16"], ["--steps", "0"], ["--gpu-matrix", "--fp16"]):
+        with pytest.raises(SystemExit) as exc:
+            tp.parse_args(bad)
+        assert exc.value.code == 1  # one-line error, exit status 1
     assert tp.Shape.parse("18x128x512x4").flags()[:2] == ["--encoder-layers", "18"]
     with pytest.raises(Exception, match="heads must divide"):
         tp.Shape.parse("6x100x400x3")
@@ -184,3 +190,192 @@ def test_residual_sum_is_contiguous_on_fairseqs_transposed_stream():
         out = module(branch, residual)
         assert out.is_contiguous(), type(module).__name__
         assert torch.equal(out, want), type(module).__name__
+
+
+# --- the GPU matrix (issue #13), its CPU smoke run ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def matrix_run(tmp_path_factory):
+    if not (MULTI30K / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
+    out = tmp_path_factory.mktemp("matrix")
+    cmd = [
+        sys.executable, str(SCRIPT), "--gpu-matrix", "--quick", "--multi30k", str(MULTI30K), "--work-dir",
+        str(out / "data"), "--json", str(out / "gpu.json"), "--markdown", str(out / "gpu.md"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
+
+
+def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped(matrix_run):
+    doc, md = matrix_run
+    keys = {"config", "layers", "device", "precision", "tokens_per_s", "ratio_to_stock", "peak_mem_gib", "mfu"}
+    assert doc["device"] and doc["date"] and "--gpu-matrix --quick" in doc["command"]
+    for row in doc["rows"]:
+        assert keys <= set(row) <= keys | {"note"}, row
+        if row["precision"] == "fp16" or row["config"].endswith("compile"):
+            assert row["note"].startswith("skipped:") and row["tokens_per_s"] is None, row
+        else:
+            assert "note" not in row and row["tokens_per_s"] > 0 and row["mfu"] is None, row  # CPU: no peak known
+    measured = {(r["config"], r["layers"], r["precision"]) for r in doc["rows"] if r["tokens_per_s"]}
+    assert measured == {("stock", 1, "fp32"), ("plugin", 1, "bf16-autocast"), ("plugin-sdpa", 1, "bf16-autocast"),
+                        ("plugin-sdpa", 2, "bf16-autocast")}  # fmt: skip
+    stock = next(r for r in doc["rows"] if r["config"] == "stock" and r["precision"] == "fp32")
+    assert stock["ratio_to_stock"] == 1.0  # CPU: the baseline falls back to stock fp32
+    loss = doc["loss_check"]
+    assert loss["updates"] == 2 and loss["stock_config"] == "stock fp32 1L"
+    assert loss["difference"] == pytest.approx(loss["fast_final_loss"] - loss["stock_final_loss"])
+    assert any(t.startswith("loss curve:") for t in doc["targets"])
+    assert doc["command"] in md and "| stock | 1 | fp32 |" in md
+
+
+def test_gpu_matrix_rows_and_compile_guard(monkeypatch):
+    """The full matrix's rows; a failing torch.compile is recorded in its row, the others still run."""
+    import gpu_matrix
+
+    rows = gpu_matrix.matrix([6, 18, 36], compile_row=True)
+    assert len(rows) == 14 + 3 + 3
+    assert {r.label for r in rows if r.layers == 36} == {"stock", "plugin-sdpa"}
+    assert sum(r.variant.compile for r in rows) == 1
+    assert [r.key for r in rows if r.layers == 6][:2] == ["stock fp32 6L", "stock fp16 6L"]
+
+    class FakeRun:
+        n_params, overflows = 10, 0
+
+        def step(self, sample) -> int:
+            return 100
+
+    class FakeBuilder:
+        configs = tp.CONFIGS
+
+        def build(self, row):
+            if row.variant.compile:
+                raise RuntimeError("inductor: no C++ compiler\nlong traceback")
+            return FakeRun()
+
+        def shape(self, layers):
+            return tp.Shape(layers, 8, 16, 2)
+
+        def task(self):
+            from fairseq.data import Dictionary
+
+            return type("T", (), {"target_dictionary": Dictionary()})()
+
+    import torch
+
+    batch = {"net_input": {"src_lengths": torch.tensor([3])}, "target": torch.tensor([[5, 6]])}
+    opts = type("O", (), {"device": "cpu", "warmup": 0, "steps": 1, "repeats": 2})()
+    out: dict = {}
+    sel = [r for r in rows if r.layers == 6 and r.variant.precision == "bf16-autocast"]
+    gpu_matrix.measure_depth(sel, FakeBuilder(), [batch], opts, out)
+    compiled = next(r for r in sel if r.variant.compile)
+    assert out[compiled]["note"] == "error: RuntimeError: inductor: no C++ compiler"
+    assert all(len(out[r]["rates"]) == 2 for r in sel if r is not compiled)
+
+
+# --- the harness, on fake timers ----------------------------------------------------------------
+
+
+class FakeClock:
+    """A clock that advances only when a trial says so (deterministic timings)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_interleave_rotates_the_start_and_pairs_ratios_per_round():
+    clock, cpu, log = FakeClock(), FakeClock(), []
+    # seconds per trial, per round: "b" twice as fast as "a"; round 2 is slow for both (drift)
+    cost = {"a": [2.0, 4.0, 2.0], "b": [1.0, 2.0, 1.0], "c": [4.0, 4.0, 4.0]}
+    calls = {n: 0 for n in cost}
+
+    def trial(name):
+        def one():
+            log.append(name)
+            if calls[name] > 0:  # the first call of each is the warm-up
+                clock.now += cost[name][calls[name] - 1]
+                cpu.now += 1.0
+            calls[name] += 1
+            return 100
+
+        return one
+
+    rounds = timing.interleave({n: trial(n) for n in cost}, 3, warmup=1, clocks=timing.Clocks(clock, cpu))
+    assert log[:3] == ["a", "b", "c"]  # warm-up
+    assert rounds.orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert rounds.orders == [timing.rotation(["a", "b", "c"], r) for r in range(3)]
+    assert rounds.rates("a") == [50.0, 25.0, 50.0]
+    assert rounds.ratios("b", "a") == [2.0, 2.0, 2.0]  # the drift cancels within a round
+    assert rounds.rates("c", "cpu") == [100.0, 100.0, 100.0]
+    stat = timing.Stat.of(rounds.rates("a"))
+    assert (stat.median, stat.lo, stat.hi, stat.n) == (50.0, 25.0, 50.0, 3)
+    assert stat.text("{:.0f}") == "50 [25-50]" and timing.Stat.of([]).text() == "n/a"
+    assert timing.median([3.0, 1.0, 2.0, 10.0]) == 2.5 and math.isnan(timing.median([]))
+    with pytest.raises(ValueError, match="same rounds"):
+        timing.paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_json_and_markdown_writers(tmp_path):
+    meta = {"device": "cpu", "device_name": "Fake CPU, 2 cores", "date": "2026-01-02", "time_utc": "03:04",
+            "command": "python benchmarks/x.py --quick", "torch": "t", "fairseq": "f", "python": "3",
+            "threads": 1}  # fmt: skip
+    report.write_json(tmp_path / "sub" / "r.json", {"rows": [{"x": float("nan"), "y": 1.5}]}, meta)
+    doc = json.loads((tmp_path / "sub" / "r.json").read_text())
+    assert doc == {"meta": meta, "rows": [{"x": None, "y": 1.5}]}  # NaN -> null, strict JSON
+    table = report.markdown_table(["name", "value"], [["a", 1], ["b", None]], right=(1,))
+    assert table.splitlines() == ["| name | value |", "|---|---:|", "| a | 1 |", "| b | n/a |"]
+    with pytest.raises(ValueError):
+        report.markdown_table(["one"], [["a", "b"]])
+    prov = report.provenance(meta)
+    assert "Fake CPU, 2 cores" in prov and "2026-01-02" in prov and "`python benchmarks/x.py --quick`" in prov
+    assert report.command_line("x.py", ["--a", "b c"]).endswith("python benchmarks/x.py --a 'b c'")
+
+
+def test_model_flops_against_a_hand_count():
+    """1+1 layers, d=2, FFN 4, target vocabulary 3; one sentence of 2 source and 1 target tokens."""
+    dims = flops.Dims(enc_layers=1, dec_layers=1, dim=2, ffn=4, tgt_vocab=3)
+    # weights seen per source token: encoder q,k,v,o 4*2*2 + FFN 2*2*4 = 32; decoder cross k,v 2*2*2 = 8
+    # per target token: decoder self q,k,v,o 16 + cross q,o 8 + FFN 16 + output 2*3 = 46
+    assert flops.weight_flops_per_token(dims) == (6 * 40, 6 * 46)
+    # attention, 12 d lq lk per layer: encoder 2*2, decoder self 1*1, cross 1*2 -> 12*2*7
+    lengths = flops.BatchLengths(src=[2], tgt=[1])
+    assert flops.attention_flops(dims, lengths) == 168
+    assert flops.step_flops(dims, lengths) == 6 * 40 * 2 + 6 * 46 * 1 + 168
+    # the per-token weight count is the built model's matrix sizes (stock transformer base, 6+6 layers)
+    base = flops.Dims(6, 6, 512, 2048, 10000)
+    per_src, per_tgt = flops.weight_flops_per_token(base)
+    enc = 6 * (4 * 512 * 512 + 2 * 512 * 2048)
+    dec = 6 * (8 * 512 * 512 + 2 * 512 * 2048)
+    assert per_src + per_tgt == 6 * (enc + dec + 512 * 10000)
+
+
+def test_mfu_peaks_by_device_name():
+    assert flops.peak_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert flops.peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert flops.peak_flops("NVIDIA H200")[0] == 989e12
+    peak, note = flops.peak_flops("Some GPU")
+    assert peak is None and "null" in note
+    assert flops.mfu(494.5e12, "NVIDIA H100 80GB HBM3") == pytest.approx(0.5)
+    assert flops.mfu(1e12, "Some GPU") is None
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_has_help_with_its_default(script):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    options = re.findall(r"^  (--[\w-]+)", proc.stdout, flags=re.M)
+    assert options, proc.stdout
+    # each option's help block (up to the next option) names its default
+    blocks = re.split(r"\n  (?=--)", proc.stdout.split("options:", 1)[1])
+    for block in blocks[1:]:
+        name = block.split()[0]
+        if name in ("--help", "-h"):
+            continue
+        assert "default" in " ".join(block.split()), f"{script} {name}: no default in its help"

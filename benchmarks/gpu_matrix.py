@@ -1,0 +1,376 @@
+"""``throughput.py --gpu-matrix``: stock fairseq against the plugin's fast paths, side by side (issue #13).
+
+One command, one process, identical dimensions and batches for every row: transformer base
+(d 512, FFN 2048, 8 heads) at 6, 18 and 36 layers per stack. At 6 layers the full matrix:
+
+- stock ``transformer`` in fp32 and in fp16 (fairseq's ``FP16Optimizer``, as ``--fp16``), stock
+  Pre-LN in fp16 (the reference of the Pre-LN rows);
+- the plugin's model (``--arch deepinit --init-scheme fairseq``: stock's model and init) in fp16
+  and in bf16 autocast (``--task translation_deepinit --autocast-bf16``: fp32 weights, forward and
+  loss under ``torch.autocast(bfloat16)``), each with fairseq's and SDPA attention, and the bf16
+  SDPA model under ``torch.compile`` (guarded: a failure is recorded in its row);
+- every init-only scheme and Pre-LN ScaleNorm in fp16.
+
+At 18 and 36 layers: stock fp16 and the plugin's fp16 and bf16 SDPA paths. Per row: median target
+tokens/s over interleaved rounds, the median per-round paired ratio to stock fp16 at the same
+depth and norm position, peak memory, MFU (benchmarks/harness/flops.py). Then the loss-curve
+check: stock fp16 and the fastest plugin path train ``--loss-updates`` updates on the same batches
+from the same initial weights; their final losses and the difference are recorded.
+
+Rows skipped on this device (fp16 and compile need CUDA) are recorded as skipped, so ``--quick``
+runs the whole code path on a CPU. The JSON (rows: config, layers, device, precision,
+tokens_per_s, ratio_to_stock, peak_mem_gib, mfu; ``note`` when a row was not measured) is written
+after every depth, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Mapping
+
+import harness
+from harness import flops
+from harness.fairseq_train import Run, Shape, Variant, fairseq_config, fixed_batches, setup_task, to_device
+from harness.fairseq_train import train_argv as _train_argv
+
+BASE = (512, 2048, 8)  # transformer base: d, FFN, heads
+LAYERS, QUICK_LAYERS, QUICK_DIMS = (6, 18, 36), (1, 2), (64, 128, 2)
+INIT_ONLY = ("postln", "lipschitz", "smallinit", "ds-init", "preln")
+FAST_TARGET, INIT_ONLY_TARGET, NORM_TARGET, LOSS_TOLERANCE = 2.0, 0.98, 1.0, 0.02
+LR = 5e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of the matrix: a configuration of throughput.CONFIGS, how it runs, at what depth."""
+
+    config: str
+    variant: Variant
+    layers: int
+
+    @property
+    def label(self) -> str:
+        """The ``config`` column: ``plugin-sdpa-compile``, ``stock``..."""
+        v = self.variant
+        return "-".join(
+            [self.config, *([v.attention] if v.attention != "fairseq" else []), *(["compile"] if v.compile else [])]
+        )
+
+    @property
+    def key(self) -> str:
+        return f"{self.label} {self.variant.precision} {self.layers}L"
+
+
+def matrix(layers: List[int], compile_row: bool) -> List[Row]:
+    """The rows of the matrix (see the module docstring)."""
+    first, V = layers[0], Variant
+    variants = [("stock", V("fp32")), ("stock", V("fp16")), ("stock-preln", V("fp16")), ("plugin", V("fp16")),
+                ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast")),
+                ("plugin", V("bf16-autocast", "sdpa"))]  # fmt: skip
+    if compile_row:
+        variants.append(("plugin", V("bf16-autocast", "sdpa", compile=True)))
+    variants += [(name, V("fp16")) for name in (*INIT_ONLY, "preln-scalenorm")]
+    rows = [Row(c, v, first) for c, v in variants]
+    deep = [("stock", V("fp16")), ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast", "sdpa"))]
+    return rows + [Row(c, v, n) for n in layers[1:] for c, v in deep]
+
+
+def skip_reason(row: Row, device: str) -> str | None:
+    """Why ``row`` cannot run on ``device`` (None: it can)."""
+    if device == "cuda":
+        return None
+    if row.variant.precision in ("fp16", "amp"):
+        return "skipped: fp16 needs CUDA (fairseq has no CPU half-precision training)"
+    if row.variant.compile:
+        return "skipped: the compile row runs on CUDA only (inductor on a CPU compiles for minutes)"
+    return None
+
+
+def baseline(row: Row, ok: Mapping[Row, object], configs: Mapping) -> Row | None:
+    """Stock in fp16 at the same depth and norm position; stock fp32 where fp16 was not measured (CPU)."""
+    ref = configs[row.config].ref
+    for precision in ("fp16", "fp32"):
+        cand = Row(ref, Variant(precision), row.layers)
+        if cand in ok:
+            return cand
+    return None
+
+
+def _error(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"error: {type(e).__name__}: {first}"
+
+
+class Builder:
+    """Builds rows on one task per precision mode (bf16 autocast needs the plugin's task)."""
+
+    def __init__(self, data: Path, opts, configs: Mapping) -> None:
+        self.data, self.opts, self.configs, self.tasks = data, opts, configs, {}
+
+    def shape(self, layers: int) -> Shape:
+        return Shape(layers, *(QUICK_DIMS if self.opts.quick else BASE))
+
+    def build(self, row: Row) -> Run:
+        cfg = self.configs[row.config]
+        argv = _train_argv(self.data, cfg.arch, cfg.flags, self.shape(row.layers), row.variant, cfg.plugin, self.opts)
+        fcfg = fairseq_config(argv)
+        key = row.variant.precision == "bf16-autocast"
+        if key not in self.tasks:
+            self.tasks[key] = setup_task(fcfg)
+        return Run(fcfg, self.tasks[key], row.variant, self.opts.device, self.opts.seed)
+
+    def task(self):
+        return next(iter(self.tasks.values()))
+
+
+def measure_depth(rows: List[Row], builder: Builder, batches: list, opts, out: dict) -> None:
+    """Build, warm up and time (interleaved) every row of one depth; fills ``out[row]``."""
+    import torch
+
+    runs: Dict[Row, Run] = {}
+    for row in rows:
+        try:
+            with harness.peak(opts.device) as box:
+                run = builder.build(row)
+                # compile: every distinct batch once, so recompilations happen before the timing
+                for s in itertools.islice(
+                    itertools.cycle(batches), max(opts.warmup, len(batches) if row.variant.compile else 0)
+                ):
+                    run.step(s)
+            runs[row] = run
+            out[row] = {"peak_mib": box.mib, "params": run.n_params}
+        except Exception as e:  # noqa: BLE001  (compile, OOM...: recorded in the row, the run goes on)
+            out[row] = {"note": _error(e)}
+            if opts.device == "cuda":
+                torch.cuda.empty_cache()
+        print(f"  built {row.key}: {out[row].get('note', 'ok')}", file=sys.stderr, flush=True)
+    if not runs:
+        return
+    errors: Dict[Row, str] = {}
+
+    def trial(row: Row, run: Run):
+        def one() -> float:
+            if row in errors:
+                return math.nan
+            try:
+                return sum(run.step(s) for s in itertools.islice(itertools.cycle(batches), opts.steps))
+            except Exception as e:  # noqa: BLE001
+                errors[row] = _error(e)
+                return math.nan
+
+        return one
+
+    sync = torch.cuda.synchronize if opts.device == "cuda" else (lambda: None)
+    rounds = harness.interleave(
+        {r.key: trial(r, run) for r, run in runs.items()}, opts.repeats, clocks=harness.Clocks(sync=sync)
+    )
+    shape = builder.shape(rows[0].layers)
+    pad = builder.task().target_dictionary.pad()
+    dims = flops.Dims(shape.layers, shape.layers, shape.dim, shape.ffn, len(builder.task().target_dictionary))
+    trial_batches = list(itertools.islice(itertools.cycle(batches), opts.steps))
+    flops_per_trial = sum(flops.step_flops(dims, flops.BatchLengths.of_sample(b, pad)) for b in trial_batches)
+    for row, run in runs.items():
+        rec = out[row]
+        rec.update(rates=rounds.rates(row.key), flops_per_trial=flops_per_trial, fp16_overflows=run.overflows)
+        rec["seconds"] = rounds.wall[row.key]
+        if row in errors:
+            rec["note"] = errors[row]
+        base = baseline(row, runs, builder.configs)
+        if base is not None and base not in errors:
+            rec["baseline"] = base.key
+            rec["ratios"] = rounds.ratios(row.key, base.key)
+    # ScaleNorm against LayerNorm at the same (Pre-norm) position, paired per round
+    sn, ln = (Row(n, Variant("fp16"), rows[0].layers) for n in ("preln-scalenorm", "preln"))
+    if sn in runs and ln in runs:
+        out[sn]["ratios_to_preln"] = rounds.ratios(sn.key, ln.key)
+    del runs
+    gc.collect()
+    if opts.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def lr_at(update: int, warmup: int) -> float:
+    """Linear warm-up then inverse square root (fairseq's ``inverse_sqrt``), the same for both models."""
+    u = update + 1
+    return LR * min(u / warmup, math.sqrt(warmup / u))
+
+
+def loss_check(stock: Row, fast: Row, builder: Builder, opts) -> dict:
+    """Train ``stock`` and ``fast`` ``--loss-updates`` updates on the same batches; final losses.
+
+    Both start from the same seed (the same initial weights: the plugin's model here is built with
+    fairseq's own init) and see the same batches in the same order. Final loss: fairseq's training
+    loss (label-smoothed, base 2, per target token) averaged over the last tenth of the updates.
+    """
+    n = opts.loss_updates
+    batches = to_device(fixed_batches(builder.task(), opts.max_tokens, opts.seed, n), opts.device)
+    warmup, last = max(1, n // 4), max(1, n // 10)
+    out: dict = {
+        "updates": n,
+        "batches": "the same for both, in the same order",
+        "lr": f"{LR} peak, {warmup} warm-up updates, then inverse sqrt",
+    }
+    for name, row in (("stock", stock), ("fast", fast)):
+        try:
+            run = builder.build(row)
+            losses, t0 = [], time.perf_counter()
+            for u, sample in enumerate(batches):
+                run.optimizer.set_lr(lr_at(u, warmup))
+                before = run.overflows
+                run.step(sample)
+                losses.append(math.nan if run.overflows > before else run.last_loss)
+            tail = [x for x in losses[-last:] if math.isfinite(x)]
+            out[f"{name}_config"] = row.key
+            out[f"{name}_final_loss"] = statistics.fmean(tail) if tail else math.nan
+            out[f"{name}_curve"] = [round(x, 4) for x in losses[:: max(1, n // 20)]]
+            out[f"{name}_seconds"] = time.perf_counter() - t0
+            del run
+        except Exception as e:  # noqa: BLE001
+            out[f"{name}_config"], out[f"{name}_final_loss"], out[f"{name}_note"] = row.key, math.nan, _error(e)
+    diff = out["fast_final_loss"] - out["stock_final_loss"]
+    out["difference"] = diff
+    out["relative_difference"] = diff / out["stock_final_loss"] if out["stock_final_loss"] else math.nan
+    return out
+
+
+def table_rows(results: Mapping[Row, dict], device_name: str) -> List[dict]:
+    """The rows of docs/benchmarks/gpu.json: exactly the schema of issue #13 (+ ``note``)."""
+    rows = []
+    for row, rec in results.items():
+        rates = rec.get("rates") or []
+        tps = harness.median([r for r in rates if math.isfinite(r)])
+        seconds = rec.get("seconds") or []
+        fps = harness.median([rec["flops_per_trial"] / s for s in seconds]) if seconds else math.nan
+        out = {
+            "config": row.label,
+            "layers": row.layers,
+            "device": device_name,
+            "precision": row.variant.precision,
+            "tokens_per_s": None if not math.isfinite(tps) else round(tps, 1),
+            "ratio_to_stock": None if not rec.get("ratios") else round(harness.median(rec["ratios"]), 4),
+            "peak_mem_gib": None if rec.get("peak_mib") is None else round(rec["peak_mib"] / 1024, 3),
+            "mfu": None
+            if not math.isfinite(fps) or flops.mfu(fps, device_name) is None
+            else round(flops.mfu(fps, device_name), 4),
+        }
+        if rec.get("note"):
+            out["note"] = rec["note"]
+        rows.append(out)
+    return rows
+
+
+def targets(results: Mapping[Row, dict], loss: dict | None, first: int) -> List[str]:
+    """The issue's targets on the first (6-layer) depth, as MET / MISSED lines."""
+    lines = []
+
+    def ratio(row: Row) -> float:
+        return harness.median(results.get(row, {}).get("ratios") or [])
+
+    plugin = [r for r in results if r.config == "plugin" and r.layers == first and results[r].get("rates")]
+    if plugin:
+        fast = max(plugin, key=lambda r: harness.median(results[r]["rates"]))
+        got = ratio(fast)
+        lines.append(
+            f"fastest plugin path {fast.key} vs {results[fast].get('baseline')}: {got:.3f}x; "
+            f"target >= {FAST_TARGET:.2f}: {_verdict(got, FAST_TARGET)}"
+        )
+    for name in INIT_ONLY:
+        row = Row(name, Variant("fp16"), first)
+        if results.get(row, {}).get("ratios"):
+            got = ratio(row)
+            lines.append(
+                f"{row.key} vs {results[row]['baseline']}: {harness.Stat.of(results[row]['ratios']).text()}; "
+                f"target >= {INIT_ONLY_TARGET:.2f}: {_verdict(got, INIT_ONLY_TARGET)}"
+            )
+    sn = results.get(Row("preln-scalenorm", Variant("fp16"), first), {})
+    if sn.get("ratios_to_preln"):
+        got = harness.median(sn["ratios_to_preln"])
+        lines.append(
+            f"ScaleNorm vs LayerNorm (Pre-norm, fp16, {first}L): {harness.Stat.of(sn['ratios_to_preln']).text()}; "
+            f"target >= {NORM_TARGET:.2f}: {_verdict(got, NORM_TARGET)}"
+        )
+    if loss:
+        rel = loss["relative_difference"]
+        lines.append(
+            f"loss curve: {loss['fast_config']} final loss {loss['fast_final_loss']:.4f} vs {loss['stock_config']} "
+            f"{loss['stock_final_loss']:.4f} after {loss['updates']} updates ({100 * rel:+.2f} %); "
+            f"target |difference| <= {100 * LOSS_TOLERANCE:.0f} %: {_verdict(-abs(rel), -LOSS_TOLERANCE)}"
+        )
+    return lines
+
+
+def _verdict(got: float, target: float) -> str:
+    return "n/a" if not math.isfinite(got) else "MET" if got >= target else "MISSED"
+
+
+def markdown(doc: dict) -> str:
+    """The ready-to-paste report: provenance, the table, the targets, the loss check."""
+    cells = [[r["config"], r["layers"], r["precision"], _num(r["tokens_per_s"], "{:.0f}"),
+              _num(r["ratio_to_stock"], "{:.3f}"), _num(r["peak_mem_gib"], "{:.2f}"), _num(r["mfu"], "{:.1%}"),
+              r.get("note", "")] for r in doc["rows"]]  # fmt: skip
+    header = ["config", "layers", "precision", "tokens/s", "x stock fp16", "peak GiB", "MFU", "note"]
+    meta = doc["meta"]
+    return "\n".join([
+        f"GPU matrix: --max-tokens {meta['max_tokens']}, {meta['steps']} steps per trial, {meta['repeats']} "
+        f"interleaved rounds, {meta['warmup']} warm-up steps.",
+        harness.provenance(meta), "",
+        "tokens/s: target tokens per second, median over rounds. x stock fp16: median of the per-round ratios to stock "
+        "`transformer` in fp16 at the same depth and norm position (stock fp32 where fp16 was skipped). Peak: "
+        "max_memory_allocated growth (CPU: RSS growth) while building and warming up. MFU: model FLOPs per second "
+        f"over the dense bf16 peak ({doc['peak_note']}).", "",
+        harness.markdown_table(header, cells, right=(1, 3, 4, 5, 6)), "",
+        "Targets:", "", *[f"- {line}" for line in doc["targets"]],
+    ])  # fmt: skip
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def run(opts, data: Path, meta: dict, configs: Mapping) -> dict:
+    """Run the whole matrix; writes ``--json`` / ``--markdown`` after every depth; returns the document."""
+    layers = list(QUICK_LAYERS if opts.quick else LAYERS)
+    rows = matrix(layers, compile_row=not opts.no_compile)
+    meta.update(
+        max_tokens=opts.max_tokens, batches=opts.batches, steps=opts.steps, repeats=opts.repeats, warmup=opts.warmup
+    )
+    name = meta["device_name"].split(",")[0]
+    _, peak_note = flops.peak_flops(name) if opts.device == "cuda" else (None, "CPU: no bf16 peak, mfu is null")
+    builder = Builder(data, opts, configs)
+    results: Dict[Row, dict] = {r: {"note": skip_reason(r, opts.device)} for r in rows if skip_reason(r, opts.device)}
+    doc: dict = {}
+    batches: list = []
+    loss = None
+    for depth in layers:
+        todo = [r for r in rows if r.layers == depth and r not in results]
+        print(f"gpu matrix: {len(todo)} rows at {depth} layers ...", file=sys.stderr, flush=True)
+        if not batches:
+            builder.build(todo[0])  # sets up the task (dictionaries) the batches come from
+            batches = to_device(fixed_batches(builder.task(), opts.max_tokens, opts.seed, opts.batches), opts.device)
+        measure_depth(todo, builder, batches, opts, results)
+        if depth == layers[0]:
+            fast = [r for r in todo if r.config == "plugin" and results[r].get("rates")]
+            stock = baseline(
+                Row("plugin", Variant("fp16"), depth), {r: 1 for r in todo if results[r].get("rates")}, configs
+            )
+            if fast and stock:
+                best = max(fast, key=lambda r: harness.median(results[r]["rates"]))
+                print(f"gpu matrix: loss-curve check, {stock.key} vs {best.key} ...", file=sys.stderr, flush=True)
+                loss = loss_check(stock, best, builder, opts)
+        ordered = {r: results[r] for r in rows if r in results}
+        doc = {"device": name, "date": meta["date"], "command": meta["command"], "peak_note": peak_note,
+               "rows": table_rows(ordered, name), "loss_check": loss, "targets": targets(ordered, loss, layers[0]),
+               "details": {r.key: {k: v for k, v in rec.items() if k != "note"}
+                           for r, rec in ordered.items()}}  # fmt: skip
+        harness.write_json(opts.json, doc, meta)
+        harness.write_markdown(opts.markdown, markdown({**doc, "meta": meta}))
+    text = markdown({**doc, "meta": meta})
+    print(text)
+    return {"meta": meta, **doc}
