@@ -25,6 +25,9 @@ from . import admin, admin_task  # noqa: E402,F401  (Admin: --residual-scale adm
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 from .training import autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizer, lr scheduler)
+from .training import distributed  # noqa: E402  (last: every architecture is registered by now)
 # isort: on
+
+distributed.guard_architectures()  # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py)
 
 __version__ = "0.2.0.dev0"

@@ -31,6 +31,7 @@ from .modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
 from .modules.layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
 from .modules.norms import build_optional_norm
 from .schemes import apply_init_scheme
+from .training import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class DeepInitTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        distributed.check_ddp_backend(args)  # before any model work (fairseq-hydra-train, scripts)
         options.resolve_and_validate(args)
         model = super().build_model(args, task)
         apply_init_scheme(model, TransformerConfig.from_namespace(args))

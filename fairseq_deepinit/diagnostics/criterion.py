@@ -118,6 +118,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _data_parallel_size() -> int:
+    """Number of ranks whose gradients are averaged into this one's (1 outside distributed training)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _drop_printed_meters() -> bool:
     """Remove ``diag_*`` meters that fairseq has printed and reset; True while some still hold data.
 
@@ -383,6 +389,13 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
                     f"The forward pass is finite; the gradients first go non-finite (forward order) in layer "
                     f"{bad[0]} ({len(bad)} of {len(grads)} layers affected)."
                 )
+                world = _data_parallel_size()
+                if world > 1:
+                    # DDP all-reduces gradients, so another rank's batch or weights can be the source
+                    lines.append(
+                        f"This rank's forward pass is finite, but its gradients are averaged over {world} "
+                        "data-parallel ranks: the other ranks' reports name the source."
+                    )
         bad_params = nonfinite_parameters(model) if model is not None else []
         if bad_params:
             more = f" and {len(bad_params) - 5} more" if len(bad_params) > 5 else ""
