@@ -1,10 +1,15 @@
 """fairseq-deepinit: deep-Transformer initialisation, normalisation and residual schemes as a
 fairseq ``--user-dir`` plugin. Importing the package registers the ``deepinit`` model, its named
-architectures, the ``tfixup`` lr scheduler, and makes fairseq checkpoints loadable under torch >= 2.6.
+architectures, the ``tfixup`` lr scheduler, makes fairseq checkpoints loadable under torch >= 2.6, and
+makes the plugin's errors end a fairseq command with one line and exit status 1 (:mod:`.errors`).
 """
 
-from . import checkpoint_compat
+from . import checkpoint_compat, errors
 
+# plugin errors end fairseq commands with one line and status 1, and fairseq's prefetching threads
+# are stopped before the interpreter exits (see errors.py); installed first, so that it also covers
+# errors raised while the rest of the plugin registers itself
+errors.install()
 checkpoint_compat.install()
 
 # isort: off
