@@ -12,8 +12,13 @@ module per initialisation paper), :mod:`.admin`, :mod:`.matt`, :mod:`.diagnostic
 :mod:`.errors` are the one home of the model's options and the plugin's errors.
 """
 
+from . import errors
 from .checkpoints import compat, resume
 
+# plugin errors end fairseq commands with one line and status 1, and fairseq's prefetching threads
+# are stopped before the interpreter exits (errors.py); installed first, so that it also covers
+# errors raised while the rest of the plugin registers itself
+errors.install()
 compat.install()
 resume.install()  # atomic checkpoint copies, resume fallback, one-line errors for damaged checkpoints
 

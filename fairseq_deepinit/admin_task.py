@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -72,27 +71,13 @@ def merge_and_cap(
     return {"src_tokens": src, "src_lengths": src_len, "prev_output_tokens": prev}, total - keep
 
 
-def _stop_batch_prefetching(timeout: float = 30.0) -> None:
-    """Let fairseq's batch-prefetching threads finish before the interpreter exits.
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
-    fairseq's ``BufferedIterator`` collates the next batches in a daemon thread; interrupted by
-    the interpreter's shutdown in the middle of a torch op (``--num-workers 0``), it aborts the
-    process. Each one is told to stop after its current batch and its queue is drained until it ends.
-    """
-    import queue
-    import threading
 
-    from fairseq.data.iterators import BackgroundConsumer
-
-    for thread in [t for t in threading.enumerate() if isinstance(t, BackgroundConsumer)]:
-        thread._max_len = 0  # checked after every batch it queues
-        deadline = time.monotonic() + timeout
-        while thread.is_alive() and time.monotonic() < deadline:
-            try:
-                thread._queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        thread.join(timeout=1.0)
+def _is_writing_rank() -> bool:
+    """Rank 0 writes the profile (every rank computes the same one)."""
+    return not _distributed() or torch.distributed.get_rank() == 0
 
 
 @dataclass
@@ -117,11 +102,33 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
                 f"--arch admin_<size> (or --init-scheme admin / --residual-scale admin), or --task translation."
             )
         path = getattr(cfg, "admin_profile_path", None)
+        if path and cfg.admin_profile_only and not from_checkpoint and _is_writing_rank():
+            # a destination that cannot be written fails now, before any data is loaded or profiled
+            admin.check_profile_destination(path)
         if path and not cfg.admin_profile_only and not from_checkpoint:
             profile = admin.load_profile(path)
             admin.apply_profile(model, profile, cfg.admin_formula, path)
             admin.log_profile(profile, f"profile {path} (a checkpoint, if resumed from, overrides it)")
         return model
+
+    def begin_epoch(self, epoch: int, model) -> None:
+        """fairseq's trainer calls this after loading any checkpoint, before the first training batch.
+
+        The earliest point where a resumed model's omega is known: a profile-only run into a save
+        dir whose checkpoint is already profiled stops here, before fairseq's training step (whose
+        error path would also write a ``crash.pt`` into that save dir).
+        """
+        super().begin_epoch(epoch, model)
+        if not self._admin_ready:
+            self._refuse_profile_only_after_resume(admin.unwrap_model(model))
+
+    def _refuse_profile_only_after_resume(self, inner) -> None:
+        if admin.is_profiled(inner) and inner.args.admin_profile_only:
+            raise admin.AdminConfigError(
+                "--admin-profile-only: this run resumed from a checkpoint whose omega is already set, so "
+                "there is nothing to profile. Use an empty --save-dir (or --restore-file of a file that "
+                "does not exist) for the profiling run."
+            )
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         self._iterator_calls = (self._iterator_calls + [(dataset, args, kwargs)])[-4:]
@@ -131,12 +138,7 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
         if not self._admin_ready:
             inner = admin.unwrap_model(model)
             if admin.is_profiled(inner):
-                if inner.args.admin_profile_only:
-                    raise admin.AdminConfigError(
-                        "--admin-profile-only: this run resumed from a checkpoint whose omega is already set, so "
-                        "there is nothing to profile. Use an empty --save-dir (or --restore-file of a file that "
-                        "does not exist) for the profiling run."
-                    )
+                self._refuse_profile_only_after_resume(inner)  # normally already done by begin_epoch
                 logger.info("admin: omega already set (checkpoint or --admin-profile-path); not profiling")
             else:
                 self._profile(sample, inner, optimizer)
@@ -169,16 +171,15 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
             self._write_profile_and_stop(profile, args.admin_profile_path)
 
     def _write_profile_and_stop(self, profile: dict, path: str) -> None:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not distributed or torch.distributed.get_rank() == 0:
+        if _is_writing_rank():
             if os.path.exists(path):
                 logger.info(f"admin: replacing the existing profile {path}")
             admin.save_profile(profile, path)
-        if distributed:
+        if _distributed():
             torch.distributed.barrier()
         logger.info(f"admin: profile written to {path}; --admin-profile-only: stopping before the first update")
-        _stop_batch_prefetching()
-        # a clean stop on every rank (status 0); SystemExit is not caught by fairseq's crash handler
+        # a clean stop on every rank (status 0); SystemExit is not caught by fairseq's crash handler, and
+        # fairseq's prefetching thread is stopped at exit by errors.stop_batch_prefetching (atexit)
         raise SystemExit(0)
 
     def _following_batches(self, sample: dict, count: int) -> List[dict]:

@@ -1,16 +1,89 @@
-"""The plugin's error types, in one place so that every layer of the package can raise them.
+"""The plugin's errors, in one place, and how they end a fairseq command: one line, exit status 1.
 
-:class:`DeepInitConfigError` is an invalid or incompatible combination of options, found before a
-model is built (or when a checkpoint's stored options are validated again);
-:class:`CheckpointFileError` a checkpoint that cannot be read, and :class:`ConfigChangeError` a
-resumed run whose model options differ from its checkpoint's.
+The classes: :class:`DeepInitConfigError` (an invalid or incompatible combination of options, found
+before a model is built), :class:`AdminConfigError` and :class:`AdminNotProfiledError` (Admin),
+:class:`AdminExportError`, :class:`AutocastConfigError`, :class:`DivergenceError` (the diagnostics
+guard), :class:`UnsafeCheckpointError`, and :class:`CheckpointFileError` / :class:`ConfigChangeError`
+(a checkpoint that cannot be read, a resumed run whose model options differ from its checkpoint's;
+these two are :class:`SystemExit` so that fairseq's ``except Exception`` crash handlers let them
+through).
+
+Every exception class defined in this package (``DeepInitConfigError``, ``AdminConfigError``,
+``AdminNotProfiledError``, ``AutocastConfigError``, ``DivergenceError``, ...) is raised on purpose,
+with a message that says what to change; a traceback adds nothing for the user. :func:`install`
+(called once when the plugin is imported, i.e. by ``--user-dir``) does two things:
+
+- it wraps ``sys.excepthook`` so that an uncaught plugin error prints
+  ``fairseq-deepinit: error: <message>`` on stderr instead of the traceback; the interpreter then
+  exits with status 1, as for any uncaught exception. Every other exception goes to the previous
+  hook unchanged (fairseq's usual traceback). ``FAIRSEQ_DEEPINIT_TRACEBACK=1`` keeps the traceback
+  for plugin errors too (debugging);
+- it registers :func:`stop_batch_prefetching` with ``atexit``. That is the root cause of the
+  "terminate called without an active exception" abort (status 134) that followed errors raised in
+  the training step: fairseq's ``BufferedIterator`` collates the next batches in a *daemon* thread
+  (``BackgroundConsumer``; with ``--num-workers 0`` the collation runs in that thread itself). When
+  the main thread dies, the interpreter finalises while that thread is inside a torch operator with
+  the GIL released; when the operator returns, the thread tries to take the GIL back, and CPython
+  (< 3.14) ends such a thread with ``pthread_exit``, whose forced unwinding through torch's C++
+  ``noexcept`` frames calls ``std::terminate``. ``atexit`` callbacks run before that point (after
+  non-daemon threads are joined, before daemon threads are cut off), so stopping the prefetching
+  threads there removes the race for every way out: plugin errors, other exceptions, ``sys.exit``
+  (``--admin-profile-only`` stops with status 0 this way) and the normal end of training.
+
+This module imports nothing from the plugin, so every other module can import it.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = __name__.rpartition(".")[0]  # "fairseq_deepinit" (whatever --user-dir's folder is called)
+PREFIX = "fairseq-deepinit: error: "
+TRACEBACK_ENV = "FAIRSEQ_DEEPINIT_TRACEBACK"
+# the longest the interpreter's exit waits for the prefetching threads to finish their current batch
+STOP_TIMEOUT_S = 30.0
+
+_installed = False
+
+
+# --- the error classes --------------------------------------------------------------------------
+
 
 class DeepInitConfigError(ValueError):
     """An invalid or incompatible combination of deepinit options."""
+
+
+class AdminConfigError(DeepInitConfigError):
+    """Invalid Admin options, or a profile that does not fit the model."""
+
+
+class AdminNotProfiledError(RuntimeError):
+    """An Admin model is being trained with omega never profiled."""
+
+
+class AdminExportError(ValueError):
+    """The checkpoint cannot be folded into a plain Post-LN transformer."""
+
+
+class AutocastConfigError(ValueError):
+    """``--autocast-bf16`` combined with something it cannot work with."""
+
+
+class DivergenceError(RuntimeError):
+    """Training diverged (non-finite loss, gradients or weights) beyond what loss scaling absorbs."""
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint pickles a class that fairseq does not write and the plugin does not allow-list."""
 
 
 class CheckpointFileError(SystemExit):
@@ -22,9 +95,91 @@ class CheckpointFileError(SystemExit):
     """
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"error: {message}")
+        super().__init__(PREFIX + message)
         self.message = message
 
 
 class ConfigChangeError(CheckpointFileError):
     """A resumed ``deepinit`` run whose model options differ from its checkpoint's."""
+
+
+# --- how they end a command ---------------------------------------------------------------------
+
+
+def is_plugin_error(exc: BaseException) -> bool:
+    """True for an instance of an exception class defined in this package (or a subclass of one).
+
+    Plain ``RuntimeError`` / ``ValueError`` raised by the plugin as internal assertions, and every
+    exception of fairseq, torch or Python, are not plugin errors: they keep their traceback.
+    """
+    return any(
+        cls.__module__ == PACKAGE or cls.__module__.startswith(PACKAGE + ".")
+        for cls in type(exc).__mro__
+        if issubclass(cls, BaseException) and cls not in (BaseException, Exception)
+    )
+
+
+def one_line(exc: BaseException) -> str:
+    """The message on one line: a multi-line message (e.g. the divergence guard's) is joined, not cut."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return text or type(exc).__name__
+
+
+def format_error(exc: BaseException) -> str:
+    return PREFIX + one_line(exc)
+
+
+def _excepthook(previous):
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if is_plugin_error(exc) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
+            for stream in (sys.stdout, sys.stderr):  # the log (stdout) first, then the error after it
+                try:
+                    stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+            print(format_error(exc), file=sys.stderr, flush=True)
+            return  # an uncaught exception: the interpreter exits with status 1
+        previous(exc_type, exc, tb)
+
+    hook.deepinit = True  # type: ignore[attr-defined]
+    return hook
+
+
+def install() -> None:
+    """Install the excepthook and the exit-time stop of fairseq's prefetching threads (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    if not getattr(sys.excepthook, "deepinit", False):
+        sys.excepthook = _excepthook(sys.excepthook)
+    atexit.register(stop_batch_prefetching)
+
+
+def stop_batch_prefetching(timeout: float = STOP_TIMEOUT_S) -> int:
+    """Let fairseq's batch-prefetching threads finish their current batch and end; returns how many.
+
+    Each live ``BackgroundConsumer`` is told to stop after the batch it is collating (its
+    ``_max_len``, checked after every batch it queues, is set to 0) and its queue is drained so that
+    a thread blocked on a full queue wakes up, queues its end marker and returns. Nothing is lost:
+    the batches drained are ones that would never be trained on (the process is exiting).
+    """
+    try:
+        from fairseq.data.iterators import BackgroundConsumer
+    except ImportError:  # fairseq never imported: no such thread
+        return 0
+    deadline = time.monotonic() + timeout
+    stopped = 0
+    for thread in [t for t in threading.enumerate() if isinstance(t, BackgroundConsumer) and t.is_alive()]:
+        thread._max_len = 0
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                thread._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        if thread.is_alive():
+            logger.warning("a fairseq batch-prefetching thread did not stop in time; the exit may abort")
+        else:
+            stopped += 1
+    return stopped

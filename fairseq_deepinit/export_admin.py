@@ -43,6 +43,7 @@ import torch
 
 from . import admin, options
 from .checkpoints.integrity import torch_load_checked
+from .errors import AdminExportError
 
 logger = logging.getLogger("fairseq_deepinit.export_admin")
 
@@ -58,10 +59,6 @@ SUBLAYER_INPUTS = {
     ("decoder", "encoder_attn"): ("encoder_attn.q_proj",),
     ("decoder", "ffn"): ("fc1",),
 }
-
-
-class AdminExportError(ValueError):
-    """The checkpoint cannot be folded into a plain Post-LN transformer."""
 
 
 def _deepinit_option_names() -> set:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 
 from .errors import DeepInitConfigError
 from .modules import attention
@@ -132,6 +133,21 @@ def register_residual_options(residual: str, defaults: dict, add_args, validate,
     _RESIDUAL_HOOKS[residual] = (add_args, validate, describe)
 
 
+def check_norm_eps(eps: float) -> None:
+    """``--norm-eps`` must be a finite number > 0.
+
+    Every norm divides by ``sqrt(var + eps)`` (LayerNorm, RMSNorm) or ``max(||x||, eps)`` (ScaleNorm):
+    eps <= 0 can divide by zero, ``inf`` turns every norm's output into 0 (a model that learns
+    nothing, with no error), and ``nan`` makes every output NaN (fairseq only notices at the first
+    update, with its generic non-finite gradient error).
+    """
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise DeepInitConfigError(
+            f"--norm-eps must be a finite number greater than 0 (default 1e-5), got {eps}; "
+            "drop --norm-eps or give e.g. --norm-eps 1e-6"
+        )
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -178,8 +194,7 @@ def resolve_and_validate(args) -> None:
         raise DeepInitConfigError(f"unknown --ds-init-variant {args.ds_init_variant!r}; choose from code, paper")
     if args.init_scheme == "ds-init" and not 0.0 <= args.ds_init_alpha <= 1.0:
         raise DeepInitConfigError(f"--ds-init-alpha must lie in [0, 1] (DS-Init eq. 15), got {args.ds_init_alpha}")
-    if args.norm_eps <= 0:
-        raise DeepInitConfigError(f"--norm-eps must be positive, got {args.norm_eps}")
+    check_norm_eps(args.norm_eps)
 
     # norm type
     if args.norm_type not in ("auto",) + NORM_TYPES:

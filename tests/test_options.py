@@ -172,8 +172,23 @@ def test_scheme_specific_flag_with_another_scheme(flags, owner, scheme):
     assert f"drop it or use --init-scheme {owner}" in msg
 
 
-def test_norm_eps_and_embedding_norm():
-    assert "--norm-eps must be positive" in reject("--norm-eps", "0")
+@pytest.mark.parametrize("eps", ["0", "-1e-5", "inf", "-inf", "nan"])
+def test_norm_eps_must_be_finite_and_positive(eps):
+    # inf trains a model whose every norm outputs 0 (it learns nothing, silently); nan only fails at the
+    # first update with fairseq's generic non-finite gradient error
+    msg = reject(f"--norm-eps={eps}")  # "=": argparse would read "-inf" as an option
+    assert msg == (
+        f"--norm-eps must be a finite number greater than 0 (default 1e-5), got {float(eps)}; "
+        "drop --norm-eps or give e.g. --norm-eps 1e-6"
+    )
+
+
+@pytest.mark.parametrize("eps", ["1e-12", "1e-5", "0.1"])
+def test_norm_eps_finite_and_positive_is_kept(eps):
+    assert validated("--norm-eps", eps).norm_eps == float(eps)
+
+
+def test_embedding_norm_needs_a_norm():
     msg = reject("--init-scheme", "t-fixup", "--layernorm-embedding")
     assert "--layernorm-embedding" in msg and "--norm-type is none" in msg
 
@@ -265,10 +280,13 @@ def test_cli_stops_with_the_message(tmp_path):
         "--max-tokens", "100", "--cpu", "--save-dir", tmp_path / "ckpt", "--no-save",
         check=False, cwd=tmp_path, timeout=300,
     )  # fmt: skip
-    assert proc.returncode != 0
-    assert "DeepInitConfigError" in proc.stdout
-    assert "--init-scheme t-fixup needs --norm-type none" in proc.stdout
-    assert "add --force-norm-with-scheme" in proc.stdout
+    # one line, status 1, no traceback (fairseq_deepinit.errors); the model was never built
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout and "terminate called" not in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("fairseq-deepinit: error: ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    assert "--init-scheme t-fixup needs --norm-type none" in lines[0]
+    assert "add --force-norm-with-scheme" in lines[0]
 
 
 def test_normalize_before_without_a_norm_is_reported(caplog):

@@ -19,16 +19,14 @@ from typing import List
 
 import torch
 
+from ..errors import UnsafeCheckpointError
+
 # Exactly what fairseq 0.12's ``save_checkpoint`` pickles besides tensors and plain containers
 # (``torch.serialization.get_unsafe_globals_in_checkpoint`` on a checkpoint written by
 # fairseq-train lists only this; tests/test_cli.py re-checks it for every architecture family).
 FAIRSEQ_CHECKPOINT_GLOBALS = (argparse.Namespace,)
 
 PathLike = str | os.PathLike
-
-
-class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint pickles a class that fairseq does not write and the plugin does not allow-list."""
 
 
 def install() -> None:

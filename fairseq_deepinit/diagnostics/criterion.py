@@ -48,6 +48,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
+from ..errors import DivergenceError
 from . import hooks
 from .stats import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
 
@@ -57,10 +58,6 @@ STATS = ("var", "norm", "residual", "scalenorm", "grad")
 DEFAULT_STATS = ",".join(STATS)
 _KEY = "_diag|"  # logging-output keys that carry raw moments
 PRIORITY = 2000  # after fairseq's own metrics in a log line
-
-
-class DivergenceError(RuntimeError):
-    """Training diverged (non-finite loss, gradients or weights) beyond what loss scaling absorbs."""
 
 
 @dataclass

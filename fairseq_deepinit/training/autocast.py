@@ -30,13 +30,11 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from ..errors import AutocastConfigError
+
 TASK_NAME = "translation_deepinit"
 # fairseq precision flags that cast weights (fp16/bf16 wrappers) or add their own autocast (amp)
 _CONFLICTING_FLAGS = ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp")
-
-
-class AutocastConfigError(ValueError):
-    """``--autocast-bf16`` combined with something it cannot work with."""
 
 
 # no ``from __future__ import annotations`` here: fairseq builds the parser from the fields' real types
