@@ -22,9 +22,7 @@ import pytest
 
 from conftest import USER_DIR, build_model, run_cli, tiny_batch
 from fairseq_deepinit import admin, errors, export_admin, options
-from fairseq_deepinit.autocast import AutocastConfigError
-from fairseq_deepinit.checkpoint_compat import UnsafeCheckpointError
-from fairseq_deepinit.diagnostics_criterion import DivergenceError
+from fairseq_deepinit.errors import AutocastConfigError, DivergenceError, UnsafeCheckpointError
 
 # ---------------------------------------------------------------------------------------------
 # fairseq_deepinit.errors
