@@ -53,7 +53,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("error: "), proc.stdout[-3000:]
+    assert last.startswith(errors.PREFIX), proc.stdout[-3000:]  # "fairseq-deepinit: error: "
     for n in needles:
         assert n in last, last
     return last
