@@ -26,7 +26,7 @@ setup(
     entry_points={
         "console_scripts": [
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",
-            "deepinit-export-admin = fairseq_deepinit.export_admin:main",
+            "deepinit-export-admin = fairseq_deepinit.admin.export:main",
         ]
     },
 )

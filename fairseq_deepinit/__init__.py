@@ -26,7 +26,7 @@ resume.install()  # atomic checkpoint copies, resume fallback, one-line errors f
 # the model must be registered before its architectures
 from . import model  # noqa: E402,F401
 from . import architectures  # noqa: E402,F401
-from . import admin, admin_task  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin)
+from . import admin  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin, export)
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 from .training import autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizer, lr scheduler)

@@ -21,8 +21,9 @@ from fairseq.models import build_model as fairseq_build_model
 from omegaconf import OmegaConf
 
 from conftest import USER_DIR, build_model, make_dictionary, run_cli
-from fairseq_deepinit import admin, export_admin, options
-from fairseq_deepinit.admin_task import TranslationAdminTask, merge_and_cap
+from fairseq_deepinit import admin, errors
+from fairseq_deepinit.admin import export as export_admin
+from fairseq_deepinit.admin.task import TranslationAdminTask, merge_and_cap
 from fairseq_deepinit.model import DeepInitTransformerModel
 
 PAD = 1
@@ -163,9 +164,9 @@ def test_merge_and_cap_keeps_padded_tokens_under_the_cap():
 
 
 def test_admin_with_pre_ln_is_refused():
-    with pytest.raises(options.DeepInitConfigError, match="Post-LN only"):
+    with pytest.raises(errors.DeepInitConfigError, match="Post-LN only"):
         build_model("admin_iwslt_de_en", *DIMS3, "--encoder-normalize-before")
-    with pytest.raises(options.DeepInitConfigError, match="Post-LN only"):
+    with pytest.raises(errors.DeepInitConfigError, match="Post-LN only"):
         build_model("preln_iwslt_de_en", *DIMS3, "--residual-scale", "admin")
 
 
@@ -180,7 +181,7 @@ def test_admin_with_pre_ln_is_refused():
     ],
 )
 def test_bad_options_are_refused_at_start_up(cli, match):
-    with pytest.raises(options.DeepInitConfigError, match=re.escape(match)):
+    with pytest.raises(errors.DeepInitConfigError, match=re.escape(match)):
         build_model(cli[1], *DIMS3, *cli[2:])
 
 
@@ -191,19 +192,19 @@ def test_profile_that_does_not_fit_the_model_is_refused(tmp_path):
     admin.save_profile(admin.profile_model(model, padded_batch()), str(path))
     profile = admin.load_profile(str(path))
     deeper, _ = build_model("admin_iwslt_de_en", *DIMS3, "--encoder-layers", "4")
-    with pytest.raises(admin.AdminConfigError, match="encoder layers = 3, but this model has 4"):
+    with pytest.raises(errors.AdminConfigError, match="encoder layers = 3, but this model has 4"):
         admin.apply_profile(deeper, profile, "code", str(path))
     wider, _ = build_model(
         "admin_iwslt_de_en", *DIMS3, "--decoder-embed-dim", "32", "--encoder-embed-dim", "32"
     )  # fmt: skip
-    with pytest.raises(admin.AdminConfigError, match="embed dim = 16, but this model has 32"):
+    with pytest.raises(errors.AdminConfigError, match="embed dim = 16, but this model has 32"):
         admin.apply_profile(wider, profile, "code", str(path))
-    with pytest.raises(admin.AdminConfigError, match="--admin-formula code"):
+    with pytest.raises(errors.AdminConfigError, match="--admin-formula code"):
         admin.apply_profile(model, profile, "paper", str(path))
-    with pytest.raises(admin.AdminConfigError, match="not found"):
+    with pytest.raises(errors.AdminConfigError, match="not found"):
         admin.load_profile(str(tmp_path / "missing.json"))
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(admin.AdminConfigError, match="not an Admin profile"):
+    with pytest.raises(errors.AdminConfigError, match="not an Admin profile"):
         admin.load_profile(str(tmp_path / "bad.json"))
     # a fitting profile sets omega and marks the model profiled
     fresh, _ = build_model("admin_iwslt_de_en", *DIMS3)
@@ -216,11 +217,11 @@ def test_profile_that_does_not_fit_the_model_is_refused(tmp_path):
 
 def test_profiling_task_refuses_a_model_without_omega():
     model, args = build_model("postln_iwslt_de_en", *DIMS3)
-    with pytest.raises(admin.AdminConfigError, match="no Admin omega"):
+    with pytest.raises(errors.AdminConfigError, match="no Admin omega"):
         admin.profile_model(model, padded_batch())
     d = make_dictionary()
     task = TranslationAdminTask(args, d, d)
-    with pytest.raises(admin.AdminConfigError, match="--task translation_admin profiles Admin's omega"):
+    with pytest.raises(errors.AdminConfigError, match="--task translation_admin profiles Admin's omega"):
         task.build_model(args)
 
 
@@ -266,7 +267,7 @@ def test_training_an_unprofiled_admin_model_is_an_error():
     model.train()
     model(**padded_batch())  # a forward outside fairseq's training step is fine (diagnostics)
     model.set_num_updates(0)  # fairseq's train_step does this before the forward
-    with pytest.raises(admin.AdminNotProfiledError, match="--task translation_admin"):
+    with pytest.raises(errors.AdminNotProfiledError, match="--task translation_admin"):
         model(**padded_batch())
     admin.profile_model(model, padded_batch())
     model(**padded_batch())
@@ -345,10 +346,10 @@ def test_export_folds_omega_exactly(flags, changes):
 
 def test_export_refuses_what_a_stock_transformer_cannot_represent():
     _, args = build_model("admin_iwslt_de_en", *DIMS3, "--norm-type", "rmsnorm")
-    with pytest.raises(export_admin.AdminExportError, match="--norm-type rmsnorm"):
+    with pytest.raises(errors.AdminExportError, match="--norm-type rmsnorm"):
         export_admin.check_exportable(args)
     _, args = build_model("postln_iwslt_de_en", *DIMS3)
-    with pytest.raises(export_admin.AdminExportError, match="not Admin"):
+    with pytest.raises(errors.AdminExportError, match="not Admin"):
         export_admin.check_exportable(args)
 
 

@@ -21,27 +21,27 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import USER_DIR, build_model, run_cli, tiny_batch
-from fairseq_deepinit import admin, errors, export_admin, options
+from fairseq_deepinit import admin, errors
 from fairseq_deepinit.errors import AutocastConfigError, DivergenceError, UnsafeCheckpointError
 
 # ---------------------------------------------------------------------------------------------
 # fairseq_deepinit.errors
 
 
-class _SubclassElsewhere(options.DeepInitConfigError):
+class _SubclassElsewhere(errors.DeepInitConfigError):
     """A subclass defined outside the plugin is still a plugin error (its base is one)."""
 
 
 @pytest.mark.parametrize(
     "exc",
     [
-        options.DeepInitConfigError("x"),
-        admin.AdminConfigError("x"),
-        admin.AdminNotProfiledError("x"),
+        errors.DeepInitConfigError("x"),
+        errors.AdminConfigError("x"),
+        errors.AdminNotProfiledError("x"),
         AutocastConfigError("x"),
         DivergenceError("x"),
         UnsafeCheckpointError("x"),
-        export_admin.AdminExportError("x"),
+        errors.AdminExportError("x"),
         _SubclassElsewhere("x"),
     ],
 )
@@ -74,13 +74,13 @@ def test_excepthook_prints_one_line_for_plugin_errors_only(capsys, monkeypatch):
     seen = []
     hook = errors._excepthook(lambda *info: seen.append(info[1]))
     monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
-    hook(*_raised(admin.AdminConfigError("omega is bad; re-profile")))
+    hook(*_raised(errors.AdminConfigError("omega is bad; re-profile")))
     assert capsys.readouterr().err == "fairseq-deepinit: error: omega is bad; re-profile\n" and not seen
     other = RuntimeError("fairseq's own")
     hook(*_raised(other))
     assert seen == [other] and capsys.readouterr().err == ""  # fairseq's traceback, untouched
     monkeypatch.setenv(errors.TRACEBACK_ENV, "1")  # debugging: the traceback for plugin errors too
-    plugin = admin.AdminConfigError("x")
+    plugin = errors.AdminConfigError("x")
     hook(*_raised(plugin))
     assert seen == [other, plugin]
 
@@ -127,7 +127,7 @@ def test_omega_in_range_is_accepted(w):
 
 @pytest.mark.parametrize("w", [1e300, 2e4, 9e-5, 0.0, -1.0, float("inf"), float("nan"), "1.0", None, True])
 def test_omega_outside_range_or_not_a_number_is_refused(w):
-    with pytest.raises(admin.AdminConfigError) as info:
+    with pytest.raises(errors.AdminConfigError) as info:
         admin.check_omega("p.json", "encoder.layers.1.ffn", w)
     msg = str(info.value)
     assert msg.startswith("Admin profile p.json: omega of encoder.layers.1.ffn is ") and "\n" not in msg
@@ -151,7 +151,7 @@ NAMES = ["encoder.layers.0.self_attn", "encoder.layers.0.ffn", "decoder.layers.0
     ],
 )
 def test_profile_rows_name_exactly_what_differs(names, problem):
-    with pytest.raises(admin.AdminConfigError) as info:
+    with pytest.raises(errors.AdminConfigError) as info:
         admin.check_profile_rows("p.json", names, NAMES)
     msg = str(info.value)
     assert msg.startswith("Admin profile p.json does not match this model's sub-layers: ") and problem in msg
@@ -162,10 +162,10 @@ def test_profile_rows_name_exactly_what_differs(names, problem):
 
 def test_profile_destination_checks(tmp_path):
     (tmp_path / "folder").mkdir()
-    with pytest.raises(admin.AdminConfigError, match="is a folder; give the profile's file name"):
+    with pytest.raises(errors.AdminConfigError, match="is a folder; give the profile's file name"):
         admin.check_profile_destination(str(tmp_path / "folder"))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(admin.AdminConfigError, match=r"cannot be written: .*file is a file, not a folder"):
+    with pytest.raises(errors.AdminConfigError, match=r"cannot be written: .*file is a file, not a folder"):
         admin.check_profile_destination(str(tmp_path / "file" / "sub" / "p.json"))
     admin.check_profile_destination(str(tmp_path / "new" / "deeper" / "p.json"))  # the folder is created...
     assert os.listdir(tmp_path / "new" / "deeper") == []  # ...and the probe file removed
@@ -178,7 +178,7 @@ def test_read_only_profile_destination(tmp_path):
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        with pytest.raises(admin.AdminConfigError, match="cannot be written .*Permission denied"):
+        with pytest.raises(errors.AdminConfigError, match="cannot be written .*Permission denied"):
             admin.check_profile_destination(str(ro / "p.json"))
     finally:
         ro.chmod(0o755)
@@ -192,7 +192,7 @@ def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(admin.os, "replace", fail)
-    with pytest.raises(admin.AdminConfigError, match="cannot write the Admin profile to .*No space left on device"):
+    with pytest.raises(errors.AdminConfigError, match="cannot write the Admin profile to .*No space left on device"):
         admin.save_profile({"format": admin.PROFILE_FORMAT}, str(path))
     assert os.listdir(tmp_path) == ["p.json"] and path.read_text() == "old profile\n"  # nothing lost or left
     monkeypatch.undo()

@@ -347,7 +347,7 @@ def test_generate_with_damaged_path_is_a_one_line_error(trained, synthetic_bin, 
     assert_one_line_error(proc, str(bad), "is truncated", "intact checkpoint")
 
 
-TOOL_MODULES = {"export_admin": "fairseq_deepinit.export_admin", "diagnose": "fairseq_deepinit.diagnostics.diagnose"}
+TOOL_MODULES = {"export_admin": "fairseq_deepinit.admin.export", "diagnose": "fairseq_deepinit.diagnostics.diagnose"}
 
 
 @pytest.mark.parametrize("tool", sorted(TOOL_MODULES))

@@ -40,7 +40,7 @@ from . import plots
 from .hooks import NormInputStatistics, residual_parameters, scalenorm_gains
 from .stats import GradientFlow, fit_growth, grad_norms_per_layer, output_change, per_type_means, stack_layers
 
-logger = logging.getLogger("fairseq_deepinit.diagnose")
+logger = logging.getLogger(__name__)
 
 MEASURES = ("grad", "flow", "norm", "change", "scalenorm")
 

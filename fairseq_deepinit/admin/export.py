@@ -1,6 +1,6 @@
 """Fold Admin's omega into a plain Post-LN ``transformer`` checkpoint (Liu et al. 2020, appendix C).
 
-``deepinit-export-admin ADMIN.pt OUT.pt`` (or ``python -m fairseq_deepinit.export_admin``) writes a
+``deepinit-export-admin ADMIN.pt OUT.pt`` (or ``python -m fairseq_deepinit.admin.export``) writes a
 checkpoint of fairseq's own ``transformer`` that stock ``fairseq-generate`` loads without
 ``--user-dir`` and that computes the same function. The derivation, per stack, for sub-layers
 k = 1..K in forward order, with LN_k the norm after sub-layer k (gamma_k, beta_k)::
@@ -41,11 +41,11 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from . import admin, options
-from .checkpoints.integrity import torch_load_checked
-from .errors import AdminExportError
+from .. import options
+from ..checkpoints.integrity import torch_load_checked
+from ..errors import AdminConfigError, AdminExportError
 
-logger = logging.getLogger("fairseq_deepinit.export_admin")
+logger = logging.getLogger(__name__)
 
 SUBLAYER_NORMS = {
     "self_attn": "self_attn_layer_norm",
@@ -297,7 +297,7 @@ def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, s
     from fairseq.models import build_model
     from omegaconf import OmegaConf
 
-    from .model import DeepInitTransformerModel
+    from ..model import DeepInitTransformerModel
 
     src_dict = _dictionary(admin_sd["encoder.embed_tokens.weight"].size(0))
     tgt_dict = (
@@ -356,7 +356,7 @@ def main(argv: List[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
     try:
         summary = export_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
-    except (AdminExportError, admin.AdminConfigError, FileNotFoundError) as e:
+    except (AdminExportError, AdminConfigError, FileNotFoundError) as e:
         print(f"deepinit-export-admin: error: {e}", file=sys.stderr)
         return 2
     changes = ", ".join(f"{k}={v}" for k, v in summary["changes"].items()) or "none"

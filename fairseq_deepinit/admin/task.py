@@ -26,13 +26,16 @@ from fairseq import utils
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from . import admin
-from .training.autocast import AutocastConfig, AutocastTaskMixin
+from ..errors import AdminConfigError
+from ..training.autocast import AutocastConfig, AutocastTaskMixin
+from .profile_file import apply_profile, check_profile_destination, load_profile, save_profile
+from .profiling import log_profile, profile_model, refresh_master_params
+from .residual import PROFILING_TASKS, admin_residuals, is_profiled, omega_parameters, unwrap_model
 
 logger = logging.getLogger(__name__)
 
 TASK_NAME = "translation_admin"
-admin.PROFILING_TASKS.add(TASK_NAME)
+PROFILING_TASKS.add(TASK_NAME)
 
 
 def _pad_to(tokens: torch.Tensor, width: int, pad: int, left: bool) -> torch.Tensor:
@@ -96,19 +99,19 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
 
     def build_model(self, cfg, from_checkpoint: bool = False):
         model = super().build_model(cfg, from_checkpoint)
-        if not admin.admin_residuals(model):
-            raise admin.AdminConfigError(
+        if not admin_residuals(model):
+            raise AdminConfigError(
                 f"--task {TASK_NAME} profiles Admin's omega, but --arch {getattr(cfg, 'arch', '?')} has none. Use "
                 f"--arch admin_<size> (or --init-scheme admin / --residual-scale admin), or --task translation."
             )
         path = getattr(cfg, "admin_profile_path", None)
         if path and cfg.admin_profile_only and not from_checkpoint and _is_writing_rank():
             # a destination that cannot be written fails now, before any data is loaded or profiled
-            admin.check_profile_destination(path)
+            check_profile_destination(path)
         if path and not cfg.admin_profile_only and not from_checkpoint:
-            profile = admin.load_profile(path)
-            admin.apply_profile(model, profile, cfg.admin_formula, path)
-            admin.log_profile(profile, f"profile {path} (a checkpoint, if resumed from, overrides it)")
+            profile = load_profile(path)
+            apply_profile(model, profile, cfg.admin_formula, path)
+            log_profile(profile, f"profile {path} (a checkpoint, if resumed from, overrides it)")
         return model
 
     def begin_epoch(self, epoch: int, model) -> None:
@@ -120,11 +123,11 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
         """
         super().begin_epoch(epoch, model)
         if not self._admin_ready:
-            self._refuse_profile_only_after_resume(admin.unwrap_model(model))
+            self._refuse_profile_only_after_resume(unwrap_model(model))
 
     def _refuse_profile_only_after_resume(self, inner) -> None:
-        if admin.is_profiled(inner) and inner.args.admin_profile_only:
-            raise admin.AdminConfigError(
+        if is_profiled(inner) and inner.args.admin_profile_only:
+            raise AdminConfigError(
                 "--admin-profile-only: this run resumed from a checkpoint whose omega is already set, so "
                 "there is nothing to profile. Use an empty --save-dir (or --restore-file of a file that "
                 "does not exist) for the profiling run."
@@ -136,8 +139,8 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
         if not self._admin_ready:
-            inner = admin.unwrap_model(model)
-            if admin.is_profiled(inner):
+            inner = unwrap_model(model)
+            if is_profiled(inner):
                 self._refuse_profile_only_after_resume(inner)  # normally already done by begin_epoch
                 logger.info("admin: omega already set (checkpoint or --admin-profile-path); not profiling")
             else:
@@ -164,9 +167,9 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
                 f"admin: profiling batch cut to {net_input['src_tokens'].size(0)} sentences "
                 f"(--admin-profile-max-tokens {args.admin_profile_max_tokens}; {dropped} dropped)"
             )
-        profile = admin.profile_model(model, net_input, args.admin_formula)
-        admin.log_profile(profile, f"profiling {len(net_inputs)} batch(es) per rank")
-        admin.refresh_master_params(optimizer, admin.omega_parameters(model))
+        profile = profile_model(model, net_input, args.admin_formula)
+        log_profile(profile, f"profiling {len(net_inputs)} batch(es) per rank")
+        refresh_master_params(optimizer, omega_parameters(model))
         if args.admin_profile_only:
             self._write_profile_and_stop(profile, args.admin_profile_path)
 
@@ -174,7 +177,7 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
         if _is_writing_rank():
             if os.path.exists(path):
                 logger.info(f"admin: replacing the existing profile {path}")
-            admin.save_profile(profile, path)
+            save_profile(profile, path)
         if _distributed():
             torch.distributed.barrier()
         logger.info(f"admin: profile written to {path}; --admin-profile-only: stopping before the first update")
@@ -208,7 +211,7 @@ class TranslationAdminTask(AutocastTaskMixin, TranslationTask):
             if len(out) < count:
                 logger.warning(f"admin: only {len(out) + 1} training batches on this rank to profile on")
             return out
-        raise admin.AdminConfigError(
+        raise AdminConfigError(
             "--admin-profile-batches > 1 needs the training iterator that fairseq-train builds; it was not "
             "found. Use --admin-profile-batches 1 (the paper's setting)."
         )

@@ -1,0 +1,51 @@
+"""Admin, adaptive model initialisation (Liu et al. 2020): ``--residual-scale admin``.
+
+- :mod:`.residual`: x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1})), the residual module, the ``admin``
+  init scheme and the ``admin_<size>`` architectures;
+- :mod:`.options`: ``--admin-*`` options and their validation;
+- :mod:`.profiling`: omega from the variances of the first batch (released code's or paper's formula);
+- :mod:`.profile_file`: the JSON profile of the two-step workflow;
+- :mod:`.task`: ``--task translation_admin``, profiling inside fairseq-train on every rank;
+- :mod:`.export`: ``deepinit-export-admin``, omega folded into a stock Post-LN checkpoint.
+
+Importing the package registers all of it.
+"""
+
+from . import options, task  # noqa: F401  (registration)
+from .profile_file import apply_profile, check_profile_destination, check_profile_rows, load_profile, save_profile
+from .profiling import code_ratio, log_profile, paper_omegas, profile_model, refresh_master_params
+from .residual import (
+    FORMULAS,
+    OMEGA_MAX,
+    OMEGA_MIN,
+    PROFILE_FORMAT,
+    PROFILING_TASKS,
+    AdminResidual,
+    admin_residuals,
+    is_profiled,
+    omega_parameters,
+    unwrap_model,
+)
+
+__all__ = [
+    "FORMULAS",
+    "OMEGA_MAX",
+    "OMEGA_MIN",
+    "PROFILE_FORMAT",
+    "PROFILING_TASKS",
+    "AdminResidual",
+    "admin_residuals",
+    "apply_profile",
+    "check_profile_destination",
+    "check_profile_rows",
+    "code_ratio",
+    "is_profiled",
+    "load_profile",
+    "log_profile",
+    "omega_parameters",
+    "paper_omegas",
+    "profile_model",
+    "refresh_master_params",
+    "save_profile",
+    "unwrap_model",
+]

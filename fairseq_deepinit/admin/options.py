@@ -1,0 +1,102 @@
+"""Admin's options (``--admin-formula``, ``--admin-freeze-omega``, ``--admin-profile-*``), registered
+with :mod:`fairseq_deepinit.options` on the residual axis and validated at start-up."""
+
+from __future__ import annotations
+
+from .. import options
+from ..errors import AdminConfigError
+from .residual import FORMULAS, PROFILING_TASKS
+
+# Admin's options belong to the residual axis, not to one init scheme (``--residual-scale admin``
+# composes with e.g. lipschitz init), so they follow the ``_SCHEME_OPTIONS`` pattern keyed on the
+# residual (``options.register_residual_options``): defaults under ``--residual-scale admin``, None
+# otherwise, which keeps re-validating the arguments stored in a checkpoint idempotent.
+ADMIN_OPTIONS = {
+    "admin_formula": "code",
+    "admin_freeze_omega": False,
+    "admin_profile_batches": 1,
+    "admin_profile_max_tokens": 8192,
+    "admin_profile_path": None,
+    "admin_profile_only": False,
+}
+_PROFILING_OPTIONS = ("admin_profile_batches", "admin_profile_max_tokens", "admin_profile_path", "admin_profile_only")
+
+
+def add_admin_args(g) -> None:
+    g.add_argument(
+        "--admin-formula",
+        choices=FORMULAS,
+        help="omega from the released code's recurrence (code, default) or the paper's "
+        "sqrt(sum_{j<i} Var f_j) (paper); see docs/admin.md",
+    )
+    g.add_argument(
+        "--admin-freeze-omega",
+        action="store_true",
+        default=None,
+        help="keep omega fixed after profiling (default: trainable, as in the released code)",
+    )
+    g.add_argument(
+        "--admin-profile-batches",
+        type=int,
+        metavar="K",
+        help="profile on the first K training batches of each rank, merged (default 1, the paper's)",
+    )
+    g.add_argument(
+        "--admin-profile-max-tokens",
+        type=int,
+        metavar="T",
+        help="cap on the profiling batch, padded tokens as --max-tokens counts them (default 8192)",
+    )
+    g.add_argument(
+        "--admin-profile-path",
+        metavar="FILE.json",
+        help="with --admin-profile-only: where to write the profile; otherwise: a profile to load instead "
+        "of profiling (two-step workflow)",
+    )
+    g.add_argument(
+        "--admin-profile-only",
+        action="store_true",
+        default=None,
+        help="profile on the first batch, write --admin-profile-path and stop before the first update",
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_admin_args(args) -> None:
+    """Start-up checks under ``--residual-scale admin`` (after ``options`` filled in the defaults)."""
+    if args.admin_formula not in FORMULAS:
+        raise AdminConfigError(f"unknown --admin-formula {args.admin_formula!r}; choose from {', '.join(FORMULAS)}")
+    if args.norm_type == "none":
+        raise AdminConfigError(
+            "--residual-scale admin rescales the input of a Post-LN norm and needs one; --norm-type none "
+            "removes it. Use --norm-type layernorm (or drop --norm-type)."
+        )
+    if args.admin_profile_batches < 1:
+        raise AdminConfigError(f"--admin-profile-batches must be at least 1, got {args.admin_profile_batches}")
+    if args.admin_profile_max_tokens < 1:
+        raise AdminConfigError(f"--admin-profile-max-tokens must be positive, got {args.admin_profile_max_tokens}")
+    if args.admin_profile_only and not args.admin_profile_path:
+        raise AdminConfigError("--admin-profile-only writes the profile to --admin-profile-path; add it")
+    for stack in ("encoder", "decoder"):
+        if getattr(args, f"{stack}_layerdrop", 0) or getattr(args, f"{stack}_layers_to_keep", None):
+            raise AdminConfigError(
+                f"Admin profiles every sub-layer in order; --{stack}-layerdrop / --{stack}-layers-to-keep "
+                "skip layers. Drop them."
+            )
+    task = getattr(args, "task", None)
+    given = [n for n in _PROFILING_OPTIONS if getattr(args, n) not in (None, False, ADMIN_OPTIONS[n])]
+    if given and task is not None and task not in PROFILING_TASKS:
+        raise AdminConfigError(
+            f"{', '.join(map(_flag, given))} {'is' if len(given) == 1 else 'are'} read by the profiling task; add "
+            f"--task {' or '.join(sorted(PROFILING_TASKS)) or 'translation_admin'} (got --task {task})"
+        )
+
+
+def describe_admin(args) -> str:
+    return f"admin={args.admin_formula}" + (",frozen" if args.admin_freeze_omega else "")
+
+
+options.register_residual_options("admin", ADMIN_OPTIONS, add_admin_args, validate_admin_args, describe_admin)
