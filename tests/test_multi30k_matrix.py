@@ -21,7 +21,7 @@ from conftest import MULTI30K, REPO, read_multi30k
 
 SCRIPT = REPO / "scripts" / "multi30k_matrix.py"
 sys.path.insert(0, str(REPO / "scripts"))
-import multi30k_matrix as mm  # noqa: E402
+from matrix import cells, common, early_report  # noqa: E402
 
 
 def valid_line(update: int, loss: float, nll: float) -> str:
@@ -46,12 +46,12 @@ def test_parse_log_reads_curves_layers_and_failures():
             "fairseq_deepinit.diagnostics.criterion.DivergenceError: divergence guard: training stopped at update 23",
         ]
     )
-    parsed = mm.parse_log(text)
+    parsed = cells.parse_log(text)
     assert parsed["valid"] == [(10, 8.5, 8.1), (20, 7.5, 7.2)]
     assert [int(r["num_updates"]) for r in parsed["train"]] == [10, 20]
     assert parsed["error"] == "divergence guard: training stopped at update 23"
-    assert mm.gnorm_profile(parsed["train"]) == {"update": 10, "encoder.layers.0": 0.5, "encoder.layers.1": 2.0}
-    assert "top/bottom 4" in mm._layer_summary(mm.gnorm_profile(parsed["train"]))
+    assert cells.gnorm_profile(parsed["train"]) == {"update": 10, "encoder.layers.0": 0.5, "encoder.layers.1": 2.0}
+    assert "top/bottom 4" in early_report._layer_summary(cells.gnorm_profile(parsed["train"]))
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_parse_log_reads_curves_layers_and_failures():
     ],
 )
 def test_classify(valid, error, rc, status, best, reached):
-    r = mm.classify({"valid": valid, "train": [], "error": error}, rc, stall_bits=7.5, target_bits=5.5)
+    r = cells.classify({"valid": valid, "train": [], "error": error}, rc, stall_bits=7.5, target_bits=5.5)
     assert (r["status"], r["best_dev_nll"], r["updates_to_target"]) == (status, best, reached)
 
 
@@ -75,7 +75,7 @@ def test_classify(valid, error, rc, status, best, reached):
 def test_a_model_with_the_same_translation_for_every_input_is_source_blind(distinct, status):
     parsed = {"valid": [(10, 8.0, 7.5), (20, 6.0, 5.5)], "train": [], "error": None}
     probe = {"distinct": distinct, "sentences": 1000, "bleu": 3.0}
-    assert mm.classify(parsed, 0, 7.9, None, probe=probe)["status"] == status  # 5% of 1000 = 50
+    assert cells.classify(parsed, 0, 7.9, None, probe=probe)["status"] == status  # 5% of 1000 = 50
 
 
 def test_unigram_bits_by_hand(tmp_path):
@@ -86,25 +86,25 @@ def test_unigram_bits_by_hand(tmp_path):
     (tmp_path / "valid.en").write_text("a b\n")
     # p(a) = 6/10, p(b) = 2/10, p(</s>) = 2/10 over the tokens a, b, </s>
     expected = -(math.log2(0.6) + math.log2(0.2) + math.log2(0.2)) / 3
-    assert mm.unigram_bits(tmp_path / "bin", tmp_path / "valid.en") == pytest.approx(expected, rel=1e-12)
+    assert cells.unigram_bits(tmp_path / "bin", tmp_path / "valid.en") == pytest.approx(expected, rel=1e-12)
 
 
 def test_specs_and_cell_names_refuse_bad_input():
-    assert mm.budget_of("6:600:50,18:250:25", 18) == (250, 25)
-    assert mm.target_of("6:5.0,18:6.5", 18) == 6.5 and mm.target_of("6:5.0", 36) is None
-    with pytest.raises(mm.MatrixError, match="no entry for depth 36"):
-        mm.budget_of("6:600:50", 36)
-    with pytest.raises(mm.MatrixError, match="DEPTH:UPDATES:VALID_EVERY"):
-        mm.budget_of("6:600", 6)
-    with pytest.raises(mm.MatrixError, match="DEPTH:BITS"):
-        mm.target_of("six:5", 6)
+    assert cells.budget_of("6:600:50,18:250:25", 18) == (250, 25)
+    assert cells.target_of("6:5.0,18:6.5", 18) == 6.5 and cells.target_of("6:5.0", 36) is None
+    with pytest.raises(common.MatrixError, match="no entry for depth 36"):
+        cells.budget_of("6:600:50", 36)
+    with pytest.raises(common.MatrixError, match="DEPTH:UPDATES:VALID_EVERY"):
+        cells.budget_of("6:600", 6)
+    with pytest.raises(common.MatrixError, match="DEPTH:BITS"):
+        cells.target_of("six:5", 6)
     for bad, msg in (
         ("postln:6", "METHOD:DEPTH:REGIME"),
         ("bert:6:warmup", "unknown method"),
         ("postln:6:x", "regime"),
     ):
-        with pytest.raises(mm.MatrixError, match=msg):
-            mm.parse_cell(bad)
+        with pytest.raises(common.MatrixError, match=msg):
+            common.parse_cell(bad)
 
 
 def test_select_for_bleu_takes_shallowest_and_deepest_converged():
@@ -120,7 +120,7 @@ def test_select_for_bleu_takes_shallowest_and_deepest_converged():
         r("admin", 18, "nowarmup", "converging", 5.9),
         r("admin", 36, "nowarmup", "stalled", 7.9),
     ]
-    assert mm.select_for_bleu({c["cell"]: c for c in cells}) == [
+    assert early_report.select_for_bleu({c["cell"]: c for c in cells}) == [
         "postln:6:nowarmup",
         "admin:6:warmup",
         "admin:18:warmup",
@@ -141,7 +141,7 @@ def test_every_cell_parses_with_the_plugin(tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     ).stdout.splitlines()
-    assert len(out) == len(mm.METHODS) * 4 * 2
+    assert len(out) == len(common.METHODS) * 4 * 2
     for line in out:
         argv = shlex.split(line)
         assert argv[1:3] == ["-m", "fairseq_cli.train"] and "--bf16" not in argv
@@ -150,7 +150,7 @@ def test_every_cell_parses_with_the_plugin(tmp_path):
         depth = args.encoder_layers
         assert (
             args.decoder_layers == depth
-            and args.max_update == mm.budget_of("6:600:50,18:250:25,36:150:25,100:40:20", depth)[0]
+            and args.max_update == cells.budget_of("6:600:50,18:250:25,36:150:25,100:40:20", depth)[0]
         )
         if "nowarmup" in args.save_dir:
             assert args.lr_scheduler == "tfixup" and args.lr == [2e-3]
@@ -228,12 +228,12 @@ def test_pipeline_on_real_multi30k_lines(tiny_multi30k, tmp_path):
 
 def test_report_replaces_only_its_block(tmp_path):
     doc = tmp_path / "results.md"
-    doc.write_text(f"intro\n{mm.BEGIN}\nold table\n{mm.END}\nclaims\n")
-    mm.write_between_markers(doc, "new table\n")
-    assert doc.read_text() == f"intro\n{mm.BEGIN}\nnew table\n{mm.END}\nclaims\n"
+    doc.write_text(f"intro\n{early_report.BEGIN}\nold table\n{early_report.END}\nclaims\n")
+    early_report.write_between_markers(doc, "new table\n")
+    assert doc.read_text() == f"intro\n{early_report.BEGIN}\nnew table\n{early_report.END}\nclaims\n"
     doc.write_text("no markers\n")
-    with pytest.raises(mm.MatrixError, match="needs exactly one"):
-        mm.write_between_markers(doc, "x\n")
+    with pytest.raises(common.MatrixError, match="needs exactly one"):
+        early_report.write_between_markers(doc, "x\n")
     assert doc.read_text() == "no markers\n"  # nothing lost
 
 

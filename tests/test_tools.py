@@ -27,6 +27,7 @@ import generate_progress as gp  # noqa: E402
 import multi30k_data as md  # noqa: E402
 import multi30k_matrix as mm  # noqa: E402
 import prepare_bible  # noqa: E402
+from matrix import common  # noqa: E402
 
 # ---- Multi30k: given folder, local copy, pinned download --------------------------------------
 
@@ -59,7 +60,7 @@ def offline(monkeypatch, tmp_path):
 def test_pinned_release_is_a_fixed_commit_with_every_file_hashed():
     assert re.fullmatch(r"[0-9a-f]{40}", md.COMMIT) and md.COMMIT in md.BASE_URL
     assert md.BASE_URL.startswith("https://raw.githubusercontent.com/multi30k/dataset/")
-    assert set(mm.SPLITS.values()) == {name.split(".")[0] for name in md.SHA256}  # every split the driver reads
+    assert set(common.SPLITS.values()) == {name.split(".")[0] for name in md.SHA256}  # every split the driver reads
     assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in md.SHA256.values()) and len(md.SHA256) == 8
 
 

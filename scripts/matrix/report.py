@@ -22,14 +22,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-import multi30k_matrix as mm  # noqa: E402
-
 from matrix import regimes as rg
+from matrix.common import METHODS, REPO, log
 from matrix.run import PACK_FORMAT
 
 BEGIN, END = "<!-- converged report: begin -->", "<!-- converged report: end -->"
 REQUIRED = ("method", "layers", "regime", "device", "status", "test2016_bleu", "test2017_bleu", "epochs", "wall_s")
-LABELS = {m: mm.METHODS[m][0] for m in rg.METHODS}
+LABELS = {m: METHODS[m][0] for m in rg.METHODS}
 DEPTHS = (6, 18, 36, 100)
 
 
@@ -371,13 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--runs-dir",
         type=Path,
-        default=mm.REPO / "work-data" / "multi30k-matrix" / "converged",
+        default=REPO / "work-data" / "multi30k-matrix" / "converged",
         help="folder of cell folders with result.json, merged when it exists (default: %(default)s)",
     )
     p.add_argument(
         "--docs-dir",
         type=Path,
-        default=mm.REPO / "docs",
+        default=REPO / "docs",
         help="writes DOCS_DIR/results/converged.json and the block of DOCS_DIR/results.md (default: %(default)s)",
     )
     p.add_argument("--dim", type=int, default=256, help="width the chunk estimate assumes (default: %(default)s)")
@@ -398,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store_path.parent.mkdir(parents=True, exist_ok=True)
         store_path.write_text(json.dumps(sorted(cells.values(), key=_order), indent=1) + "\n")
         write_between(a.docs_dir / "results.md", text)
-        mm.log(f"{len(cells)} cells -> {store_path} and {a.docs_dir / 'results.md'}")
+        log(f"{len(cells)} cells -> {store_path} and {a.docs_dir / 'results.md'}")
         return 0
     except (ReportError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)

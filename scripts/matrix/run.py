@@ -43,10 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-import multi30k_matrix as mm  # noqa: E402  (data, BLEU, unigram threshold, arch flags of each method)
+import multi30k_data
 import prepare_bible  # noqa: E402
 
 from matrix import regimes as rg
+from matrix.cells import last_line, merges_of, parse_log, unigram_bits
+from matrix.common import BLEU_RE, BLIND_FRACTION, METHODS, REPO, TEST_SETS, USER_DIR, MatrixError, log
+from matrix.data import prepare
+from matrix.decode import translate
 
 PACK_FORMAT = "deepinit-converged-pack/1"
 LOG_INTERVAL = 50
@@ -80,7 +84,7 @@ class Options:
     threads: int = 1
     beam: int = 5
     stall_bits: float | None = None
-    blind_fraction: float = mm.BLIND_FRACTION
+    blind_fraction: float = BLIND_FRACTION
     extra_args: str = ""
     deadline: float | None = None  # time.time() after which no training goes on
 
@@ -100,7 +104,7 @@ def precision_flags(method: str, device: str, precision: str) -> List[str]:
     if precision == "fp16":
         return ["--fp16"]
     if precision == "bf16":
-        has_task = "--task" in mm.METHODS[method][1]
+        has_task = "--task" in METHODS[method][1]
         return ["--autocast-bf16"] if has_task else ["--task", "translation_deepinit", "--autocast-bf16"]
     raise ConvergeError(f"--precision {precision!r}: choose fp16, bf16 or fp32")
 
@@ -110,8 +114,8 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
     regime = cell.spec
     batch = o.max_tokens or regime.max_tokens
     per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
-    cmd = [sys.executable, "-m", "fairseq_cli.train", str(o.data / "bin"), "--user-dir", str(mm.USER_DIR)]
-    cmd += mm.METHODS[cell.method][1]
+    cmd = [sys.executable, "-m", "fairseq_cli.train", str(o.data / "bin"), "--user-dir", str(USER_DIR)]
+    cmd += METHODS[cell.method][1]
     cmd += precision_flags(cell.method, o.device, o.precision)
     cmd += ["--encoder-layers", str(cell.depth), "--decoder-layers", str(cell.depth)]
     for side in ("encoder", "decoder"):
@@ -132,7 +136,7 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
 
 def printable(cmd: Sequence[str]) -> str:
     """A command as it is recorded: ``fairseq-train ...`` with paths relative to the checkout."""
-    return "fairseq-train " + shlex.join(list(cmd[3:])).replace(str(mm.REPO) + "/", "")
+    return "fairseq-train " + shlex.join(list(cmd[3:])).replace(str(REPO) + "/", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,10 +179,10 @@ def classify(
     patience: int,
     stall_bits: float,
     probe: dict | None,
-    blind_fraction: float = mm.BLIND_FRACTION,
+    blind_fraction: float = BLIND_FRACTION,
 ) -> Tuple[str, str]:
     """(status, stop reason) of a finished cell; see the module docstring."""
-    error = mm.parse_log(text)["error"]
+    error = parse_log(text)["error"]
     finite = [c for c in curve if math.isfinite(c[1]) and math.isfinite(c[2])]
     stop = "patience" if _EARLY_PATIENCE in text else "min-lr" if _EARLY_LR in text else "epoch-cap"
     if error or len(finite) < len(curve):
@@ -220,7 +224,7 @@ _lock = threading.Lock()
 def _run_until(cmd: List[str], log_path: Path, env: dict, deadline: float | None) -> int | None:
     """Run ``cmd`` appending to ``log_path``; None when stopped at ``deadline`` (SIGTERM, then SIGKILL)."""
     with open(log_path, "a", encoding="utf-8") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=mm.REPO)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         with _lock:
             _procs[proc.pid] = proc
         try:
@@ -244,13 +248,13 @@ def _run_until(cmd: List[str], log_path: Path, env: dict, deadline: float | None
 def _decode(o: Options, out: Path) -> dict:
     """Greedy dev probe and beam test2016/test2017 sacreBLEU of the cell's best checkpoint."""
     bin_dir = o.data / "bin"
-    gen = mm.translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device)
+    gen = translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device)
     hyps = prepare_bible.read_hypotheses(gen)
     dev = prepare_bible.score(gen, o.data / "raw" / "valid.en")
     found: dict = {"probe": {"distinct": len(set(hyps)), "sentences": len(hyps), "bleu": _bleu(dev)}}
-    for subset, label in mm.TEST_SETS.items():
+    for subset, label in TEST_SETS.items():
         line = prepare_bible.score(
-            mm.translate(bin_dir, out, subset, label, o.beam, o.threads, device=o.device),
+            translate(bin_dir, out, subset, label, o.beam, o.threads, device=o.device),
             o.data / "raw" / f"{subset}.en",
         )
         found[f"{label}_bleu"] = _bleu(line)
@@ -259,14 +263,14 @@ def _decode(o: Options, out: Path) -> dict:
 
 
 def _bleu(line: str) -> float:
-    m = mm._BLEU.search(line)
+    m = BLEU_RE.search(line)
     return float(m.group(1)) if m else float("nan")
 
 
 def stall_bits_of(o: Options) -> float:
     if o.stall_bits is not None:
         return o.stall_bits
-    return mm.unigram_bits(o.data / "bin", o.data / f"bpe{mm._merges(o.data)}" / "valid.en")
+    return unigram_bits(o.data / "bin", o.data / f"bpe{merges_of(o.data)}" / "valid.en")
 
 
 def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict | None:
@@ -274,7 +278,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
     out = o.runs / cell.dirname
     result_path = out / "result.json"
     if result_path.exists():
-        mm.log(f"{cell.name}: finished before ({result_path}), skipped")
+        log(f"{cell.name}: finished before ({result_path}), skipped")
         return json.loads(result_path.read_text())
     out.mkdir(parents=True, exist_ok=True)
     cmd = train_command(cell, o)
@@ -287,7 +291,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
         threads = str(o.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
         resumed = (out / "checkpoint_last.pt").exists()
-        mm.log(f"train {cell.name}" + (" (resuming from checkpoint_last.pt)" if resumed else ""))
+        log(f"train {cell.name}" + (" (resuming from checkpoint_last.pt)" if resumed else ""))
         start = time.time()
         rc = _run_until(cmd, out / "train.log", env, o.deadline)
         attempts.append(
@@ -295,7 +299,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
         )
         attempts_path.write_text(json.dumps(attempts, indent=1))
         if rc is None:
-            mm.log(f"{cell.name}: stopped at the deadline; resumes from checkpoint_last.pt next time")
+            log(f"{cell.name}: stopped at the deadline; resumes from checkpoint_last.pt next time")
             return None
         done_path.write_text(json.dumps({"returncode": rc}))
     rc = json.loads(done_path.read_text())["returncode"]
@@ -312,7 +316,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
     regime = cell.spec
     batch = o.max_tokens or regime.max_tokens
     per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
-    error = mm.parse_log(text)["error"] or (None if rc == 0 else mm._last_line(text))
+    error = parse_log(text)["error"] or (None if rc == 0 else last_line(text))
     record = {
         "cell": cell.name,
         "method": cell.method,
@@ -361,7 +365,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
     tmp.replace(result_path)
     for ckpt in out.glob("*.pt"):
         ckpt.unlink()
-    mm.log(
+    log(
         f"{cell.name}: {status} ({stop}), {record['epochs']} epochs, dev nll {record['dev_nll']}, "
         f"BLEU {record['test2016_bleu']} / {record['test2017_bleu']}, {record['wall_s']:.0f}s"
     )
@@ -474,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--work-dir",
         type=Path,
-        default=mm.REPO / "work-data" / "multi30k-matrix",
+        default=REPO / "work-data" / "multi30k-matrix",
         help="prepared data (bin/, raw/, bpe*/), made by `prepare` when missing (default: %(default)s)",
     )
     add(
@@ -569,10 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConvergeError("--device cuda needs torch in this Python") from None
             if not torch.cuda.is_available():
                 raise ConvergeError("--device cuda: no CUDA device is visible; use --device cpu")
-        mm.prepare(a.work_dir, a.bpe_merges, a.multi30k_dir)
+        prepare(a.work_dir, a.bpe_merges, a.multi30k_dir)
         dev = device_name(a.device)
         stall = stall_bits_of(o)
-        mm.log(
+        log(
             f"{len(cells)} cells on {dev} ({precision}), {a.jobs} at a time, patience {a.patience}, "
             f"at most {a.max_epochs} epochs; results in {runs}"
         )
@@ -581,12 +585,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         left = [c.name for c, r in zip(cells, results, strict=True) if r is None]
         if a.pack:
             n = pack(runs, cells, a.pack)
-            mm.log(f"packed {n} results into {a.pack}")
+            log(f"packed {n} results into {a.pack}")
         if left:
-            mm.log(
-                f"{len(left)} cells not finished (deadline); run the same command again to resume: {', '.join(left)}"
-            )
+            log(f"{len(left)} cells not finished (deadline); run the same command again to resume: {', '.join(left)}")
         return 0
-    except (ConvergeError, mm.MatrixError, prepare_bible.CorpusError, mm.multi30k_data.Multi30kError) as e:
+    except (ConvergeError, MatrixError, prepare_bible.CorpusError, multi30k_data.Multi30kError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
