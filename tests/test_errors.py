@@ -22,6 +22,7 @@ import pytest
 
 from conftest import USER_DIR, build_model, run_cli, tiny_batch
 from fairseq_deepinit import admin, errors
+from fairseq_deepinit.admin import profile_file
 from fairseq_deepinit.errors import AutocastConfigError, DivergenceError, UnsafeCheckpointError
 
 # ---------------------------------------------------------------------------------------------
@@ -122,13 +123,13 @@ def test_stop_batch_prefetching_ends_fairseq_prefetch_threads():
 
 @pytest.mark.parametrize("w", [1e-4, 0.5, 1, 1.0, 37.2, 1e4])
 def test_omega_in_range_is_accepted(w):
-    assert admin.check_omega("p.json", "encoder.layers.0.ffn", w) == float(w)
+    assert profile_file.check_omega("p.json", "encoder.layers.0.ffn", w) == float(w)
 
 
 @pytest.mark.parametrize("w", [1e300, 2e4, 9e-5, 0.0, -1.0, float("inf"), float("nan"), "1.0", None, True])
 def test_omega_outside_range_or_not_a_number_is_refused(w):
     with pytest.raises(errors.AdminConfigError) as info:
-        admin.check_omega("p.json", "encoder.layers.1.ffn", w)
+        profile_file.check_omega("p.json", "encoder.layers.1.ffn", w)
     msg = str(info.value)
     assert msg.startswith("Admin profile p.json: omega of encoder.layers.1.ffn is ") and "\n" not in msg
     assert "re-profile with --admin-profile-only" in msg
@@ -191,7 +192,7 @@ def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def fail(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(admin.os, "replace", fail)
+    monkeypatch.setattr(profile_file.os, "replace", fail)
     with pytest.raises(errors.AdminConfigError, match="cannot write the Admin profile to .*No space left on device"):
         admin.save_profile({"format": admin.PROFILE_FORMAT}, str(path))
     assert os.listdir(tmp_path) == ["p.json"] and path.read_text() == "old profile\n"  # nothing lost or left
