@@ -18,9 +18,10 @@ from conftest import MULTI30K, REPO, read_multi30k
 
 SCRIPT = REPO / "scripts" / "multi30k_matrix.py"
 sys.path.insert(0, str(REPO / "scripts"))
+from matrix import commands as cmds  # noqa: E402
+from matrix import logs  # noqa: E402
 from matrix import regimes as rg  # noqa: E402
 from matrix import report as rp  # noqa: E402
-from matrix import run as cr  # noqa: E402
 
 
 def curve(*losses: float) -> list:
@@ -38,24 +39,24 @@ def curve(*losses: float) -> list:
     ],
 )
 def test_patience_rule(losses, patience, expected):
-    assert cr.plateaued(curve(*losses), patience) is expected
+    assert logs.plateaued(curve(*losses), patience) is expected
 
 
 def test_status_of_a_finished_cell():
     plateau, improving = curve(9.0, 6.0, 5.0, 5.1, 5.2), curve(9.0, 6.0, 5.0, 4.9, 4.8)
     early = "INFO | fairseq_cli.train | early stop since valid performance hasn't improved for last 2 runs"
     ok = {"distinct": 900, "sentences": 1000}
-    assert cr.classify(plateau, early, 0, 2, 7.9, ok) == ("converged", "patience")
-    assert cr.classify(improving, "", 0, 2, 7.9, ok) == ("capped", "epoch-cap")
-    assert cr.classify(plateau, "", 0, 2, 4.0, ok)[0] == "stalled"  # never below the unigram bits
-    assert cr.classify(plateau, early, 0, 2, 7.9, {"distinct": 3, "sentences": 1000})[0] == "source-blind"
-    assert cr.classify(curve(9.0, float("nan")), "", 0, 2, 7.9, ok)[0] == "diverged"
-    assert cr.classify(plateau, "FloatingPointError: Minimum loss scale reached (0.0001).", 1, 2, 7.9, ok)[0] == (
+    assert logs.classify(plateau, early, 0, 2, 7.9, ok) == ("converged", "patience")
+    assert logs.classify(improving, "", 0, 2, 7.9, ok) == ("capped", "epoch-cap")
+    assert logs.classify(plateau, "", 0, 2, 4.0, ok)[0] == "stalled"  # never below the unigram bits
+    assert logs.classify(plateau, early, 0, 2, 7.9, {"distinct": 3, "sentences": 1000})[0] == "source-blind"
+    assert logs.classify(curve(9.0, float("nan")), "", 0, 2, 7.9, ok)[0] == "diverged"
+    assert logs.classify(plateau, "FloatingPointError: Minimum loss scale reached (0.0001).", 1, 2, 7.9, ok)[0] == (
         "diverged"
     )
-    assert cr.classify(plateau, "Killed", 137, 2, 7.9, ok)[0] == "failed"
+    assert logs.classify(plateau, "Killed", 137, 2, 7.9, ok)[0] == "failed"
     lr = "early stop since lr is lower than 5e-05"
-    assert cr.classify(improving, lr, 0, 2, 7.9, ok) == ("converged", "min-lr")
+    assert logs.classify(improving, lr, 0, 2, 7.9, ok) == ("converged", "min-lr")
 
 
 def test_valid_curve_keeps_one_record_per_epoch_and_reads_tokens_per_second():
@@ -67,8 +68,8 @@ def test_valid_curve_keeps_one_record_per_epoch_and_reads_tokens_per_second():
     for epoch, wps in ((2, 3000), (3, 2000)):
         text += f'\n2026 | INFO | train | {{"epoch": {epoch}, "train_wps": "{wps}"}}'
     # a resumed run validates epoch 2 again: the last record wins
-    assert cr.valid_curve(text) == [(1, 8.0, 7.8, 100), (2, 6.9, pytest.approx(6.7), 200)]
-    assert cr.train_wps(text) == 2000
+    assert logs.valid_curve(text) == [(1, 8.0, 7.8, 100), (2, 6.9, pytest.approx(6.7), 200)]
+    assert logs.train_wps(text) == 2000
 
 
 def flags_of(method: str, regime: str, depth: int = 18) -> str:
@@ -124,28 +125,28 @@ def test_chunks_cover_the_matrix_and_the_estimate_follows_the_h100_figures():
             assert rg.estimate_chunk(ch.cells, 256, 4) < 22, name  # one GPU session each
 
 
-def opts(tmp_path: Path, **kw) -> cr.Options:
-    return cr.Options(tmp_path, tmp_path / "runs", **kw)
+def opts(tmp_path: Path, **kw) -> cmds.Options:
+    return cmds.Options(tmp_path, tmp_path / "runs", **kw)
 
 
 def test_cuda_commands(tmp_path):
     cell = rg.Cell(18, "preln", "paper")
-    fp16 = cr.train_command(cell, opts(tmp_path, device="cuda", precision="fp16"))
+    fp16 = cmds.train_command(cell, opts(tmp_path, device="cuda", precision="fp16"))
     assert "--fp16" in fp16 and "--cpu" not in fp16 and "--bf16" not in fp16
-    bf16 = " ".join(cr.train_command(cell, opts(tmp_path, device="cuda", precision="bf16")))
+    bf16 = " ".join(cmds.train_command(cell, opts(tmp_path, device="cuda", precision="bf16")))
     assert "--task translation_deepinit --autocast-bf16" in bf16 and "--fp16" not in bf16
-    admin = cr.train_command(rg.Cell(18, "admin", "paper"), opts(tmp_path, device="cuda", precision="bf16"))
+    admin = cmds.train_command(rg.Cell(18, "admin", "paper"), opts(tmp_path, device="cuda", precision="bf16"))
     assert admin.count("--task") == 1 and "translation_admin" in admin and "--autocast-bf16" in admin
-    split = cr.train_command(rg.Cell(100, "tfixup", "paper"), opts(tmp_path, device="cuda", max_tokens_per_job=4096))
+    split = cmds.train_command(rg.Cell(100, "tfixup", "paper"), opts(tmp_path, device="cuda", max_tokens_per_job=4096))
     i, j = split.index("--max-tokens"), split.index("--update-freq")
     assert (split[i + 1], split[j + 1]) == ("4096", "2")  # 8192 tokens per update in two forwards
-    whole = cr.train_command(cell, opts(tmp_path, device="cuda", max_tokens_per_job=16384))
+    whole = cmds.train_command(cell, opts(tmp_path, device="cuda", max_tokens_per_job=16384))
     assert whole[whole.index("--update-freq") + 1] == "1"
     assert rg.update_freq(12000, 5000) == (4000, 3)
-    cpu = cr.train_command(cell, opts(tmp_path))
+    cpu = cmds.train_command(cell, opts(tmp_path))
     assert "--cpu" in cpu and "--patience" in cpu and cpu[cpu.index("--max-epoch") + 1] == "50"
-    with pytest.raises(cr.ConvergeError, match="needs --device cuda"):
-        cr.precision_flags("preln", "cpu", "fp16")
+    with pytest.raises(cmds.ConvergeError, match="needs --device cuda"):
+        cmds.precision_flags("preln", "cpu", "fp16")
 
 
 def driver(*args: str, m30k: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -239,7 +240,7 @@ def test_two_cell_smoke_run_resumes_packs_and_reports(tiny_multi30k, tmp_path):
     again = driver(*args, m30k=tiny_multi30k).stdout
     assert again.count("finished before") == 2 and "train preln" not in again
     packed = json.loads(pack.read_text())
-    assert packed["format"] == cr.PACK_FORMAT and len(packed["cells"]) == 2
+    assert packed["format"] == cmds.PACK_FORMAT and len(packed["cells"]) == 2
 
     docs = tmp_path / "docs"
     docs.mkdir()

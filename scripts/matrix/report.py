@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from matrix import regimes as rg
+from matrix.commands import PACK_FORMAT
 from matrix.common import METHODS, REPO, log
-from matrix.run import PACK_FORMAT
 
 BEGIN, END = "<!-- converged report: begin -->", "<!-- converged report: end -->"
 REQUIRED = ("method", "layers", "regime", "device", "status", "test2016_bleu", "test2017_bleu", "epochs", "wall_s")

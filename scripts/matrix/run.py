@@ -30,16 +30,12 @@ import json
 import math
 import os
 import platform
-import re
-import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -48,155 +44,11 @@ import prepare_bible  # noqa: E402
 
 from matrix import regimes as rg
 from matrix.cells import last_line, merges_of, parse_log, unigram_bits
-from matrix.common import BLEU_RE, BLIND_FRACTION, METHODS, REPO, TEST_SETS, USER_DIR, MatrixError, log
+from matrix.commands import PACK_FORMAT, ConvergeError, Options, precision_flags, printable, train_command
+from matrix.common import BLEU_RE, REPO, TEST_SETS, MatrixError, log
 from matrix.data import prepare
 from matrix.decode import translate
-
-PACK_FORMAT = "deepinit-converged-pack/1"
-LOG_INTERVAL = 50
-_VALID = re.compile(r"\| valid \| (\{.*\})\s*$")
-_TRAIN = re.compile(r"\| train \| (\{.*\})\s*$")
-_EARLY_PATIENCE = "early stop since valid performance hasn't improved"
-_EARLY_LR = "early stop since lr is lower than"
-STOP_MIN_LR = 5e-5  # examples/twt/iwslt15_en_vi.sh --stop-min-lr (TwT's plateau schedule ends there)
-
-
-class ConvergeError(RuntimeError):
-    """An expected failure (bad option, missing data); the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Options:
-    """What every cell of one ``converge`` invocation shares."""
-
-    data: Path  # the prepared work dir (bin/, raw/, bpe*/)
-    runs: Path
-    device: str = "cpu"
-    precision: str = "fp32"
-    jobs: int = 1
-    dim: int = 256
-    ffn: int = 1024
-    heads: int = 4
-    patience: int = 3
-    max_epochs: int = 50
-    max_tokens: int | None = None  # None: the regime's
-    max_tokens_per_job: int | None = None
-    threads: int = 1
-    beam: int = 5
-    stall_bits: float | None = None
-    blind_fraction: float = BLIND_FRACTION
-    extra_args: str = ""
-    deadline: float | None = None  # time.time() after which no training goes on
-
-
-# ---------------------------------------------------------------------------------------------
-# commands
-
-
-def precision_flags(method: str, device: str, precision: str) -> List[str]:
-    """fairseq flags for ``precision`` on ``device``: fp16 = fairseq's ``--fp16``; bf16 = the plugin's
-    ``--task translation_deepinit --autocast-bf16`` (fairseq's own ``--bf16`` is for TPUs); Admin
-    keeps its ``translation_admin`` task, which has ``--autocast-bf16`` too."""
-    if precision == "fp32":
-        return []
-    if device != "cuda":
-        raise ConvergeError(f"--precision {precision} needs --device cuda; use --precision fp32 on the CPU")
-    if precision == "fp16":
-        return ["--fp16"]
-    if precision == "bf16":
-        has_task = "--task" in METHODS[method][1]
-        return ["--autocast-bf16"] if has_task else ["--task", "translation_deepinit", "--autocast-bf16"]
-    raise ConvergeError(f"--precision {precision!r}: choose fp16, bf16 or fp32")
-
-
-def train_command(cell: rg.Cell, o: Options) -> List[str]:
-    """The exact fairseq-train command of ``cell`` (resumes from its save dir's checkpoint_last.pt)."""
-    regime = cell.spec
-    batch = o.max_tokens or regime.max_tokens
-    per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
-    cmd = [sys.executable, "-m", "fairseq_cli.train", str(o.data / "bin"), "--user-dir", str(USER_DIR)]
-    cmd += METHODS[cell.method][1]
-    cmd += precision_flags(cell.method, o.device, o.precision)
-    cmd += ["--encoder-layers", str(cell.depth), "--decoder-layers", str(cell.depth)]
-    for side in ("encoder", "decoder"):
-        cmd += [f"--{side}-embed-dim", str(o.dim), f"--{side}-ffn-embed-dim", str(o.ffn)]
-        cmd += [f"--{side}-attention-heads", str(o.heads)]
-    cmd += ["--share-decoder-input-output-embed"]
-    cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "0"]
-    cmd += regime.flags(batch)
-    if regime.scheduler == "reduce_lr_on_plateau":
-        cmd += ["--stop-min-lr", f"{STOP_MIN_LR:g}"]
-    cmd += ["--max-tokens", str(per_forward), "--update-freq", str(freq), "--seed", str(cell.seed)]
-    cmd += ["--max-epoch", str(o.max_epochs), "--patience", str(o.patience), "--validate-interval", "1"]
-    cmd += ["--save-dir", str(o.runs / cell.dirname), "--no-epoch-checkpoints", "--save-interval", "1"]
-    cmd += ["--log-format", "json", "--log-interval", str(LOG_INTERVAL)]
-    cmd += ["--cpu", "--num-workers", "0"] if o.device == "cpu" else ["--num-workers", "1"]
-    return cmd + shlex.split(o.extra_args)
-
-
-def printable(cmd: Sequence[str]) -> str:
-    """A command as it is recorded: ``fairseq-train ...`` with paths relative to the checkout."""
-    return "fairseq-train " + shlex.join(list(cmd[3:])).replace(str(REPO) + "/", "")
-
-
-# ---------------------------------------------------------------------------------------------
-# logs and status
-
-
-def valid_curve(text: str) -> List[Tuple[int, float, float, int]]:
-    """``[(epoch, dev loss, dev nll, updates)]`` of a fairseq-train json log, one per epoch (the
-    last record wins: a run killed between validation and checkpoint validates that epoch again)."""
-    by_epoch: Dict[int, Tuple[int, float, float, int]] = {}
-    for line in text.splitlines():
-        m = _VALID.search(line)
-        if m:
-            r = json.loads(m.group(1))
-            e = int(r["epoch"])
-            by_epoch[e] = (e, float(r["valid_loss"]), float(r["valid_nll_loss"]), int(float(r["valid_num_updates"])))
-    return [by_epoch[e] for e in sorted(by_epoch)]
-
-
-def train_wps(text: str) -> float | None:
-    """Median target tokens/s over the epochs (fairseq's epoch-level ``train_wps``)."""
-    wps = [float(json.loads(m.group(1))["train_wps"]) for m in map(_TRAIN.search, text.splitlines()) if m]
-    return round(statistics.median(wps)) if wps else None
-
-
-def plateaued(curve: Sequence[Tuple], patience: int) -> bool:
-    """True when the last ``patience`` validations did not improve the best dev loss (fairseq's
-    ``--patience`` rule, lower is better, strict improvement)."""
-    losses = [c[1] for c in curve]
-    if patience <= 0 or len(losses) <= patience:
-        return False
-    best_before = min(losses[:-patience])
-    return all(not (x < best_before) for x in losses[-patience:])
-
-
-def classify(
-    curve: Sequence[Tuple],
-    text: str,
-    returncode: int,
-    patience: int,
-    stall_bits: float,
-    probe: dict | None,
-    blind_fraction: float = BLIND_FRACTION,
-) -> Tuple[str, str]:
-    """(status, stop reason) of a finished cell; see the module docstring."""
-    error = parse_log(text)["error"]
-    finite = [c for c in curve if math.isfinite(c[1]) and math.isfinite(c[2])]
-    stop = "patience" if _EARLY_PATIENCE in text else "min-lr" if _EARLY_LR in text else "epoch-cap"
-    if error or len(finite) < len(curve):
-        return "diverged", "error"
-    if returncode != 0:
-        return "failed", "error"
-    if not finite or min(c[2] for c in finite) >= stall_bits:
-        return "stalled", stop
-    if probe and probe["distinct"] < blind_fraction * probe["sentences"]:
-        return "source-blind", stop
-    if stop != "epoch-cap" or plateaued(finite, patience):
-        return "converged", stop if stop != "epoch-cap" else "patience"
-    return "capped", stop
-
+from matrix.logs import classify, train_wps, valid_curve
 
 # ---------------------------------------------------------------------------------------------
 # one cell
