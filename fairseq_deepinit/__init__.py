@@ -28,6 +28,7 @@ from . import model  # noqa: E402,F401
 from . import architectures  # noqa: E402,F401
 from . import admin  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin, export)
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
+from .modules import b2t, normformer, subln  # noqa: E402,F401  (B2T, NormFormer, Sub-LN options)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 from .training import autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizer, lr scheduler)
 from .training import distributed  # noqa: E402  (last: every architecture is registered by now)

@@ -44,6 +44,8 @@ FAMILIES: Dict[str, dict] = {
     ),
     # Wang et al. 2022
     "deepnorm": dict(init_scheme="deepnorm"),
+    # torchscale's DeepNorm constants (schemes/deepnorm.py)
+    "deepnorm_torchscale": dict(init_scheme="deepnorm", deepnorm_variant="torchscale"),
     # Liu et al. 2020, Table 3 baselines
     "rezero": dict(init_scheme="rezero"),
     "rezero_postln": dict(init_scheme="rezero+postln"),

@@ -75,6 +75,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ds-init-alpha", type=float, help="ds-init: alpha in [0, 1] (default 1.0)")
     g.add_argument(
+        "--deepnorm-variant",
+        choices=("paper", "torchscale"),
+        help="deepnorm: the DeepNet paper's init (Table 1, Figure 2; default) or torchscale's released code "
+        "(nn.Linear default init divided by (N^4 M)^(1/16)/1.15 and (12M)^(1/4); docs/schemes.md)",
+    )
+    g.add_argument(
         "--force-norm-with-scheme",
         action="store_true",
         default=None,
@@ -84,6 +90,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     for add_args, _validate, _describe in _LAYER_TYPE_HOOKS.values():
         add_args(g)
     for add_args, _validate, _describe in _RESIDUAL_HOOKS.values():
+        add_args(g)
+    for add_args, _validate, _describe in _FEATURE_HOOKS.values():
         add_args(g)
     attention.add_args(g)
 
@@ -103,6 +111,7 @@ _SCHEME_OPTIONS = {
     "lipschitz_bias_free": ("lipschitz", False),
     "ds_init_variant": ("ds-init", "paper"),
     "ds_init_alpha": ("ds-init", 1.0),
+    "deepnorm_variant": ("deepnorm", "paper"),
 }
 # decoder-layer-type-specific options, registered by the layer type's module: name -> (layer type,
 # default), None under other layer types (as scheme options); and per layer type its
@@ -131,6 +140,22 @@ def register_residual_options(residual: str, defaults: dict, add_args, validate,
         raise ValueError(f"options of residual scale {residual!r} are already registered")
     _RESIDUAL_OPTIONS.update({name: (residual, default) for name, default in defaults.items()})
     _RESIDUAL_HOOKS[residual] = (add_args, validate, describe)
+
+
+# options of features that any configuration may switch on (Sub-LN, NormFormer), registered by the
+# feature's module: name -> default (the default reproduces the model without the feature, so older
+# checkpoints, which lack the option, load unchanged); per feature its (add_args, validate, describe)
+# hooks, validate called after every other option is resolved, describe returning "" when off
+_FEATURE_OPTIONS: dict = {}
+_FEATURE_HOOKS: dict = {}
+
+
+def register_feature_options(feature: str, defaults: dict, add_args, validate, describe) -> None:
+    """Options of one feature that is not owned by another option's value (e.g. ``--subln``)."""
+    if feature in _FEATURE_HOOKS:
+        raise ValueError(f"options of feature {feature!r} are already registered")
+    _FEATURE_OPTIONS.update(defaults)
+    _FEATURE_HOOKS[feature] = (add_args, validate, describe)
 
 
 def check_norm_eps(eps: float) -> None:
@@ -194,6 +219,10 @@ def resolve_and_validate(args) -> None:
         raise DeepInitConfigError(f"unknown --ds-init-variant {args.ds_init_variant!r}; choose from code, paper")
     if args.init_scheme == "ds-init" and not 0.0 <= args.ds_init_alpha <= 1.0:
         raise DeepInitConfigError(f"--ds-init-alpha must lie in [0, 1] (DS-Init eq. 15), got {args.ds_init_alpha}")
+    if args.init_scheme == "deepnorm" and args.deepnorm_variant not in ("paper", "torchscale"):
+        raise DeepInitConfigError(
+            f"unknown --deepnorm-variant {args.deepnorm_variant!r}; choose from paper, torchscale"
+        )
     check_norm_eps(args.norm_eps)
 
     # norm type
@@ -247,6 +276,11 @@ def resolve_and_validate(args) -> None:
     if args.residual_scale in _RESIDUAL_HOOKS:
         _RESIDUAL_HOOKS[args.residual_scale][1](args)
     attention.validate(args)
+    for name, default in _FEATURE_OPTIONS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    for _add_args, validate, _describe in _FEATURE_HOOKS.values():
+        validate(args)
 
     if args.fixnorm:
         if not (args.share_decoder_input_output_embed or args.share_all_embeddings):
@@ -292,4 +326,7 @@ def describe(args) -> str:
         parts.append(_LAYER_TYPE_HOOKS[args.decoder_layer_type][2](args))
     if args.residual_scale in _RESIDUAL_HOOKS:
         parts.append(_RESIDUAL_HOOKS[args.residual_scale][2](args))
+    if args.init_scheme == "deepnorm":
+        parts.append(f"deepnorm-variant={args.deepnorm_variant}")
+    parts += [d for d in (hooks[2](args) for hooks in _FEATURE_HOOKS.values()) if d]
     return "deepinit: " + ", ".join(parts)

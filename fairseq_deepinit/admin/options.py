@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from .. import options
 from ..errors import AdminConfigError
+from .closed_form import CLOSED_FORM, DEFAULT_OUTPUT_CHANGE, OUTPUT_CHANGE_SCALES
 from .residual import FORMULAS, PROFILING_TASKS
+
+OMEGA_FORMULAS = FORMULAS + (CLOSED_FORM,)
 
 # Admin's options belong to the residual axis, not to one init scheme (``--residual-scale admin``
 # composes with e.g. lipschitz init), so they follow the ``_SCHEME_OPTIONS`` pattern keyed on the
@@ -18,6 +21,7 @@ ADMIN_OPTIONS = {
     "admin_profile_max_tokens": 8192,
     "admin_profile_path": None,
     "admin_profile_only": False,
+    "admin_output_change": None,  # closed-form only (its default is set there)
 }
 _PROFILING_OPTIONS = ("admin_profile_batches", "admin_profile_max_tokens", "admin_profile_path", "admin_profile_only")
 
@@ -25,9 +29,16 @@ _PROFILING_OPTIONS = ("admin_profile_batches", "admin_profile_max_tokens", "admi
 def add_admin_args(g) -> None:
     g.add_argument(
         "--admin-formula",
-        choices=FORMULAS,
-        help="omega from the released code's recurrence (code, default) or the paper's "
-        "sqrt(sum_{j<i} Var f_j) (paper); see docs/admin.md",
+        choices=OMEGA_FORMULAS,
+        help="omega from the released code's recurrence (code, default), the paper's "
+        "sqrt(sum_{j<i} Var f_j) (paper), or without profiling from the depth as admin-torch does "
+        "(closed-form, see --admin-output-change); docs/admin.md",
+    )
+    g.add_argument(
+        "--admin-output-change",
+        choices=OUTPUT_CHANGE_SCALES,
+        help="closed-form Admin: the output change scale omega is chosen for (admin-torch's "
+        "output_change_scale): O(logn) (default), O(n) (omega = 1) or O(1) (omega = sqrt(n))",
     )
     g.add_argument(
         "--admin-freeze-omega",
@@ -67,8 +78,11 @@ def _flag(name: str) -> str:
 
 def validate_admin_args(args) -> None:
     """Start-up checks under ``--residual-scale admin`` (after ``options`` filled in the defaults)."""
-    if args.admin_formula not in FORMULAS:
-        raise AdminConfigError(f"unknown --admin-formula {args.admin_formula!r}; choose from {', '.join(FORMULAS)}")
+    if args.admin_formula not in OMEGA_FORMULAS:
+        raise AdminConfigError(
+            f"unknown --admin-formula {args.admin_formula!r}; choose from {', '.join(OMEGA_FORMULAS)}"
+        )
+    _validate_closed_form(args)
     if args.norm_type == "none":
         raise AdminConfigError(
             "--residual-scale admin rescales the input of a Post-LN norm and needs one; --norm-type none "
@@ -95,8 +109,32 @@ def validate_admin_args(args) -> None:
         )
 
 
+def _validate_closed_form(args) -> None:
+    """``--admin-output-change`` only with closed-form; closed-form never profiles, so no profiling flags."""
+    if args.admin_formula != CLOSED_FORM:
+        if args.admin_output_change is not None:
+            raise AdminConfigError(
+                f"--admin-output-change only applies to --admin-formula {CLOSED_FORM}; drop it or add "
+                f"--admin-formula {CLOSED_FORM}"
+            )
+        return
+    if args.admin_output_change is None:
+        args.admin_output_change = DEFAULT_OUTPUT_CHANGE
+    if args.admin_output_change not in OUTPUT_CHANGE_SCALES:
+        raise AdminConfigError(
+            f"unknown --admin-output-change {args.admin_output_change!r}; choose from {', '.join(OUTPUT_CHANGE_SCALES)}"
+        )
+    given = [n for n in _PROFILING_OPTIONS if getattr(args, n) not in (None, False, ADMIN_OPTIONS[n])]
+    if given:
+        raise AdminConfigError(
+            f"--admin-formula {CLOSED_FORM} sets omega from the depth and never profiles; drop "
+            f"{', '.join(map(_flag, given))} (or use --admin-formula code)"
+        )
+
+
 def describe_admin(args) -> str:
-    return f"admin={args.admin_formula}" + (",frozen" if args.admin_freeze_omega else "")
+    closed = f",{args.admin_output_change}" if args.admin_formula == CLOSED_FORM else ""
+    return f"admin={args.admin_formula}{closed}" + (",frozen" if args.admin_freeze_omega else "")
 
 
 options.register_residual_options("admin", ADMIN_OPTIONS, add_admin_args, validate_admin_args, describe_admin)

@@ -51,6 +51,7 @@ from ..errors import AdminConfigError, AdminNotProfiledError
 from ..modules.residual import Residual, register_residual
 from ..schemes import WITH_NORM, SchemeSpec, register_scheme
 from ..schemes.baseline import apply_baseline
+from .closed_form import CLOSED_FORM, closed_form_omega, residual_sublayers
 
 FORMULAS = ("code", "paper")
 PROFILE_FORMAT = "fairseq-deepinit admin profile v1"
@@ -109,7 +110,13 @@ class AdminResidual(Residual):
 
 def _build_admin_residual(cfg, stack: str, sublayer: str, layer_idx: int) -> AdminResidual:
     dim = cfg.encoder.embed_dim if stack == "encoder" else cfg.decoder.embed_dim
-    return AdminResidual(dim, trainable=not getattr(cfg, "admin_freeze_omega", None))
+    res = AdminResidual(dim, trainable=not getattr(cfg, "admin_freeze_omega", None))
+    if getattr(cfg, "admin_formula", None) == CLOSED_FORM:
+        # profiling-free Admin (closed_form.py): omega known at build time, so it counts as profiled
+        with torch.no_grad():
+            res.omega.fill_(closed_form_omega(residual_sublayers(cfg, stack), cfg.admin_output_change))
+            res.profiled.fill_(1)
+    return res
 
 
 register_residual("admin", _build_admin_residual)
@@ -126,6 +133,8 @@ register_scheme(
     )
 )
 register_family("admin", dict(init_scheme="admin"))
+# profiling-free Admin (admin-torch's closed form, O(logn)); trains under --task translation
+register_family("admin_closed", dict(init_scheme="admin", admin_formula=CLOSED_FORM))
 
 
 # --- model helpers

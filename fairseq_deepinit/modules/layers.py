@@ -13,7 +13,7 @@ only what fairseq exposes for extension:
 
 from __future__ import annotations
 
-from typing import Dict, List, Type
+from typing import Callable, Dict, List, Type
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from fairseq.modules.transformer_layer import (
 
 from .attention import build_attention
 from .norms import build_norm
-from .residual import build_residuals
+from .residual import LayerInputResidual, build_residuals
 
 
 def drop_bias(linear: nn.Module) -> None:
@@ -40,6 +40,16 @@ def drop_bias(linear: nn.Module) -> None:
         return
     del inner.bias
     inner.register_buffer("bias", torch.zeros_like(bias.data), persistent=False)
+
+
+# run at the end of every layer's setup, in registration order: fn(layer, cfg); features that add
+# modules to fairseq's layers (Sub-LN, NormFormer) register here
+LayerSetupHook = Callable[[nn.Module, object], None]
+LAYER_SETUP_HOOKS: List[LayerSetupHook] = []
+
+
+def register_layer_setup_hook(hook: LayerSetupHook) -> None:
+    LAYER_SETUP_HOOKS.append(hook)
 
 
 class DeepInitLayerMixin:
@@ -66,6 +76,8 @@ class DeepInitLayerMixin:
                     for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
                         drop_bias(getattr(attn, proj))
             drop_bias(self.fc2)
+        for hook in LAYER_SETUP_HOOKS:
+            hook(self, cfg)
 
     # fairseq's layer __init__ builds its attentions through these hooks; --attention-impl picks the forward
     def build_self_attention(self, embed_dim, cfg, **kwargs):
@@ -79,9 +91,19 @@ class DeepInitLayerMixin:
         self._next_sublayer = 0
 
     def residual_connection(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        name = self._sublayer_names[self._next_sublayer]
+        index = self._next_sublayer
+        name = self._sublayer_names[index]
         self._next_sublayer += 1
-        return self.residuals[name](x, residual)
+        module = self.residuals[name]
+        if index == 0:
+            self._layer_input = residual  # the first sub-layer's skip input is the layer's input
+        if isinstance(module, LayerInputResidual):
+            out = module(x, residual, self._layer_input)
+        else:
+            out = module(x, residual)
+        if self._next_sublayer == len(self._sublayer_names):
+            self._layer_input = None  # no reference to a finished forward's tensor
+        return out
 
 
 class DeepInitEncoderLayer(DeepInitLayerMixin, TransformerEncoderLayerBase):
@@ -98,6 +120,12 @@ class DeepInitEncoderLayer(DeepInitLayerMixin, TransformerEncoderLayerBase):
     def forward(self, x, encoder_padding_mask: torch.Tensor | None, attn_mask=None):
         self._start_forward(list(self.SUBLAYERS))
         return super().forward(x, encoder_padding_mask, attn_mask=attn_mask)
+
+    def residual_connection(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        w_resid = getattr(self, "w_resid", None)
+        if w_resid is not None and self._sublayer_names[self._next_sublayer] == "ffn":
+            residual = w_resid * residual  # NormFormer's ResScale, as fairseq's decoder layer applies it
+        return super().residual_connection(x, residual)
 
 
 class DeepInitDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):

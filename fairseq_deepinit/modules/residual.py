@@ -10,6 +10,10 @@ exactly the two tensors the papers' statistics are about (Admin profiling, diagn
   encoder-decoder constants: alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4)).
 - ``rezero``: ``residual + a * x`` with one learned scalar ``a`` per sub-layer initialised to 0
   (Bachlechner et al. 2020, eq. (5); the Admin paper's Table 3 baseline).
+- ``b2t``: B2T connection (Takase et al. 2022, eq. (5)-(6)): plain residuals, plus the layer's input
+  added before the layer's last norm, ``LN(x_l + h + FFN(h))`` with ``h`` the output of the layer's
+  earlier sub-layers (released code: takase/b2t_connection @ c8e2ad4,
+  fairseq/modules/transformer_layer.py:104-105 and 136-141 (encoder), 278-279 and 368-373 (decoder)).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Callable, Dict
 import torch
 import torch.nn as nn
 
-RESIDUAL_SCALES = ("none", "deepnorm", "rezero")
+RESIDUAL_SCALES = ("none", "deepnorm", "rezero", "b2t")
 
 
 class Residual(nn.Module):
@@ -65,6 +69,32 @@ class ReZeroResidual(Residual):
         return self.alpha * x + residual  # branch first: contiguous output, see Residual.forward
 
 
+class LayerInputResidual(Residual):
+    """A residual that also reads the layer's input (the layer passes it as a third argument)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class B2TResidual(LayerInputResidual):
+    """B2T connection: ``x + residual``, and on the layer's last sub-layer ``+ layer_input`` too.
+
+    The sums are in the released code's order (transformer_layer.py:136,141: ``x = residual + x``,
+    then ``x = residual_bottom + x``), so outputs match it bit for bit.
+    """
+
+    def __init__(self, top: bool) -> None:
+        super().__init__()
+        self.top = top
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+        out = x + residual
+        return out + layer_input if self.top else out
+
+    def extra_repr(self) -> str:
+        return f"top={self.top}"
+
+
 def deepnorm_alpha(stack: str, encoder_layers: int, decoder_layers: int) -> float:
     """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: alpha for ``stack``."""
     n, m = encoder_layers, decoder_layers
@@ -90,6 +120,8 @@ RESIDUAL_BUILDERS: Dict[str, ResidualBuilder] = {
         deepnorm_alpha(stack, cfg.encoder.layers, cfg.decoder.layers)
     ),
     "rezero": lambda cfg, stack, sub, idx: ReZeroResidual(),
+    # the FFN is the last sub-layer of every encoder and decoder layer
+    "b2t": lambda cfg, stack, sub, idx: B2TResidual(top=sub == "ffn"),
 }
 
 

@@ -13,6 +13,7 @@ from .base import (
     apply_init_scheme,
     iter_layers,
     own_value_projections,
+    register_post_init_hook,
     register_scheme,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "apply_init_scheme",
     "iter_layers",
     "own_value_projections",
+    "register_post_init_hook",
     "register_scheme",
 ]

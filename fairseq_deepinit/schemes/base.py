@@ -9,7 +9,7 @@ Every scheme except ``fairseq`` starts from the fairseq 0.8/0.9 baseline the pap
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch.nn as nn
 
@@ -59,5 +59,16 @@ def own_value_projections(layer: nn.Module) -> list:
     return [v] if isinstance(v, nn.Linear) and not hasattr(branch, "q_proj") else []
 
 
+# run after the init scheme, in registration order: fn(model, cfg), each checking cfg for its own
+# option (Sub-LN's init gain, B2T's rescaling: factors on top of whatever the scheme set)
+POST_INIT_HOOKS: List[Callable[[nn.Module, object], None]] = []
+
+
+def register_post_init_hook(hook: Callable[[nn.Module, object], None]) -> None:
+    POST_INIT_HOOKS.append(hook)
+
+
 def apply_init_scheme(model: nn.Module, cfg) -> None:
     SCHEMES[cfg.init_scheme].apply(model, cfg)
+    for hook in POST_INIT_HOOKS:
+        hook(model, cfg)

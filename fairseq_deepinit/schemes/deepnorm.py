@@ -6,6 +6,19 @@ beta_enc = 0.87 (N^4 M)^(-1/16) (encoder) or beta_dec = (12 M)^(-1/4) (decoder, 
 and q_proj, k_proj ~ xavier_normal with gain 1 (the paper's Figure 2 pseudocode, ``deepnorm_init``);
 the residual is ``LN(alpha * x + f(x))`` (``--residual-scale deepnorm``, Post-LN) with
 alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3 M)^(1/4). N = encoder, M = decoder layers.
+
+``--deepnorm-variant torchscale`` reproduces the init of DeepNet's released code instead
+(microsoft/torchscale @ 4d1e0e8): the layers' q/k/v/out projections and fc1/fc2 keep PyTorch's
+``nn.Linear`` default init (weights and biases U(+-1/sqrt(fan_in)); torchscale's
+``MultiheadAttention.reset_parameters`` with its xavier gains, component/multihead_attention.py:61-66,
+is defined but never called), then every weight *and bias* of fc1, fc2, out_proj and v_proj is
+divided by ``init_scale`` (architecture/encoder.py:235-252, decoder.py:286-298)::
+
+    encoder: init_scale = (N^4 M)^(1/16) / 1.15      decoder: init_scale = (12 M)^(1/4)
+
+i.e. an encoder gain 1.15 (N^4 M)^(-1/16), 1.15/0.87 = 1.32 times the paper's beta_enc, on a base
+init that differs per projection (fc2's fan-in is the FFN width). The residual alpha is the same
+in both variants (encoder.py:78-85, decoder.py:89-91). Embeddings and norms keep the plugin's baseline.
 """
 
 from __future__ import annotations
@@ -18,8 +31,44 @@ from .base import WITH_NORM, SchemeSpec, iter_layers, own_value_projections, reg
 from .baseline import apply_baseline
 
 
+def torchscale_init_scale(stack: str, encoder_layers: int, decoder_layers: int) -> float:
+    """torchscale's DeepNorm divisor for ``stack`` (encoder.py:237-242, decoder.py:288; encoder-decoder)."""
+    if stack == "encoder":
+        return (encoder_layers**4 * decoder_layers) ** (1.0 / 16) / 1.15
+    return (12.0 * decoder_layers) ** 0.25
+
+
+def _torchscale_targets(layer: nn.Module) -> tuple:
+    """(every projection torchscale builds as a default nn.Linear, those it divides by init_scale)."""
+    linears, divided = [layer.fc1, layer.fc2], [layer.fc1, layer.fc2]
+    for attn in (getattr(layer, "self_attn", None), getattr(layer, "encoder_attn", None)):
+        if attn is not None:
+            linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj]
+            divided += [attn.v_proj, attn.out_proj]
+    own_v = own_value_projections(layer)
+    return linears + own_v, divided + own_v
+
+
+@torch.no_grad()
+def apply_deepnorm_torchscale(model: nn.Module, cfg) -> None:
+    """torchscale's DeepNorm init (see the module docstring)."""
+    apply_baseline(model, cfg)
+    for stack, _l, layer in iter_layers(model):
+        scale = torchscale_init_scale(stack, cfg.encoder.layers, cfg.decoder.layers)
+        linears, divided = _torchscale_targets(layer)
+        for lin in linears:
+            nn.Linear.reset_parameters(lin)  # kaiming_uniform(a=sqrt(5)) weight, U(+-1/sqrt(fan_in)) bias
+        for lin in divided:
+            lin.weight.div_(scale)
+            if isinstance(lin.bias, nn.Parameter):
+                lin.bias.div_(scale)
+
+
 @torch.no_grad()
 def apply_deepnorm(model: nn.Module, cfg) -> None:
+    if getattr(cfg, "deepnorm_variant", None) == "torchscale":
+        apply_deepnorm_torchscale(model, cfg)
+        return
     apply_baseline(model, cfg)
     for stack, _l, layer in iter_layers(model):
         beta = deepnorm_beta(stack, cfg.encoder.layers, cfg.decoder.layers)

@@ -232,6 +232,14 @@ PAPER_REGIMES: Dict[str, Dict[str, Regime]] = {
     "dsinit_matt": {"paper": DSINIT},
     "twt": {"paper": TWT, "paper-nowarmup": TWT_NOWARMUP},
     "deepnorm": {"paper": DEEPNORM},
+    # successors (issue #16): none of their papers has an IWSLT/Multi30k recipe, so "paper" is the
+    # regime of the method each one is compared with (Admin's for the Post-LN ones and NormFormer,
+    # DeepNet's for torchscale's two); not run yet (docs/results.md)
+    "admin_closed": {"paper": ADMIN},
+    "subln": {"paper": DEEPNORM},
+    "b2t": {"paper": ADMIN},
+    "deepnorm_torchscale": {"paper": DEEPNORM},
+    "normformer": {"paper": ADMIN},
 }
 METHODS: Tuple[str, ...] = tuple(PAPER_REGIMES)
 # methods whose papers claim very deep training (T-Fixup 200 layers, Admin 60+12, DeepNorm 1000) and the

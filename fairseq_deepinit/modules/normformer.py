@@ -1,0 +1,134 @@
+"""NormFormer (Shleifer et al. 2021, "NormFormer: Improved Transformer Pretraining with Extra
+Normalization", sec. 2, Figure 1) on the translation model, both stacks: fairseq's own options
+``--scale-attn``, ``--scale-fc``, ``--scale-heads``, ``--scale-resids``, which fairseq 0.12 exposes only
+for ``transformer_lm`` (fairseq/models/transformer_lm.py:198-212) and builds only in its decoder layer.
+
+- decoder: fairseq's ``TransformerDecoderLayerBase`` builds and applies them itself
+  (fairseq/modules/transformer_layer.py:277-323 build, 460-466 and 508-513 forward); the plugin only
+  passes the flags through and gives ``attn_ln`` / ``ffn_layernorm`` the ``--norm-type``;
+- encoder: fairseq's encoder layer has none of them, so the plugin adds the same modules under the same
+  names and applies them where fairseq's decoder does: ``c_attn`` (one learned scale per head) and
+  ``attn_ln`` on the self-attention's output, ``ffn_layernorm`` before fc2, ``w_resid`` on the FFN's
+  residual::
+
+      x = x + dropout(attn_ln(c_attn * SelfAttn(LN(x))))
+      x = w_resid * x + dropout(fc2(ffn_layernorm(act(fc1(LN(x))))))
+
+  ``c_attn`` is applied, as in fairseq (transformer_layer.py:460-463), to the heads of the attention's
+  *output projection* (the paper's HeadScale scales the heads before it; fairseq's layout is kept so
+  that both stacks and fairseq's LM agree).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+
+from .. import options
+from ..architectures import register_family
+from ..errors import DeepInitConfigError
+from .layers import register_layer_setup_hook
+from .norms import build_norm
+
+NORMFORMER_FLAGS = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
+NORMFORMER_OPTIONS = {name: False for name in NORMFORMER_FLAGS}
+
+
+def _attn_output_hook(layer: nn.Module):
+    """Forward hook of an encoder self-attention: ``attn_ln(c_attn * out)`` as fairseq's decoder does."""
+
+    def hook(_module: nn.Module, _inputs, output: Tuple[torch.Tensor, torch.Tensor | None]):
+        x, weights = output
+        if layer.c_attn is not None:
+            tgt_len, bsz = x.size(0), x.size(1)
+            x = x.view(tgt_len, bsz, layer.nh, layer.head_dim)
+            x = torch.einsum("tbhd,h->tbhd", x, layer.c_attn).reshape(tgt_len, bsz, layer.embed_dim)
+        if layer.attn_ln is not None:
+            x = layer.attn_ln(x)
+        return x, weights
+
+    return hook
+
+
+def _fc2_input_hook(layer: nn.Module):
+    def hook(_module: nn.Module, inputs: tuple):
+        return (layer.ffn_layernorm(inputs[0]),)
+
+    return hook
+
+
+def setup_normformer_layer(layer: nn.Module, cfg) -> None:
+    """Layer setup hook: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms."""
+    if not any(getattr(cfg, name, False) for name in NORMFORMER_FLAGS):
+        return
+    d = layer.embed_dim
+    ffn_dim = layer.fc1.out_features
+    if layer.stack == "encoder":
+        layer.nh, layer.head_dim = layer.self_attn.num_heads, layer.self_attn.head_dim
+        layer.attn_ln = None
+        layer.c_attn = nn.Parameter(torch.ones(layer.nh)) if cfg.scale_heads else None
+        layer.ffn_layernorm = None
+        layer.w_resid = nn.Parameter(torch.ones(d)) if cfg.scale_resids else None
+        if cfg.scale_attn or cfg.scale_heads:
+            layer.self_attn.register_forward_hook(_attn_output_hook(layer))
+        if cfg.scale_fc:
+            layer.fc2.register_forward_pre_hook(_fc2_input_hook(layer))
+    if cfg.scale_attn:
+        layer.attn_ln = build_norm(cfg.norm_type, d, cfg.norm_eps, cfg.export)
+    if cfg.scale_fc:
+        layer.ffn_layernorm = build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export)
+
+
+def add_normformer_args(g) -> None:
+    for name, what in (
+        ("scale_attn", "a norm on each self-attention's output (NormFormer)"),
+        ("scale_fc", "a norm on each FFN's hidden layer, before fc2 (NormFormer)"),
+        ("scale_heads", "a learned scale per attention head (NormFormer's HeadScale, fairseq's layout)"),
+        ("scale_resids", "a learned per-dimension scale on each FFN's residual (NormFormer's ResScale)"),
+    ):
+        g.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=what + "; both stacks")
+
+
+def validate_normformer_args(args) -> None:
+    given = [n for n in NORMFORMER_FLAGS if getattr(args, n)]
+    if not given:
+        return
+    flags = " ".join("--" + n.replace("_", "-") for n in given)
+    if args.norm_type == "none" and (args.scale_attn or args.scale_fc):
+        raise DeepInitConfigError(f"{flags}: NormFormer adds norms and --norm-type none removes them; drop one")
+    if not (args.encoder_normalize_before and args.decoder_normalize_before):
+        raise DeepInitConfigError(
+            f"{flags}: NormFormer is defined on Pre-LN; add --encoder-normalize-before --decoder-normalize-before "
+            "(the normformer_* architectures set them)"
+        )
+    if args.residual_scale != "none":
+        raise DeepInitConfigError(f"{flags} keep the plain residual; drop --residual-scale {args.residual_scale}")
+    if args.decoder_layer_type != "standard":
+        raise DeepInitConfigError(f"{flags} apply to the standard layer; drop --decoder-layer-type")
+    if args.init_scheme in ("t-fixup", "rezero"):
+        raise DeepInitConfigError(f"{flags} add norms that --init-scheme {args.init_scheme} removes; drop one")
+
+
+def describe_normformer(args) -> str:
+    on = [n for n in NORMFORMER_FLAGS if getattr(args, n)]
+    return "normformer=" + "+".join(on) if on else ""
+
+
+options.register_feature_options(
+    "normformer", NORMFORMER_OPTIONS, add_normformer_args, validate_normformer_args, describe_normformer
+)
+register_layer_setup_hook(setup_normformer_layer)
+# NormFormer's paper configuration: the three extra operations (ResScale is its small-model option)
+register_family(
+    "normformer",
+    dict(
+        init_scheme="xavier",
+        scale_attn=True,
+        scale_fc=True,
+        scale_heads=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+    ),
+)

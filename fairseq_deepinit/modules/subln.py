@@ -1,0 +1,149 @@
+"""Sub-LN (Magneto; Wang et al. 2022, "Foundation Transformers", sec. 2, Figure 1 and Algorithm 1):
+``--subln``, an extra norm inside each sub-layer of a Pre-LN model, and a depth-dependent init gain.
+
+Layer order, as in torchscale's released code (microsoft/torchscale @ 4d1e0e8)::
+
+    self-attention:  x + out_proj(LN_in(Attn(LN(x))))      component/multihead_attention.py:49-53, 166-169
+    FFN:             x + fc2(LN_in(act(fc1(LN(x)))))       component/feedforward_network.py:123, 134-139
+
+the inner norm of the FFN over its hidden width; cross-attention gets none (multihead_attention.py:51,
+``subln and self.self_attention``). Init (encoder-decoder): every weight and bias of fc1, fc2, out_proj
+and v_proj is multiplied by gamma (architecture/encoder.py:254-270, decoder.py:300-314, the decoder
+skipping its cross-attention)::
+
+    encoder: gamma = sqrt(ln(3M) ln(2N) / 3)        decoder: gamma = sqrt(ln(3M))
+
+(N, M = encoder, decoder layers; a decoder without cross-attention takes torchscale's decoder-only
+sqrt(ln(2M))). The gain multiplies whatever ``--init-scheme`` set (torchscale's own base init is
+nn.Linear's default; ``--init-scheme fairseq`` is the closest). The inner norms follow ``--norm-type``
+and ``--norm-eps`` (torchscale: LayerNorm, eps 1e-5). fairseq's attention calls its output projection
+as a module only outside its fused ``F.multi_head_attention_forward`` path, so a Sub-LN self-attention
+takes fairseq's explicit path (``--attention-impl sdpa`` falls back to it as well): same values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import options
+from ..architectures import register_family
+from ..errors import DeepInitConfigError
+from ..schemes import iter_layers, register_post_init_hook
+from .layers import register_layer_setup_hook
+from .norms import build_norm
+
+SUBLN_OPTIONS = {"subln": False}
+# init schemes with their own depth-dependent scaling or norm removal, which Sub-LN's gain would compound
+_SCHEME_CONFLICTS = {
+    "t-fixup": "T-Fixup removes the norms Sub-LN adds to and scales the same weights by depth",
+    "ds-init": "DS-Init already scales every layer's init by its depth",
+    "deepnorm": "DeepNorm is Post-LN with its own depth-dependent init",
+    "admin": "Admin is Post-LN",
+    "rezero": "ReZero removes the norms",
+    "rezero+postln": "ReZero with Post-LN is Post-LN",
+}
+
+
+class SubLNLinear(nn.Linear):
+    """``F.linear(norm(x))``: a Linear whose input first goes through its own norm (``.norm``)."""
+
+    norm: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.weight, self.bias)
+
+
+def add_inner_norm(linear: nn.Linear, norm: nn.Module) -> SubLNLinear:
+    """Turn a freshly built ``nn.Linear`` into a :class:`SubLNLinear` in place (same parameters)."""
+    if type(linear) is not nn.Linear:
+        raise DeepInitConfigError(f"--subln adds a norm to a plain nn.Linear, not {type(linear).__name__}")
+    linear.__class__ = SubLNLinear
+    linear.add_module("norm", norm)
+    return linear
+
+
+def subln_gain(stack: str, encoder_layers: int, decoder_layers: int, cross_attention: bool = True) -> float:
+    """Sub-LN's init gain gamma for ``stack`` (encoder.py:255-260, decoder.py:301-304)."""
+    if stack == "encoder":
+        return math.sqrt(math.log(3 * decoder_layers) * math.log(2 * encoder_layers) / 3)
+    return math.sqrt(math.log((3 if cross_attention else 2) * decoder_layers))
+
+
+def setup_subln_layer(layer: nn.Module, cfg) -> None:
+    """Layer setup hook: the inner norms of the self-attention and of the FFN."""
+    if not getattr(cfg, "subln", False):
+        return
+    embed_dim, ffn_dim = layer.embed_dim, layer.fc1.out_features
+    add_inner_norm(layer.self_attn.out_proj, build_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
+    layer.self_attn.skip_embed_dim_check = True  # explicit path: out_proj is called as a module
+    add_inner_norm(layer.fc2, build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export))
+
+
+@torch.no_grad()
+def apply_subln_gain(model: nn.Module, cfg) -> None:
+    """Post-init hook: fc1, fc2, self-attention out_proj and v_proj (weights and biases) times gamma."""
+    if not getattr(cfg, "subln", False):
+        return
+    cross = not getattr(cfg, "no_cross_attention", False)
+    for stack, _l, layer in iter_layers(model):
+        gamma = subln_gain(stack, cfg.encoder.layers, cfg.decoder.layers, cross)
+        for lin in (layer.fc1, layer.fc2, layer.self_attn.v_proj, layer.self_attn.out_proj):
+            lin.weight.mul_(gamma)
+            if isinstance(lin.bias, nn.Parameter):
+                lin.bias.mul_(gamma)
+
+
+def add_subln_args(g) -> None:
+    g.add_argument(
+        "--subln",
+        action="store_true",
+        default=None,
+        help="Sub-LN (Magneto): Pre-LN plus a norm before each self-attention's out_proj and each FFN's fc2, "
+        "and torchscale's depth-dependent init gain (docs/schemes.md)",
+    )
+
+
+def validate_subln_args(args) -> None:
+    if not args.subln:
+        return
+    if args.init_scheme in _SCHEME_CONFLICTS:
+        raise DeepInitConfigError(
+            f"--subln does not combine with --init-scheme {args.init_scheme} ({_SCHEME_CONFLICTS[args.init_scheme]}); "
+            "use --init-scheme xavier or fairseq, or drop --subln"
+        )
+    if args.norm_type == "none":
+        raise DeepInitConfigError("--subln adds norms inside each sub-layer; --norm-type none removes them. Drop one.")
+    if not (args.encoder_normalize_before and args.decoder_normalize_before):
+        raise DeepInitConfigError(
+            "--subln is Pre-LN with extra norms (Magneto); add --encoder-normalize-before --decoder-normalize-before "
+            "(the subln_* architectures set them)"
+        )
+    if args.residual_scale != "none":
+        raise DeepInitConfigError(
+            f"--subln keeps the plain residual x + f(x); drop --residual-scale {args.residual_scale}"
+        )
+    if args.decoder_layer_type != "standard":
+        raise DeepInitConfigError(
+            f"--subln is defined on the standard layer; drop --decoder-layer-type {args.decoder_layer_type}"
+        )
+    if getattr(args, "scale_fc", False):
+        raise DeepInitConfigError("--subln already normalises the FFN's hidden layer; drop --scale-fc")
+    if getattr(args, "lipschitz_bias_free", False) or getattr(args, "quant_noise_pq", 0):
+        raise DeepInitConfigError("--subln does not combine with --lipschitz-bias-free or --quant-noise-pq; drop one")
+
+
+def describe_subln(args) -> str:
+    return "subln" if args.subln else ""
+
+
+options.register_feature_options("subln", SUBLN_OPTIONS, add_subln_args, validate_subln_args, describe_subln)
+register_layer_setup_hook(setup_subln_layer)
+register_post_init_hook(apply_subln_gain)
+register_family(
+    "subln",
+    dict(init_scheme="fairseq", subln=True, encoder_normalize_before=True, decoder_normalize_before=True),
+)
