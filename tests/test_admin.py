@@ -519,3 +519,10 @@ def test_18_layer_post_ln_stalls_where_admin_trains():
         final[arch] = loss.item()
     assert final["postln_iwslt_de_en"] > unigram - 0.1, (final, unigram)  # stuck at token frequencies
     assert final["admin_iwslt_de_en"] < unigram - 1.0, (final, unigram)  # learns the mapping
+
+
+def test_export_of_a_missing_file_is_one_line_and_exit_1(tmp_path, capsys):
+    assert export_admin.main([str(tmp_path / "missing.pt"), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deepinit-export-admin: error: ") and "missing.pt" in err[0]
+    assert not (tmp_path / "out.pt").exists()

@@ -358,7 +358,7 @@ def main(argv: List[str] | None = None) -> int:
         summary = export_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
     except (AdminExportError, AdminConfigError, FileNotFoundError) as e:
         print(f"deepinit-export-admin: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     changes = ", ".join(f"{k}={v}" for k, v in summary["changes"].items()) or "none"
     check = (
         f"max |log-prob difference| on a random batch {summary['max_abs_diff']:.2e}"
