@@ -471,3 +471,14 @@ def test_lm_architectures_cover_fairseq_sizes():
     assert "matt_lm" not in ARCH_MODEL_NAME_REGISTRY and "dsinit_matt_lm" not in ARCH_MODEL_NAME_REGISTRY
     _, args, _ = build_lm("preln_lm_big")
     assert (args.decoder_embed_dim, args.decoder_layers, args.decoder_attention_heads) == (1024, 12, 16)
+
+
+def test_divergence_guard_names_the_layer(lm_bin, tmp_path):
+    proc = run_cli("train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "postln_lm_tiny",
+                   *TRAIN, "--criterion", "cross_entropy_diagnostics", "--diagnostics-inject-nan",
+                   "3:decoder.layers.1.fc1.weight", "--save-dir", tmp_path, "--max-update", "5",
+                   check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "divergence guard: training stopped at update 3" in proc.stdout
+    assert "decoder.layers.1" in proc.stdout.split("divergence guard", 1)[1]
+    assert not (tmp_path / "checkpoint_last.pt").exists()
