@@ -26,7 +26,9 @@ from types import SimpleNamespace
 from typing import List
 
 import torch
+from fairseq.models import build_model
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
+from omegaconf import OmegaConf
 
 from ..admin.export import _dictionary, _load, _model_args, _primitive, check_exportable, fold_state_dict
 from ..errors import AdminConfigError, AdminExportError
@@ -59,9 +61,6 @@ def export_lm_args(args, changes: dict) -> dict:
 
 def verify_lm(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, seed: int = 0) -> float:
     """Build both models, run them on one random right-padded batch, compare log-probabilities."""
-    from fairseq.models import build_model
-    from omegaconf import OmegaConf
-
     dictionary = _dictionary(admin_sd["decoder.embed_tokens.weight"].size(0))
     task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     a_args = copy.deepcopy(admin_args)
