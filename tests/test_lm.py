@@ -482,3 +482,27 @@ def test_divergence_guard_names_the_layer(lm_bin, tmp_path):
     assert "divergence guard: training stopped at update 3" in proc.stdout
     assert "decoder.layers.1" in proc.stdout.split("divergence guard", 1)[1]
     assert not (tmp_path / "checkpoint_last.pt").exists()
+
+
+def test_preln_lm_is_stock_transformer_lm_parameter_for_parameter():
+    """``preln_lm_big`` under ``--init-scheme fairseq`` is fairseq's ``transformer_lm_big``, parameter for parameter."""
+    from fairseq import options
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    dims = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64"]
+    ours, _, _ = build_lm("preln_lm_big", *dims, "--init-scheme", "fairseq")
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        ["/nonexistent", "--task", "language_modeling", "--arch", "transformer_lm_big", *dims],
+    )
+    d = make_dictionary(N_SYMBOLS)
+    stock = LanguageModelingTask(args, d, d).build_model(args)
+    assert type(stock) is TransformerLanguageModel
+    theirs = {k: tuple(v.shape) for k, v in stock.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == theirs
+    ours.load_state_dict(stock.state_dict())
+    ours.eval()
+    stock.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens())[0], stock(tokens())[0])

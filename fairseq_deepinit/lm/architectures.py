@@ -4,7 +4,8 @@ A family fixes the axes (norm position, norm type, residual scaling, init scheme
 model's :data:`fairseq_deepinit.architectures.FAMILIES` with their encoder-only keys dropped); a size
 fixes the dimensions, those of fairseq's ``transformer_lm`` architectures plus deep and tiny variants:
 
-- ``<family>_lm``: ``transformer_lm`` (d 512, FFN 2048, 8 heads, 6 layers);
+- ``<family>_lm``: ``transformer_lm``'s dims (d 512, FFN 2048, 8 heads, 6 layers) through
+  ``base_lm_architecture`` (fairseq's plain ``transformer_lm`` takes its dataclass defaults instead);
 - ``<family>_lm_big``: ``transformer_lm_big`` (d 1024, FFN 4096, 16 heads, 12 layers);
 - ``<family>_lm_gpt``: ``transformer_lm_gpt`` (d 768, FFN 3072, 12 heads, 12 layers, GELU);
 - ``<family>_lm_gpt2_small``: ``transformer_lm_gpt2_small`` (d 1024, 16 heads, 24 layers, GELU);
