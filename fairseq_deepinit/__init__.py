@@ -8,7 +8,8 @@ saving and resuming survive a killed run.
 
 Layout: :mod:`.modules` (norms, FixNorm, residual scaling, attention, layers), :mod:`.schemes` (one
 module per initialisation paper), :mod:`.admin`, :mod:`.matt`, :mod:`.diagnostics`,
-:mod:`.checkpoints`, :mod:`.training` (tasks, optimizer, scheduler); :mod:`.options` and
+:mod:`.checkpoints`, :mod:`.training` (tasks, optimizer, scheduler), :mod:`.lm` (decoder-only
+language models: ``deepinit_lm``); :mod:`.options` and
 :mod:`.errors` are the one home of the model's options and the plugin's errors.
 """
 
