@@ -8,7 +8,8 @@ saving and resuming survive a killed run.
 
 Layout: :mod:`.modules` (norms, FixNorm, residual scaling, attention, layers), :mod:`.schemes` (one
 module per initialisation paper), :mod:`.admin`, :mod:`.matt`, :mod:`.diagnostics`,
-:mod:`.checkpoints`, :mod:`.training` (tasks, optimizer, scheduler); :mod:`.options` and
+:mod:`.checkpoints`, :mod:`.training` (tasks, optimizer, scheduler), :mod:`.lm` (decoder-only
+language models: ``deepinit_lm``); :mod:`.options` and
 :mod:`.errors` are the one home of the model's options and the plugin's errors.
 """
 
@@ -31,9 +32,11 @@ from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt befo
 from .modules import b2t, normformer, subln  # noqa: E402,F401  (B2T, NormFormer, Sub-LN options)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 from .training import autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizer, lr scheduler)
+from . import lm  # noqa: E402,F401  (decoder-only language models: deepinit_lm, after every family)
 from .training import distributed  # noqa: E402  (last: every architecture is registered by now)
 # isort: on
 
+distributed.guard_architectures("deepinit_lm")
 distributed.guard_architectures()  # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py)
 
 __version__ = "0.2.0.dev0"

@@ -283,7 +283,7 @@ def resolve_and_validate(args) -> None:
         validate(args)
 
     if args.fixnorm:
-        if not (args.share_decoder_input_output_embed or args.share_all_embeddings):
+        if not (args.share_decoder_input_output_embed or getattr(args, "share_all_embeddings", False)):
             raise DeepInitConfigError(
                 "--fixnorm scores outputs against the normalised input embeddings; add "
                 "--share-decoder-input-output-embed (or --share-all-embeddings)"
@@ -307,11 +307,16 @@ def resolve_and_validate(args) -> None:
 POST_LN_RESIDUALS: set = {"deepnorm"}
 
 
+def has_encoder(args) -> bool:
+    """False for a decoder-only model: the language model stores ``encoder_layers = 0`` (lm/model.py)."""
+    return getattr(args, "encoder_layers", None) != 0
+
+
 def describe(args) -> str:
     parts = [
         f"init={args.init_scheme}",
         f"norm={args.norm_type}",
-        f"encoder={'pre' if args.encoder_normalize_before else 'post'}-norm",
+        *([f"encoder={'pre' if args.encoder_normalize_before else 'post'}-norm"] if has_encoder(args) else []),
         f"decoder={'pre' if args.decoder_normalize_before else 'post'}-norm",
         f"residual={args.residual_scale}",
         f"decoder-layer={args.decoder_layer_type}",

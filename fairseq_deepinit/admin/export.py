@@ -148,7 +148,7 @@ def fold_state_dict(
 
     # the embeddings carry the first sub-layer's omega
     ln_emb = bool(getattr(args, "layernorm_embedding", False))
-    shared = bool(args.share_all_embeddings)
+    shared = bool(getattr(args, "share_all_embeddings", False))  # absent for a language model
     tied = bool(args.share_decoder_input_output_embed or shared)
     unshare = shared and not ln_emb and not torch.equal(first["encoder"], first["decoder"])
     if unshare:

@@ -103,9 +103,10 @@ def validate_admin_args(args) -> None:
     task = getattr(args, "task", None)
     given = [n for n in _PROFILING_OPTIONS if getattr(args, n) not in (None, False, ADMIN_OPTIONS[n])]
     if given and task is not None and task not in PROFILING_TASKS:
+        profiling_task = "translation_admin" if options.has_encoder(args) else "language_modeling_admin"
         raise AdminConfigError(
             f"{', '.join(map(_flag, given))} {'is' if len(given) == 1 else 'are'} read by the profiling task; add "
-            f"--task {' or '.join(sorted(PROFILING_TASKS)) or 'translation_admin'} (got --task {task})"
+            f"--task {profiling_task} (got --task {task})"
         )
 
 

@@ -113,7 +113,9 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
 
     ``model`` is an (unwrapped) deepinit model with ``--residual-scale admin``; it is run in its
     current mode (fairseq-train: training, so dropout is on, as in the released code) under
-    ``torch.no_grad``; only the encoder and the decoder's features run (no output projection).
+    ``torch.no_grad``; only the encoder and the decoder's features run (no output projection). A
+    decoder-only language model (no ``encoder``) runs its decoder on ``net_input["src_tokens"]``, fairseq's
+    language-modeling batch; the recurrence then covers its one stack.
     ``group``: the process group to reduce over (default: fairseq's data-parallel group when
     torch.distributed is initialised). Every rank must call this at the same time.
     """
@@ -136,8 +138,12 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
             m._profiling = True
     try:
         with stats, torch.no_grad():
-            encoder_out = model.encoder(net_input["src_tokens"], src_lengths=net_input.get("src_lengths"))
-            model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
+            encoder = getattr(model, "encoder", None)
+            if encoder is None:  # decoder-only language model
+                model.decoder.extract_features(net_input["src_tokens"], encoder_out=None)
+            else:
+                encoder_out = encoder(net_input["src_tokens"], src_lengths=net_input.get("src_lengths"))
+                model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
     finally:
         for m in residuals.values():
             m._profiling = False
@@ -186,7 +192,7 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
         "ranks": _world_size(group),
         "sentences_per_rank": int(src.size(0)),
         "source_shape": list(src.shape),
-        "target_shape": list(net_input["prev_output_tokens"].shape),
+        "target_shape": list(net_input.get("prev_output_tokens", src).shape),
         "seconds": round(time.perf_counter() - start, 4),
         "sublayers": [
             {

@@ -98,8 +98,8 @@ class AdminResidual(Residual):
             if not bool(self.profiled):
                 raise AdminNotProfiledError(
                     "Admin's omega was never profiled, so this would train plain Post-LN with omega = 1. "
-                    "Train with --task translation_admin (it profiles before the first update), or load a "
-                    "profile with --admin-profile-path under that task."
+                    "Train with --task translation_admin (language_modeling_admin for a language model; it "
+                    "profiles before the first update), or load a profile with --admin-profile-path under that task."
                 )
             self._checked = True
         return super().forward(x, residual)
@@ -176,7 +176,7 @@ def stacks_of(names: Iterable[str]) -> Dict[str, List[str]]:
 def model_shape(model: nn.Module) -> dict:
     res = admin_residuals(model)
     return {
-        "encoder_layers": len(model.encoder.layers),
+        "encoder_layers": len(model.encoder.layers) if getattr(model, "encoder", None) is not None else 0,
         "decoder_layers": len(model.decoder.layers),
         "encoder_embed_dim": _dim_of(res, "encoder"),
         "decoder_embed_dim": _dim_of(res, "decoder"),

@@ -61,10 +61,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# the plugin's models (the language model adds ``deepinit_lm``)
+DEEPINIT_MODELS: set = {"deepinit"}
+
+
 def _is_deepinit(args: argparse.Namespace | None) -> bool:
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    return args is not None and ARCH_MODEL_NAME_REGISTRY.get(getattr(args, "arch", None)) == "deepinit"
+    return args is not None and ARCH_MODEL_NAME_REGISTRY.get(getattr(args, "arch", None)) in DEEPINIT_MODELS
 
 
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:

@@ -96,16 +96,26 @@ class B2TResidual(LayerInputResidual):
 
 
 def deepnorm_alpha(stack: str, encoder_layers: int, decoder_layers: int) -> float:
-    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: alpha for ``stack``."""
+    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: alpha for ``stack``.
+
+    ``encoder_layers == 0`` is a decoder-only model: Table 1's decoder-only alpha = (2M)^(1/4).
+    """
     n, m = encoder_layers, decoder_layers
+    if n == 0:
+        return (2.0 * m) ** 0.25
     if stack == "encoder":
         return 0.81 * (n**4 * m) ** (1.0 / 16)
     return (3.0 * m) ** 0.25
 
 
 def deepnorm_beta(stack: str, encoder_layers: int, decoder_layers: int) -> float:
-    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: init gain beta for ``stack``."""
+    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: init gain beta for ``stack``.
+
+    ``encoder_layers == 0`` is a decoder-only model: Table 1's decoder-only beta = (8M)^(-1/4).
+    """
     n, m = encoder_layers, decoder_layers
+    if n == 0:
+        return (8.0 * m) ** -0.25
     if stack == "encoder":
         return 0.87 * (n**4 * m) ** (-1.0 / 16)
     return (12.0 * m) ** -0.25

@@ -41,9 +41,15 @@ def register_scheme(spec: SchemeSpec) -> SchemeSpec:
 
 
 def iter_layers(model: nn.Module) -> Iterator[Tuple[str, int, nn.Module]]:
-    """``(stack, l, layer)`` for every layer, l counted from 1 separately per stack."""
+    """``(stack, l, layer)`` for every layer, l counted from 1 separately per stack.
+
+    A stack the model does not have is skipped (a decoder-only language model has no encoder).
+    """
     for stack in ("encoder", "decoder"):
-        for i, layer in enumerate(getattr(model, stack).layers, start=1):
+        module = getattr(model, stack, None)
+        if module is None:
+            continue
+        for i, layer in enumerate(module.layers, start=1):
             yield stack, i, layer
 
 

@@ -32,6 +32,8 @@ def apply_lipschitz(model: nn.Module, cfg) -> None:
     # word embeddings (V x d); learned positional embeddings keep fairseq's init, the paper has
     # sinusoidal positions and gives no rule for them
     for stack in ("encoder", "decoder"):
+        if getattr(model, stack, None) is None:
+            continue  # a decoder-only language model has no encoder
         emb = getattr(model, stack).embed_tokens
         if id(emb.weight) in seen:
             continue  # shared embeddings are initialised once

@@ -10,6 +10,9 @@ Sec. 3.2 / released code, starting from the fairseq 0.8/0.9 baseline with embedd
 - input embeddings: encoder x (9 N_e)^(-1/4) (the released code uses the encoder depth), decoder
   x (9 N_d)^(-1/4) unless all embeddings are shared;
 - every LayerNorm removed (``--norm-type none``) and no warmup (``--lr-scheduler tfixup``).
+
+A decoder-only language model (no encoder) gets the decoder rules with N_d its layers: this
+project's extension, see docs/lm.md.
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ def apply_tfixup(model, cfg) -> None:
                 attn.v_proj.weight.mul_(s_v)
         for w_v in own_value_projections(layer):
             w_v.weight.mul_(s)  # its baseline is xavier with gain 1, so no sqrt(2) to undo
-    model.encoder.embed_tokens.weight.mul_(embedding_factor("encoder", n_e, n_d))
-    if model.decoder.embed_tokens is not model.encoder.embed_tokens:
+    encoder = getattr(model, "encoder", None)  # absent in a decoder-only language model
+    if encoder is not None:
+        encoder.embed_tokens.weight.mul_(embedding_factor("encoder", n_e, n_d))
+    if encoder is None or model.decoder.embed_tokens is not encoder.embed_tokens:
         model.decoder.embed_tokens.weight.mul_(embedding_factor("decoder", n_e, n_d))
 
 

@@ -1,0 +1,161 @@
+"""The ``deepinit_lm`` fairseq model: fairseq's ``transformer_lm`` with the plugin's independent axes.
+
+fairseq's :class:`~fairseq.models.transformer_lm.TransformerLanguageModel` (a decoder without
+cross-attention, ``--task language_modeling``) extended through the same hooks as the ``deepinit``
+translation model (:mod:`fairseq_deepinit.model`): ``build_embedding`` (FixNorm), ``build_decoder``
+(the plugin's :class:`~fairseq_deepinit.model.DeepInitDecoder`, whose ``build_decoder_layer`` and
+``build_output_projection`` place the norm type, residual scaling and FixNorm), then the init scheme.
+The options are the translation model's (:func:`fairseq_deepinit.options.add_model_args`),
+resolved and validated by the same :func:`~fairseq_deepinit.options.resolve_and_validate`.
+
+A decoder-only model is stored with ``encoder_layers = 0``: the formulas that depend on the depth
+of both stacks (DeepNorm's alpha and beta) read that as "decoder-only" and use the decoder-only
+constants (:mod:`.formulas`).
+
+Differences from fairseq's ``transformer_lm`` on purpose: fairseq's ``base_lm_architecture`` forces
+Pre-LN ("model training is not stable without this"); here the norm position is an axis like the
+others (``--decoder-normalize-before``), and the plain ``deepinit_lm`` architecture is Post-LN, as
+the translation model's ``deepinit`` (every init scheme of the papers starts from Post-LN).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fairseq import options as fairseq_options
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models import register_model
+from fairseq.models.transformer import TransformerConfig
+from fairseq.models.transformer_lm import (
+    DEFAULT_MAX_TARGET_POSITIONS,
+    TransformerLanguageModel,
+    TransformerLanguageModelConfig,
+)
+from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
+
+from .. import options
+from ..checkpoints import config_check
+from ..errors import DeepInitConfigError
+from ..model import DeepInitDecoder
+from ..modules.fixnorm import FixNormEmbedding
+from ..schemes import apply_init_scheme
+from ..training import distributed
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "deepinit_lm"
+config_check.DEEPINIT_MODELS.add(MODEL_NAME)
+
+# init schemes that re-initialise the word-embedding matrix itself (``embed_tokens.weight``)
+EMBEDDING_SCHEMES = ("lipschitz", "t-fixup")
+
+
+def validate_lm_args(args) -> None:
+    """What a decoder-only model cannot do, checked before the shared validation.
+
+    - MAtt (Zhang et al. 2019) merges its average-attention branch into the encoder-decoder attention
+      through one shared W_o; without an encoder nothing is merged and the layer would be a plain
+      average-attention decoder, which is another model (Zhang et al. 2018's AAN), not MAtt: refused.
+    - ``--adaptive-input`` / ``--character-embeddings`` replace the word-embedding matrix that FixNorm
+      normalises and that Lipschitz and T-Fixup re-initialise / scale.
+    """
+    if getattr(args, "decoder_layer_type", None) == "matt":
+        raise DeepInitConfigError(
+            "--decoder-layer-type matt merges the average-attention branch into the encoder-decoder attention, "
+            "which a decoder-only language model does not have; use --decoder-layer-type standard (or the "
+            "translation model, --arch matt_<size>)"
+        )
+    replaced = [f for f in ("adaptive_input", "character_embeddings") if getattr(args, f, False)]
+    if replaced:
+        flag = "--" + replaced[0].replace("_", "-")
+        if getattr(args, "fixnorm", False):
+            raise DeepInitConfigError(
+                f"--fixnorm normalises the word-embedding matrix, which {flag} replaces; drop one"
+            )
+        if getattr(args, "init_scheme", None) in EMBEDDING_SCHEMES:
+            raise DeepInitConfigError(
+                f"--init-scheme {args.init_scheme} initialises the word-embedding matrix, which {flag} replaces; "
+                "drop it or use another --init-scheme"
+            )
+
+
+def resolve_lm_args(args) -> None:
+    """Decoder-only facts, LM validation, then the shared resolution and validation (in place)."""
+    args.encoder_layers = 0  # decoder-only: see the module docstring
+    validate_lm_args(args)
+    options.resolve_and_validate(args)
+
+
+@register_model(MODEL_NAME)
+class DeepInitLanguageModel(TransformerLanguageModel):
+    """fairseq's ``transformer_lm`` with composable deep-Transformer schemes (docs/lm.md)."""
+
+    @classmethod
+    def add_args(cls, parser) -> None:
+        # registered without a dataclass (the translation model's argparse options need a Namespace),
+        # so fairseq's transformer_lm options are added here as its own add_args would
+        gen_parser_from_dataclass(parser, TransformerLanguageModelConfig(), delete_default=True)
+        options.add_model_args(parser)
+        config_check.add_args(parser)  # --allow-config-change
+
+    @classmethod
+    def build_model(cls, args, task):
+        """fairseq's ``TransformerLanguageModel.build_model`` with the decoder built by :meth:`build_decoder`."""
+        distributed.check_ddp_backend(args)
+        resolve_lm_args(args)
+        if args.decoder_layers_to_keep:
+            args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
+        if getattr(args, "max_target_positions", None) is None:
+            args.max_target_positions = getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
+        embed_tokens = cls.build_lm_embedding(args, task)
+        if args.tie_adaptive_weights:
+            if not (
+                args.adaptive_input
+                and args.adaptive_input_factor == args.adaptive_softmax_factor
+                and args.adaptive_softmax_cutoff == args.adaptive_input_cutoff
+                and args.decoder_input_dim == args.decoder_output_dim
+            ):
+                raise DeepInitConfigError(
+                    "--tie-adaptive-weights needs --adaptive-input with the same factor and cutoff as the adaptive "
+                    "softmax, and --decoder-input-dim equal to --decoder-output-dim"
+                )
+        model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
+        model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
+        apply_init_scheme(model, TransformerConfig.from_namespace(args))
+        logger.info(options.describe(args))
+        return model
+
+    @classmethod
+    def build_lm_embedding(cls, args, task):
+        """The input embedding, as fairseq's ``transformer_lm`` builds it (character, adaptive or a table)."""
+        if args.character_embeddings:
+            return CharacterTokenEmbedder(
+                task.source_dictionary,
+                eval(args.character_filters),  # as fairseq's transformer_lm.py does
+                args.character_embedding_dim,
+                args.decoder_embed_dim,
+                args.char_embedder_highway_layers,
+            )
+        if args.adaptive_input:
+            return AdaptiveInput(
+                len(task.source_dictionary),
+                task.source_dictionary.pad(),
+                args.decoder_input_dim,
+                args.adaptive_input_factor,
+                args.decoder_embed_dim,
+                fairseq_options.eval_str_list(args.adaptive_input_cutoff, type=int),
+                args.quant_noise_pq,
+                args.quant_noise_pq_block_size,
+            )
+        return cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        if getattr(args, "fixnorm", False):
+            return FixNormEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+        return super().build_embedding(args, dictionary, embed_dim, path)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens) -> DeepInitDecoder:
+        """The plugin's decoder (its layers and output projection carry the axes), without cross-attention."""
+        return DeepInitDecoder(TransformerConfig.from_namespace(args), tgt_dict, embed_tokens, no_encoder_attn=True)
