@@ -413,7 +413,7 @@ def test_admin_lm_task_profiles_and_exports_to_stock_transformer_lm(lm_bin, tmp_
         [sys.executable, "-m", "fairseq_deepinit.lm.export", tmp_path / "stock.pt", tmp_path / "again.pt"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}, timeout=300,
     )  # fmt: skip
-    assert bad.returncode == 2 and "error:" in bad.stdout.splitlines()[-1]
+    assert bad.returncode == 1 and "error:" in bad.stdout.splitlines()[-1]
 
 
 def test_bad_input_ends_the_command_with_one_line(lm_bin, tmp_path):
@@ -506,3 +506,13 @@ def test_preln_lm_is_stock_transformer_lm_parameter_for_parameter():
     stock.eval()
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens())[0], stock(tokens())[0])
+
+
+def test_normformer_options_on_the_language_model():
+    """fairseq's transformer_lm defines --scale-attn/--scale-fc/--scale-heads itself; the plugin's NormFormer
+    options reuse them (no duplicate flags) and keep the Pre-LN rule for a decoder-only model."""
+    model, _, _ = build_lm("preln_lm_tiny", "--scale-attn", "--scale-fc", "--scale-heads")
+    layer = model.decoder.layers[0]
+    assert layer.attn_ln is not None and layer.ffn_layernorm is not None and layer.c_attn is not None
+    with pytest.raises(DeepInitConfigError, match="add --decoder-normalize-before "):
+        build_lm("postln_lm_tiny", "--scale-attn")

@@ -124,7 +124,8 @@ def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: floa
     return summary
 
 
-def main(argv: List[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``deepinit-export-admin-lm``'s options (also walked by tests/test_tools.py)."""
     parser = argparse.ArgumentParser(
         prog="deepinit-export-admin-lm",
         description="Fold Admin's omega into a stock fairseq 'transformer_lm' checkpoint that fairseq-eval-lm loads "
@@ -132,17 +133,24 @@ def main(argv: List[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", help="an Admin language-model checkpoint (--arch admin_lm*)")
     parser.add_argument("output", help="where to write the transformer_lm checkpoint")
-    parser.add_argument("--no-check", action="store_true", help="skip building both models and comparing outputs")
     parser.add_argument(
-        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default 1e-4)"
+        "--no-check", action="store_true", help="skip building both models and comparing outputs (default: compare)"
     )
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default: %(default)s)"
+    )
+    return parser
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = build_parser()
     a = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
     try:
         summary = export_lm_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
     except (AdminExportError, AdminConfigError, FileNotFoundError) as e:
         print(f"deepinit-export-admin-lm: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     diff = summary.get("max_abs_diff")
     checked = f"max |log-prob difference| {diff:.2e}" if diff is not None else "not checked"
     logger.info(f"wrote {a.output}: arch {STOCK_NAME}, changes {summary['changes'] or 'none'}; {checked}")

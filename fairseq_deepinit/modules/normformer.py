@@ -88,7 +88,10 @@ def add_normformer_args(g) -> None:
         ("scale_heads", "a learned scale per attention head (NormFormer's HeadScale, fairseq's layout)"),
         ("scale_resids", "a learned per-dimension scale on each FFN's residual (NormFormer's ResScale)"),
     ):
-        g.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=what + "; both stacks")
+        flag = "--" + name.replace("_", "-")
+        if flag in g._option_string_actions:  # fairseq's transformer_lm defines these four itself
+            continue
+        g.add_argument(flag, action="store_true", default=None, help=what + "; both stacks")
 
 
 def validate_normformer_args(args) -> None:
@@ -98,10 +101,16 @@ def validate_normformer_args(args) -> None:
     flags = " ".join("--" + n.replace("_", "-") for n in given)
     if args.norm_type == "none" and (args.scale_attn or args.scale_fc):
         raise DeepInitConfigError(f"{flags}: NormFormer adds norms and --norm-type none removes them; drop one")
-    if not (args.encoder_normalize_before and args.decoder_normalize_before):
+    pre_ln = args.decoder_normalize_before and (args.encoder_normalize_before or not options.has_encoder(args))
+    if not pre_ln:
         raise DeepInitConfigError(
-            f"{flags}: NormFormer is defined on Pre-LN; add --encoder-normalize-before --decoder-normalize-before "
-            "(the normformer_* architectures set them)"
+            f"{flags}: NormFormer is defined on Pre-LN; add "
+            + (
+                "--encoder-normalize-before --decoder-normalize-before"
+                if options.has_encoder(args)
+                else "--decoder-normalize-before"
+            )
+            + " (the normformer_* architectures set them)"
         )
     if args.residual_scale != "none":
         raise DeepInitConfigError(f"{flags} keep the plain residual; drop --residual-scale {args.residual_scale}")
