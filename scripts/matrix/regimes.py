@@ -242,6 +242,10 @@ PAPER_REGIMES: Dict[str, Dict[str, Regime]] = {
     "normformer": {"paper": ADMIN},
 }
 METHODS: Tuple[str, ...] = tuple(PAPER_REGIMES)
+# the papers' methods (the matrix of issue #17) and the successors of issue #16, which get chunks of
+# their own so that the papers' chunks keep their size and GPU budget
+SUCCESSOR_METHODS: Tuple[str, ...] = ("admin_closed", "subln", "b2t", "deepnorm_torchscale", "normformer")
+MAIN_METHODS: Tuple[str, ...] = tuple(m for m in METHODS if m not in SUCCESSOR_METHODS)
 # methods whose papers claim very deep training (T-Fixup 200 layers, Admin 60+12, DeepNorm 1000) and the
 # Pre-LN baseline: the 100-layer cells
 VERY_DEEP = ("preln", "tfixup", "admin", "deepnorm")
@@ -294,7 +298,7 @@ class Cell:
         return cls(depth, method, canonical_regime(method, regime), int(parts[3][1:]) if len(parts) == 4 else 1)
 
 
-def cells_of(depth: int, which: str, methods: Sequence[str] = METHODS, seeds: Sequence[int] = (1,)) -> List[Cell]:
+def cells_of(depth: int, which: str, methods: Sequence[str] = MAIN_METHODS, seeds: Sequence[int] = (1,)) -> List[Cell]:
     """The cells of one depth: ``which`` = paper (every paper regime and variant), common, or both.
     Common cells that are a method's paper cell are not repeated."""
     if which not in ("paper", "common", "both"):
@@ -322,7 +326,7 @@ class Chunk:
 
 
 def _main_seeds(depth: int, seeds: Sequence[int]) -> Tuple[Cell, ...]:
-    return tuple(Cell(depth, m, "paper", s) for s in seeds for m in METHODS)
+    return tuple(Cell(depth, m, "paper", s) for s in seeds for m in MAIN_METHODS)
 
 
 def _half(cells: Sequence[Cell], part: int) -> Tuple[Cell, ...]:
@@ -351,6 +355,13 @@ CHUNKS: Dict[str, Chunk] = {
     "36l-common-b": Chunk("36 layers, common regime, second half", _half(_36C, 1)),
     "100l-a": Chunk("100 layers, paper regime: Pre-LN, Admin", _half(_100, 0), max_tokens_per_job=4096),
     "100l-b": Chunk("100 layers, paper regime: T-Fixup, DeepNorm", _half(_100, 1), max_tokens_per_job=4096),
+    "successors-6l": Chunk(
+        "6 layers, the successors of #16 in their borrowed paper regime and the common one",
+        tuple(cells_of(6, "both", SUCCESSOR_METHODS)),
+    ),
+    "successors-18l": Chunk(
+        "18 layers, the successors of #16, paper regime", tuple(cells_of(18, "paper", SUCCESSOR_METHODS))
+    ),
 }
 
 # ---- GPU budget estimate -----------------------------------------------------------------------
