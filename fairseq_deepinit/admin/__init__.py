@@ -5,7 +5,9 @@
 - :mod:`.options`: ``--admin-*`` options and their validation;
 - :mod:`.profiling`: omega from the variances of the first batch (released code's or paper's formula);
 - :mod:`.profile_file`: the JSON profile of the two-step workflow;
-- :mod:`.task`: ``--task translation_admin``, profiling inside fairseq-train on every rank;
+- :mod:`.profiling_task`: the profiling lifecycle inside fairseq-train, on every rank (one mixin for
+  every profiling task);
+- :mod:`.task`: ``--task translation_admin``;
 - :mod:`.export`: ``deepinit-export-admin``, omega folded into a stock Post-LN checkpoint.
 
 Importing the package registers all of it.
@@ -14,6 +16,7 @@ Importing the package registers all of it.
 from . import options, task  # noqa: F401  (registration)
 from .profile_file import apply_profile, check_profile_destination, check_profile_rows, load_profile, save_profile
 from .profiling import code_ratio, log_profile, paper_omegas, profile_model, refresh_master_params
+from .profiling_task import AdminProfilingMixin
 from .residual import (
     FORMULAS,
     OMEGA_MAX,
@@ -33,6 +36,7 @@ __all__ = [
     "OMEGA_MIN",
     "PROFILE_FORMAT",
     "PROFILING_TASKS",
+    "AdminProfilingMixin",
     "AdminResidual",
     "admin_residuals",
     "apply_profile",
