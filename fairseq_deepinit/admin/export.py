@@ -37,7 +37,7 @@ import copy
 import logging
 import sys
 from types import SimpleNamespace
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -335,29 +335,33 @@ def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, s
     return diff
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``deepinit-export-admin``."""
-    parser = argparse.ArgumentParser(
-        prog="deepinit-export-admin",
-        description="Fold Admin's omega into a plain Post-LN fairseq 'transformer' checkpoint (Liu et al. 2020, "
-        "appendix C) that stock fairseq-generate loads without --user-dir.",
-    )
-    parser.add_argument("checkpoint", help="an Admin checkpoint written by fairseq-train (--arch admin_*)")
-    parser.add_argument("output", help="where to write the plain transformer checkpoint")
-    parser.add_argument("--no-check", action="store_true", help="skip building both models and comparing their outputs")
+def export_parser(prog: str, description: str, checkpoint_help: str, output_help: str) -> argparse.ArgumentParser:
+    """The command line every Admin export tool shares: CHECKPOINT OUTPUT [--no-check] [--tolerance]."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("checkpoint", help=checkpoint_help)
+    parser.add_argument("output", help=output_help)
     parser.add_argument(
-        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default 1e-4)"
+        "--no-check", action="store_true", help="skip building both models and comparing outputs (default: compare)"
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default: %(default)s)"
     )
     return parser
 
 
-def main(argv: List[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def run_export(
+    parser: argparse.ArgumentParser, export: Callable[..., dict], stock_arch: str, argv: List[str] | None
+) -> int:
+    """Parse ``argv``, run ``export(checkpoint, output, check=, tolerance=)``, log its summary.
+
+    A bad checkpoint or option is one line on stderr (``PROG: error: ...``) and exit status 1.
+    """
+    a = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
     try:
-        summary = export_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
+        summary = export(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
     except (AdminExportError, AdminConfigError, FileNotFoundError) as e:
-        print(f"deepinit-export-admin: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
     changes = ", ".join(f"{k}={v}" for k, v in summary["changes"].items()) or "none"
     check = (
@@ -365,8 +369,23 @@ def main(argv: List[str] | None = None) -> int:
         if "max_abs_diff" in summary
         else "not checked"
     )
-    logger.info(f"wrote {a.output}: arch transformer, argument changes: {changes}; {check}")
+    logger.info(f"wrote {a.output}: arch {stock_arch}, argument changes: {changes}; {check}")
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``deepinit-export-admin``."""
+    return export_parser(
+        "deepinit-export-admin",
+        "Fold Admin's omega into a plain Post-LN fairseq 'transformer' checkpoint (Liu et al. 2020, "
+        "appendix C) that stock fairseq-generate loads without --user-dir.",
+        "an Admin checkpoint written by fairseq-train (--arch admin_*)",
+        "where to write the plain transformer checkpoint",
+    )
+
+
+def main(argv: List[str] | None = None) -> int:
+    return run_export(build_parser(), export_checkpoint, "transformer", argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import logging
 import sys
 import typing
 from types import SimpleNamespace
@@ -30,11 +29,18 @@ from fairseq.models import build_model
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from omegaconf import OmegaConf
 
-from ..admin.export import _dictionary, _load, _model_args, _primitive, check_exportable, fold_state_dict
-from ..errors import AdminConfigError, AdminExportError
+from ..admin.export import (
+    _dictionary,
+    _load,
+    _model_args,
+    _primitive,
+    check_exportable,
+    export_parser,
+    fold_state_dict,
+    run_export,
+)
+from ..errors import AdminExportError
 from .model import DeepInitLanguageModel
-
-logger = logging.getLogger(__name__)
 
 STOCK_NAME = "transformer_lm"
 
@@ -126,35 +132,17 @@ def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: floa
 
 def build_parser() -> argparse.ArgumentParser:
     """``deepinit-export-admin-lm``'s options (also walked by tests/test_tools.py)."""
-    parser = argparse.ArgumentParser(
-        prog="deepinit-export-admin-lm",
-        description="Fold Admin's omega into a stock fairseq 'transformer_lm' checkpoint that fairseq-eval-lm loads "
+    return export_parser(
+        "deepinit-export-admin-lm",
+        "Fold Admin's omega into a stock fairseq 'transformer_lm' checkpoint that fairseq-eval-lm loads "
         "without --user-dir (Liu et al. 2020, appendix C).",
+        "an Admin language-model checkpoint (--arch admin_lm*)",
+        "where to write the transformer_lm checkpoint",
     )
-    parser.add_argument("checkpoint", help="an Admin language-model checkpoint (--arch admin_lm*)")
-    parser.add_argument("output", help="where to write the transformer_lm checkpoint")
-    parser.add_argument(
-        "--no-check", action="store_true", help="skip building both models and comparing outputs (default: compare)"
-    )
-    parser.add_argument(
-        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default: %(default)s)"
-    )
-    return parser
 
 
 def main(argv: List[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
-    try:
-        summary = export_lm_checkpoint(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
-    except (AdminExportError, AdminConfigError, FileNotFoundError) as e:
-        print(f"deepinit-export-admin-lm: error: {e}", file=sys.stderr)
-        return 1
-    diff = summary.get("max_abs_diff")
-    checked = f"max |log-prob difference| {diff:.2e}" if diff is not None else "not checked"
-    logger.info(f"wrote {a.output}: arch {STOCK_NAME}, changes {summary['changes'] or 'none'}; {checked}")
-    return 0
+    return run_export(build_parser(), export_lm_checkpoint, STOCK_NAME, argv)
 
 
 if __name__ == "__main__":
