@@ -20,7 +20,7 @@ import pytest
 from conftest import MULTI30K, REPO
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
-SCRIPTS = ("throughput.py", "speed.py", "matt_speed.py", "admin_profiling.py")
+SCRIPTS = ("throughput.py", "speed.py", "matt_speed.py", "admin_profiling.py", "gpu_profile.py")
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the scripts import it
 
 from harness import flops, report, timing  # noqa: E402
@@ -230,6 +230,29 @@ def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped
     assert loss["difference"] == pytest.approx(loss["fast_final_loss"] - loss["stock_final_loss"])
     assert any(t.startswith("loss curve:") for t in doc["targets"])
     assert doc["command"] in md and "| stock | 1 | fp32 |" in md
+
+
+def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
+    """benchmarks/gpu_profile.py on the CPU: the CUDA-only rows are left out, the bf16 SDPA row is profiled."""
+    if not (MULTI30K / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "gpu_profile.py"), "--quick", "--multi30k", str(MULTI30K),
+        "--work-dir", str(tmp_path / "data"), "--json", str(tmp_path / "p.json"), "--text", str(tmp_path / "p.txt"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["device"] == "cpu" and "--quick" in doc["command"]
+    assert list(doc["rows"]) == ["plugin-sdpa bf16-autocast 1L"]  # fp16 and compile rows need CUDA
+    fig = doc["rows"]["plugin-sdpa bf16-autocast 1L"]
+    assert "note" not in fig, fig
+    assert 0 < fig["forward_backward_ms"] < fig["step_ms"] and 0 < fig["update_ms"] < fig["step_ms"]
+    assert fig["gpu_kernel_ms_per_step"] == 0 and fig["kernel_launches_per_step"] == 0  # no CUDA activity on a CPU
+    assert fig["target_tokens_per_step"] > 0
+    text = (tmp_path / "p.txt").read_text()
+    assert "aten::" in text and "Self CPU" in text  # the profiler's operator table
 
 
 def test_gpu_matrix_rows_and_compile_guard(monkeypatch):

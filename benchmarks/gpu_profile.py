@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""What holds the GPU idle in a fairseq training step (issue #13): phases and torch.profiler.
+
+For stock fairseq fp16 and the plugin's fast paths (transformer base, 6 layers, the GPU matrix's
+batches), on the same fixed Multi30k batches:
+
+- **phases**: wall time per step of forward + backward (``task.train_step``) and of the update
+  (``multiply_grads`` + ``clip_grad_norm`` + ``optimizer_step``), each closed by a device sync;
+- **profiler**: ``torch.profiler`` over ``--steps`` steps: the GPU's kernel time against the wall
+  time (busy fraction), kernel launches per step, and the top operators by device and by host time.
+
+Writes ``--json`` (figures) and ``--text`` (the operator tables). Usage (on the GPU machine)::
+
+    python benchmarks/gpu_profile.py --device cuda --json prof.json --text prof.txt
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import gpu_matrix  # noqa: E402
+import harness  # noqa: E402
+import throughput  # noqa: E402
+from harness.fairseq_train import Variant, fixed_batches, to_device  # noqa: E402
+from harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k  # noqa: E402
+
+ROWS = (
+    ("stock", Variant("fp16")),
+    ("plugin", Variant("fp16", "sdpa")),
+    ("plugin", Variant("bf16-autocast", "sdpa")),
+    ("plugin", Variant("bf16-autocast", "sdpa", compile=True)),
+)
+
+
+def _device_us(evt) -> float:
+    """Self device time of a profiler average in microseconds (the attribute was renamed in torch 2.4)."""
+    return float(getattr(evt, "self_device_time_total", getattr(evt, "self_cuda_time_total", 0.0)))
+
+
+def profile_row(run, batches, steps: int, device: str) -> tuple[dict, str]:
+    """Phase times and profiler figures of one built configuration."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fb, upd, wall = [], [], []
+    for s in itertools.islice(itertools.cycle(batches), steps):
+        sync()
+        t0 = time.perf_counter()
+        run.optimizer.zero_grad()
+        _, size, _ = run.task.train_step(s, run.model, run.criterion, run.optimizer, run.updates)
+        sync()
+        t1 = time.perf_counter()
+        run.optimizer.multiply_grads(1.0 / (size or 1.0))
+        run.optimizer.clip_grad_norm(0.0)
+        run.task.optimizer_step(run.optimizer, run.model, run.updates)
+        sync()
+        t2 = time.perf_counter()
+        fb.append(t1 - t0), upd.append(t2 - t1), wall.append(t2 - t0)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        ntok = sum(run.step(s) for s in itertools.islice(itertools.cycle(batches), steps))
+        sync()
+    prof_wall = time.perf_counter() - t0
+    avgs = prof.key_averages()
+    kernel_us = sum(_device_us(e) for e in avgs if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(e.count for e in avgs if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    syncs = sum(e.count for e in avgs if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync"))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    fig = {
+        "forward_backward_ms": 1e3 * med(fb),
+        "update_ms": 1e3 * med(upd),
+        "step_ms": 1e3 * med(wall),
+        "profiled_step_ms": 1e3 * prof_wall / steps,
+        "gpu_kernel_ms_per_step": kernel_us / 1e3 / steps,
+        "gpu_busy_fraction": (kernel_us / 1e6) / prof_wall if prof_wall else None,
+        "kernel_launches_per_step": launches / steps,
+        "sync_or_copy_calls_per_step": syncs / steps,
+        "target_tokens_per_step": ntok / steps,
+    }
+    tables = [avgs.table(sort_by="self_cpu_time_total", row_limit=15)]
+    if device == "cuda":
+        try:  # torch >= 2.4 names the column "device"; older ones "cuda"
+            tables.insert(0, avgs.table(sort_by="self_device_time_total", row_limit=25))
+        except (KeyError, AttributeError):
+            tables.insert(0, avgs.table(sort_by="self_cuda_time_total", row_limit=25))
+    text = "\n".join(tables)
+    return fig, text
+
+
+def build_parser() -> harness.Parser:
+    """gpu_profile.py's options (the data and batch options are throughput.py's, same defaults)."""
+    pos = harness.positive_int
+    p = harness.Parser(prog="gpu_profile.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 layer, d 64, 2000 sentences, 2 steps")
+    p.add_argument("--max-tokens", type=pos, help="tokens per batch (default: 16384, as the GPU matrix; quick 512)")
+    p.add_argument("--batches", type=pos, help="distinct fixed batches (default: 8; quick 2)")
+    p.add_argument("--steps", type=pos, help="steps timed per phase and profiled (default: 10; quick 2)")
+    p.add_argument("--warmup", type=harness.nonnegative_int, default=3, help="untimed steps per configuration")
+    p.add_argument("--seed", type=int, default=1, help="model and batch-order seed")
+    p.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K, help="train.{de,en}.gz folder (env MULTI30K_DIR)")
+    p.add_argument("--work-dir", type=Path, default=throughput.DEFAULT_WORK, help="binarised corpus cache")
+    p.add_argument("--train-sentences", type=pos, help="sentences to binarise (default: all 29000; quick 2000)")
+    p.add_argument("--json", type=Path, help="write the figures here (default: none)")
+    p.add_argument("--text", type=Path, help="write the operator tables here (default: none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = build_parser().parse_args(argv)
+    opts.max_tokens = opts.max_tokens or (512 if opts.quick else 16384)
+    opts.batches = opts.batches or (2 if opts.quick else 8)
+    opts.steps = opts.steps or (2 if opts.quick else 10)
+    if opts.train_sentences is None and opts.quick:
+        opts.train_sentences = 2000
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    import torch
+
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        harness.fail("--device cuda: no CUDA device is visible to torch")
+    throughput.import_plugin()
+    size = "all" if opts.train_sentences is None else str(opts.train_sentences)
+    data = binarize_multi30k(opts.multi30k, opts.work_dir / f"multi30k-de-en-word-{size}",
+                             {"train": ("train", opts.train_sentences)})  # fmt: skip
+    builder = gpu_matrix.Builder(data, opts, throughput.CONFIGS)
+    layers = 1 if opts.quick else 6
+    out, texts, batches = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
+                           "torch": torch.__version__, "command": " ".join(["gpu_profile.py", *(argv or sys.argv[1:])]),
+                           "rows": {}}, [], None  # fmt: skip
+    for config, variant in ROWS:
+        row = gpu_matrix.Row(config, variant, layers)
+        if gpu_matrix.skip_reason(row, opts.device):
+            continue
+        run = None
+        try:
+            run = builder.build(row)
+            if batches is None:
+                batches = fixed_batches(builder.task(), opts.max_tokens, opts.seed, opts.batches)
+                batches = to_device(batches, opts.device)
+            # compile: every distinct batch once, so recompilations happen before the profile
+            warm = max(opts.warmup, len(batches) if variant.compile else 0)
+            for s in itertools.islice(itertools.cycle(batches), warm):
+                run.step(s)
+            fig, text = profile_row(run, batches, opts.steps, opts.device)
+        except Exception as e:  # noqa: BLE001  (recorded, the next row runs)
+            fig, text = {"note": f"{type(e).__name__}: {str(e)[:300]}"}, ""
+        out["rows"][row.key] = fig
+        texts.append(f"===== {row.key} =====\n{json.dumps(fig, indent=1)}\n{text}")
+        print(row.key, json.dumps(fig), flush=True)
+        del run
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
+    if opts.json:
+        opts.json.write_text(json.dumps(out, indent=1) + "\n")
+    if opts.text:
+        opts.text.write_text("\n".join(texts))
+
+
+if __name__ == "__main__":
+    main()
