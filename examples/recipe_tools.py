@@ -259,9 +259,9 @@ def main(argv: List[str] | None = None) -> int:
             print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.output}")
         else:
             print(score(args.gen, args.mode, args.ref, args.detok_cmd))
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (RecipeError, OSError) as e:  # bad input or a missing / unreadable file: one line, status 1
+        print(f"recipe_tools.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,16 @@ def test_average_states_by_hand():
     states[1]["model"]["n"] = torch.tensor(4)
     with pytest.raises(rt.RecipeError, match="'n' differs"):
         rt.average_states(states)
+
+
+def test_recipe_tools_bad_input_is_one_line_and_status_1(tmp_path):
+    """A bad --num and a missing file: one line on stderr, exit status 1, no traceback."""
+    tool = str(EXAMPLES / "recipe_tools.py")
+    average = ["average", "--inputs", str(tmp_path), "--mode", "epoch", "--num", "0", "--output", str(tmp_path / "a")]
+    score = ["score", str(tmp_path / "missing.gen"), "--mode", "tok"]
+    runs = {"--num must be at least 1": average, "missing.gen": score}
+    for expected, argv in runs.items():
+        proc = subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("recipe_tools.py: error: ") and expected in lines[0], lines
