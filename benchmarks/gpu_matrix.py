@@ -7,8 +7,10 @@ One command, one process, identical dimensions and batches for every row: transf
   Pre-LN in fp16 (the reference of the Pre-LN rows);
 - the plugin's model (``--arch deepinit --init-scheme fairseq``: stock's model and init) in fp16
   and in bf16 autocast (``--task translation_deepinit --autocast-bf16``: fp32 weights, forward and
-  loss under ``torch.autocast(bfloat16)``), each with fairseq's and SDPA attention, and the bf16
-  SDPA model under ``torch.compile`` (guarded: a failure is recorded in its row);
+  loss under ``torch.autocast(bfloat16)``), each with fairseq's and SDPA attention; the bf16 SDPA
+  model with ``--optimizer adam_foreach`` (fairseq's Adam over all fp32 tensors at once: without
+  apex, fairseq's ``adam`` loops over ~250 tensors), and that under ``torch.compile`` (guarded: a
+  failure is recorded in its row);
 - every init-only scheme and Pre-LN ScaleNorm in fp16.
 
 At 18 and 36 layers: stock fp16 and the plugin's fp16 and bf16 SDPA paths. Per row: median target
@@ -60,7 +62,12 @@ class Row:
         """The ``config`` column: ``plugin-sdpa-compile``, ``stock``..."""
         v = self.variant
         return "-".join(
-            [self.config, *([v.attention] if v.attention != "fairseq" else []), *(["compile"] if v.compile else [])]
+            [
+                self.config,
+                *([v.attention] if v.attention != "fairseq" else []),
+                *(["foreach"] if v.optimizer == "adam_foreach" else []),
+                *(["compile"] if v.compile else []),
+            ]
         )
 
     @property
@@ -73,9 +80,10 @@ def matrix(layers: List[int], compile_row: bool) -> List[Row]:
     first, V = layers[0], Variant
     variants = [("stock", V("fp32")), ("stock", V("fp16")), ("stock-preln", V("fp16")), ("plugin", V("fp16")),
                 ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast")),
-                ("plugin", V("bf16-autocast", "sdpa"))]  # fmt: skip
+                ("plugin", V("bf16-autocast", "sdpa")),
+                ("plugin", V("bf16-autocast", "sdpa", optimizer="adam_foreach"))]  # fmt: skip
     if compile_row:
-        variants.append(("plugin", V("bf16-autocast", "sdpa", compile=True)))
+        variants.append(("plugin", V("bf16-autocast", "sdpa", compile=True, optimizer="adam_foreach")))
     variants += [(name, V("fp16")) for name in (*INIT_ONLY, "preln-scalenorm")]
     rows = [Row(c, v, first) for c, v in variants]
     deep = [("stock", V("fp16")), ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast", "sdpa"))]

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """What holds the GPU idle in a fairseq training step (issue #13): phases and torch.profiler.
 
-For stock fairseq fp16 and the plugin's fast paths (transformer base, 6 layers, the GPU matrix's
-batches), on the same fixed Multi30k batches:
+For stock fairseq fp16 and the plugin's fast paths (fp16 SDPA; bf16 SDPA with fairseq's ``adam``
+and with ``adam_foreach``; that compiled) at transformer base, 6 layers, on the GPU matrix's fixed
+Multi30k batches:
 
 - **phases**: wall time per step of forward + backward (``task.train_step``) and of the update
   (``multiply_grads`` + ``clip_grad_norm`` + ``optimizer_step``), each closed by a device sync;
@@ -39,7 +40,8 @@ ROWS = (
     ("stock", Variant("fp16")),
     ("plugin", Variant("fp16", "sdpa")),
     ("plugin", Variant("bf16-autocast", "sdpa")),
-    ("plugin", Variant("bf16-autocast", "sdpa", compile=True)),
+    ("plugin", Variant("bf16-autocast", "sdpa", optimizer="adam_foreach")),
+    ("plugin", Variant("bf16-autocast", "sdpa", compile=True, optimizer="adam_foreach")),
 )
 
 

@@ -31,7 +31,7 @@ from . import admin  # noqa: E402,F401  (Admin: --residual-scale admin, --task t
 from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
 from .modules import b2t, normformer, subln  # noqa: E402,F401  (B2T, NormFormer, Sub-LN options)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from .training import autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizer, lr scheduler)
+from .training import adam_foreach, autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizers, lr scheduler)
 from . import lm  # noqa: E402,F401  (decoder-only language models: deepinit_lm, after every family)
 from .training import distributed  # noqa: E402  (last: every architecture is registered by now)
 # isort: on

@@ -222,7 +222,7 @@ def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped
             assert "note" not in row and row["tokens_per_s"] > 0 and row["mfu"] is None, row  # CPU: no peak known
     measured = {(r["config"], r["layers"], r["precision"]) for r in doc["rows"] if r["tokens_per_s"]}
     assert measured == {("stock", 1, "fp32"), ("plugin", 1, "bf16-autocast"), ("plugin-sdpa", 1, "bf16-autocast"),
-                        ("plugin-sdpa", 2, "bf16-autocast")}  # fmt: skip
+                        ("plugin-sdpa-foreach", 1, "bf16-autocast"), ("plugin-sdpa", 2, "bf16-autocast")}  # fmt: skip
     stock = next(r for r in doc["rows"] if r["config"] == "stock" and r["precision"] == "fp32")
     assert stock["ratio_to_stock"] == 1.0  # CPU: the baseline falls back to stock fp32
     loss = doc["loss_check"]
@@ -245,7 +245,8 @@ def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     doc = json.loads((tmp_path / "p.json").read_text())
     assert doc["device"] == "cpu" and "--quick" in doc["command"]
-    assert list(doc["rows"]) == ["plugin-sdpa bf16-autocast 1L"]  # fp16 and compile rows need CUDA
+    # fp16 and compile rows need CUDA
+    assert list(doc["rows"]) == ["plugin-sdpa bf16-autocast 1L", "plugin-sdpa-foreach bf16-autocast 1L"]
     fig = doc["rows"]["plugin-sdpa bf16-autocast 1L"]
     assert "note" not in fig, fig
     assert 0 < fig["forward_backward_ms"] < fig["step_ms"] and 0 < fig["update_ms"] < fig["step_ms"]
@@ -260,9 +261,11 @@ def test_gpu_matrix_rows_and_compile_guard(monkeypatch):
     import gpu_matrix
 
     rows = gpu_matrix.matrix([6, 18, 36], compile_row=True)
-    assert len(rows) == 14 + 3 + 3
+    assert len(rows) == 15 + 3 + 3
     assert {r.label for r in rows if r.layers == 36} == {"stock", "plugin-sdpa"}
     assert sum(r.variant.compile for r in rows) == 1
+    foreach = [r.key for r in rows if r.variant.optimizer == "adam_foreach"]
+    assert foreach == ["plugin-sdpa-foreach bf16-autocast 6L", "plugin-sdpa-foreach-compile bf16-autocast 6L"]
     assert [r.key for r in rows if r.layers == 6][:2] == ["stock fp32 6L", "stock fp16 6L"]
 
     class FakeRun:

@@ -62,11 +62,12 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """How a model is run: precision, attention implementation (plugin only), torch.compile."""
+    """How a model is run: precision, attention implementation (plugin only), torch.compile, optimizer."""
 
     precision: str = "fp32"
     attention: str = "fairseq"
     compile: bool = False
+    optimizer: str = "adam"  # adam_foreach: the plugin's multi-tensor Adam (same update rule)
 
     def flags(self, plugin: bool) -> List[str]:
         """fairseq-train flags of this variant (``plugin``: the model is the plugin's)."""
@@ -75,6 +76,8 @@ class Variant:
             out = ["--task", "translation_deepinit", "--autocast-bf16"]
         if plugin and self.attention != "fairseq":
             out += ["--attention-impl", self.attention]
+        if self.optimizer != "adam":
+            out += ["--optimizer", self.optimizer]  # a later --optimizer wins in argparse
         return out
 
     @property
@@ -83,6 +86,7 @@ class Variant:
         return " ".join(
             [self.precision, *([self.attention] if self.attention != "fairseq" else [])]
             + (["compile"] if self.compile else [])
+            + ([self.optimizer] if self.optimizer != "adam" else [])
         )
 
 
@@ -97,7 +101,7 @@ def train_argv(
         "--max-tokens", str(opts.max_tokens), "--seed", str(opts.seed), "--num-workers", "0",
     ]  # fmt: skip
     argv += variant.flags(plugin)  # a later --task wins in argparse
-    if plugin or variant.precision == "bf16-autocast":
+    if plugin or variant.precision == "bf16-autocast" or variant.optimizer != "adam":
         argv += ["--user-dir", USER_DIR]
     if opts.device == "cpu":
         argv.append("--cpu")
