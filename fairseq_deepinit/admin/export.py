@@ -245,35 +245,54 @@ def _model_args(state: dict):
     return args
 
 
+def check_profiled(state: dict, src: str, stack: str) -> None:
+    """An Admin checkpoint whose first ``stack`` layer was never profiled is not a trained Admin model."""
+    flag = state["model"].get(f"{stack}.layers.0.residuals.self_attn.profiled")
+    if flag is not None and not bool(flag):
+        raise AdminExportError(f"{src}: omega was never profiled; this is not a trained Admin model")
+
+
+def stock_checkpoint(
+    state: dict, src: str, model_sd: dict, model_args: dict, changes: dict, task: str, criterion: tuple | None = None
+) -> dict:
+    """The exported checkpoint: ``state``'s config with ``model_args``, fairseq's ``task``, no user dir.
+
+    The optimizer state is dropped (only the last history entry's metadata is kept); ``criterion``,
+    ``(cfg dict, class name)``, replaces the training criterion (a plugin criterion stock fairseq lacks).
+    """
+    cfg = _primitive(state.get("cfg") or {})
+    cfg["model"] = model_args
+    if isinstance(cfg.get("task"), dict):
+        cfg["task"]["_name"] = task
+    if isinstance(cfg.get("common"), dict):
+        cfg["common"]["user_dir"] = None
+    history = state.get("optimizer_history") or [{}]
+    last = {k: v for k, v in history[-1].items() if k != "optimizer"}
+    last = _primitive(last) | {"num_updates": int(last.get("num_updates", 0) or 0)}
+    if criterion is not None:
+        if isinstance(cfg.get("criterion"), dict):
+            cfg["criterion"] = criterion[0]
+        last["criterion_name"] = criterion[1]
+    return {
+        "args": None,
+        "cfg": cfg,
+        "model": model_sd,
+        "criterion": None,
+        "optimizer_history": [last],
+        "task_state": {},
+        "extra_state": {"deepinit_export": {"source": src, "from": "admin", "changes": _primitive(changes)}},
+    }
+
+
 def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4) -> dict:
     """Fold ``src`` (an Admin checkpoint) into ``dst``; returns a summary (changes, check result)."""
     state = _load(src)
     args = copy.deepcopy(_model_args(state))
     check_exportable(args)
-    if "encoder.layers.0.residuals.self_attn.profiled" in state["model"] and not bool(
-        state["model"]["encoder.layers.0.residuals.self_attn.profiled"]
-    ):
-        raise AdminExportError(f"{src}: omega was never profiled; this is not a trained Admin model")
+    check_profiled(state, src, "encoder")
     model_sd, changes = fold_state_dict(state["model"], args)
     model_args = export_args(args, changes)
-
-    cfg = _primitive(state.get("cfg") or {})
-    cfg["model"] = model_args
-    if isinstance(cfg.get("task"), dict):
-        cfg["task"]["_name"] = "translation"
-    if isinstance(cfg.get("common"), dict):
-        cfg["common"]["user_dir"] = None
-    history = state.get("optimizer_history") or [{}]
-    last = {k: v for k, v in history[-1].items() if k != "optimizer"}
-    out = {
-        "args": None,
-        "cfg": cfg,
-        "model": model_sd,
-        "criterion": None,
-        "optimizer_history": [_primitive(last) | {"num_updates": int(last.get("num_updates", 0) or 0)}],
-        "task_state": {},
-        "extra_state": {"deepinit_export": {"source": src, "from": "admin", "changes": _primitive(changes)}},
-    }
+    out = stock_checkpoint(state, src, model_sd, model_args, changes, "translation")
     summary = {"changes": changes}
     if check:
         summary["max_abs_diff"] = verify(state["model"], args, model_sd, model_args, tolerance)

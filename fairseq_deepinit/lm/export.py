@@ -35,9 +35,11 @@ from ..admin.export import (
     _model_args,
     _primitive,
     check_exportable,
+    check_profiled,
     export_parser,
     fold_state_dict,
     run_export,
+    stock_checkpoint,
 )
 from ..errors import AdminExportError
 from .model import DeepInitLanguageModel
@@ -98,31 +100,11 @@ def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: floa
     if getattr(args, "encoder_layers", None) != 0:
         raise AdminExportError(f"{src} is not a deepinit language model; use deepinit-export-admin for translation")
     check_exportable(args)
-    flag = state["model"].get("decoder.layers.0.residuals.self_attn.profiled")
-    if flag is not None and not bool(flag):
-        raise AdminExportError(f"{src}: omega was never profiled; this is not a trained Admin model")
+    check_profiled(state, src, "decoder")
     model_sd, changes = fold_state_dict(state["model"], args)
     model_args = export_lm_args(args, changes)
-    cfg = _primitive(state.get("cfg") or {})
-    cfg["model"] = model_args
-    if isinstance(cfg.get("task"), dict):
-        cfg["task"]["_name"] = "language_modeling"
-    if isinstance(cfg.get("common"), dict):
-        cfg["common"]["user_dir"] = None
-    if isinstance(cfg.get("criterion"), dict):
-        cfg["criterion"] = {"_name": "cross_entropy", "sentence_avg": False}
-    history = state.get("optimizer_history") or [{}]
-    last = {k: v for k, v in history[-1].items() if k != "optimizer"}
-    last = _primitive(last) | {"num_updates": int(last.get("num_updates", 0) or 0), "criterion_name": "CrossEntropy"}
-    out = {
-        "args": None,
-        "cfg": cfg,
-        "model": model_sd,
-        "criterion": None,
-        "optimizer_history": [last],
-        "task_state": {},
-        "extra_state": {"deepinit_export": {"source": src, "from": "admin", "changes": _primitive(changes)}},
-    }
+    criterion = ({"_name": "cross_entropy", "sentence_avg": False}, "CrossEntropy")
+    out = stock_checkpoint(state, src, model_sd, model_args, changes, "language_modeling", criterion)
     summary = {"changes": changes}
     if check:
         summary["max_abs_diff"] = verify_lm(state["model"], args, model_sd, model_args, tolerance)
