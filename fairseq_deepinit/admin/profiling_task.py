@@ -35,6 +35,13 @@ from .residual import admin_residuals, is_profiled, omega_parameters, unwrap_mod
 logger = logging.getLogger(__name__)
 
 
+def rows_within(lengths: torch.Tensor, max_tokens: int) -> int:
+    """How many leading rows keep ``rows * longest row`` (the padded size fairseq's ``--max-tokens``
+    bounds) within ``max_tokens``; at least one. ``lengths``: each row's (longest side's) length."""
+    padded = torch.cummax(lengths, 0).values * torch.arange(1, lengths.size(0) + 1, device=lengths.device)
+    return max(1, int((padded <= max_tokens).sum()))  # padded size never decreases with more rows
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 

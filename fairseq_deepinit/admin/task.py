@@ -15,7 +15,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..training.autocast import AutocastConfig, AutocastTaskMixin
-from .profiling_task import AdminProfilingMixin
+from .profiling_task import AdminProfilingMixin, rows_within
 from .residual import PROFILING_TASKS
 
 TASK_NAME = "translation_admin"
@@ -48,9 +48,7 @@ def merge_and_cap(
     prev = torch.cat([_pad_to(n["prev_output_tokens"], tgt_w, pad, left_pad_target) for n in net_inputs])
     src_len = src.ne(pad).sum(1)
     tgt_len = prev.ne(pad).sum(1)
-    longest = torch.maximum(torch.cummax(src_len, 0).values, torch.cummax(tgt_len, 0).values)
-    padded = longest * torch.arange(1, src.size(0) + 1, device=src.device)
-    keep = max(1, int((padded <= max_tokens).sum()))  # padded size never decreases with more rows
+    keep = rows_within(torch.maximum(src_len, tgt_len), max_tokens)
     total = src.size(0)
     src, prev, src_len, tgt_len = src[:keep], prev[:keep], src_len[:keep], tgt_len[:keep]
     src = _trim(src, int(src_len.max()), left_pad_source)

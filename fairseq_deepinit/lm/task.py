@@ -22,6 +22,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
 from ..admin import PROFILING_TASKS, AdminProfilingMixin
+from ..admin.profiling_task import rows_within
 from ..training.autocast import AutocastConfig, AutocastTaskMixin
 
 TASK_NAME = "language_modeling_admin"
@@ -43,8 +44,7 @@ def merge_and_cap_lm(net_inputs: List[dict], pad: int, max_tokens: int) -> Tuple
         rows.append(tokens)
     src = torch.cat(rows)
     lengths = src.ne(pad).sum(1)
-    padded = torch.cummax(lengths, 0).values * torch.arange(1, src.size(0) + 1, device=src.device)
-    keep = max(1, int((padded <= max_tokens).sum()))
+    keep = rows_within(lengths, max_tokens)
     total = src.size(0)
     src, lengths = src[:keep], lengths[:keep]
     return {"src_tokens": src[:, : int(lengths.max())], "src_lengths": lengths}, total - keep
