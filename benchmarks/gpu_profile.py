@@ -59,13 +59,10 @@ def profile_row(run, batches, steps: int, device: str) -> tuple[dict, str]:
     for s in itertools.islice(itertools.cycle(batches), steps):
         sync()
         t0 = time.perf_counter()
-        run.optimizer.zero_grad()
-        _, size, _ = run.task.train_step(s, run.model, run.criterion, run.optimizer, run.updates)
+        size, _ = run.forward_backward(s)
         sync()
         t1 = time.perf_counter()
-        run.optimizer.multiply_grads(1.0 / (size or 1.0))
-        run.optimizer.clip_grad_norm(0.0)
-        run.task.optimizer_step(run.optimizer, run.model, run.updates)
+        run.update(size)
         sync()
         t2 = time.perf_counter()
         fb.append(t1 - t0), upd.append(t2 - t1), wall.append(t2 - t0)
@@ -80,11 +77,10 @@ def profile_row(run, batches, steps: int, device: str) -> tuple[dict, str]:
     kernel_us = sum(_device_us(e) for e in avgs if e.device_type == torch.autograd.DeviceType.CUDA)
     launches = sum(e.count for e in avgs if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     syncs = sum(e.count for e in avgs if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync"))
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     fig = {
-        "forward_backward_ms": 1e3 * med(fb),
-        "update_ms": 1e3 * med(upd),
-        "step_ms": 1e3 * med(wall),
+        "forward_backward_ms": 1e3 * harness.median(fb),
+        "update_ms": 1e3 * harness.median(upd),
+        "step_ms": 1e3 * harness.median(wall),
         "profiled_step_ms": 1e3 * prof_wall / steps,
         "gpu_kernel_ms_per_step": kernel_us / 1e3 / steps,
         "gpu_busy_fraction": (kernel_us / 1e6) / prof_wall if prof_wall else None,

@@ -147,14 +147,23 @@ class Run:
         self.overflows = 0
         self.last_loss = math.nan  # fairseq's logged loss (base 2, per target token) of the last step
 
+    def forward_backward(self, sample: dict) -> tuple:
+        """Zeroed gradients, then ``task.train_step`` (forward, loss, backward); ``(sample_size, log)``."""
+        self.optimizer.zero_grad()
+        _, sample_size, log = self.task.train_step(sample, self.model, self.criterion, self.optimizer, self.updates)
+        return sample_size, log
+
+    def update(self, sample_size) -> None:
+        """The rest of fairseq's step: gradients over the sample size, (no) clipping, the optimizer step."""
+        self.optimizer.multiply_grads(1.0 / (sample_size or 1.0))
+        self.optimizer.clip_grad_norm(0.0)
+        self.task.optimizer_step(self.optimizer, self.model, self.updates)
+
     def step(self, sample: dict) -> int:
         """fairseq ``Trainer.train_step`` for one batch, without its logging; returns target tokens."""
-        self.optimizer.zero_grad()
         try:
-            _, sample_size, log = self.task.train_step(sample, self.model, self.criterion, self.optimizer, self.updates)
-            self.optimizer.multiply_grads(1.0 / (sample_size or 1.0))
-            self.optimizer.clip_grad_norm(0.0)
-            self.task.optimizer_step(self.optimizer, self.model, self.updates)
+            sample_size, log = self.forward_backward(sample)
+            self.update(sample_size)
             self.last_loss = float(log["loss"]) / (sample_size or 1.0) / math.log(2)
         except OverflowError:  # fp16 loss-scale overflow: fairseq skips the update too
             self.overflows += 1
