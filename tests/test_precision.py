@@ -50,11 +50,31 @@ CONFIGS = {
 # ---- --checkpoint-activations under bf16 autocast -----------------------------------------------
 
 
-def _bf16_step(flags: tuple, checkpoint: bool):
+def _build_lm(*cli: str):
+    """A decoder-only ``deepinit_lm`` model as fairseq-train builds it, and a batch for it."""
+    from fairseq import options
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, ["/nonexistent", "--task", "language_modeling", "--arch", "deepinit_lm_tiny", *cli]
+    )
+    d = make_dictionary(50)
+    torch.manual_seed(3)
+    model = LanguageModelingTask(args, d, d).build_model(args)
+    src = torch.randint(4, 54, (3, 9), generator=torch.Generator().manual_seed(0))
+    return model, args, {"src_tokens": src, "src_lengths": torch.full((3,), 9)}
+
+
+def _bf16_step(flags: tuple, checkpoint: bool, lm: bool = False):
     """One forward + backward under bf16 autocast with dropout 0.2: (loss, gradients, forward audit,
     backward audit)."""
     extra = ("--checkpoint-activations",) if checkpoint else ()
-    model, args = build_model("deepinit_tiny", *DROPOUT, *flags, *extra, seed=3)
+    if lm:
+        model, args, batch = _build_lm(*DROPOUT, *flags, *extra)
+    else:
+        model, args = build_model("deepinit_tiny", *DROPOUT, *flags, *extra, seed=3)
+        batch = tiny_batch()
     assert bool(args.checkpoint_activations) == checkpoint
     model.train()
     with torch.no_grad():  # non-zero ReZero scalars, so that every branch gets gradient
@@ -63,7 +83,7 @@ def _bf16_step(flags: tuple, checkpoint: bool):
                 p.fill_(0.5)
     torch.manual_seed(11)
     with MatmulDtypes() as fwd, torch.autocast("cpu", dtype=BF16):
-        out, _ = model(**tiny_batch())
+        out, _ = model(**batch)
         loss = out.float().pow(2).mean()
     with MatmulDtypes() as bwd:
         loss.backward()  # outside autocast, as fairseq's train_step runs it
@@ -71,7 +91,7 @@ def _bf16_step(flags: tuple, checkpoint: bool):
     return loss.detach(), grads, fwd, bwd
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [*CONFIGS, "lm-preln"])
 def test_checkpointed_recompute_is_bf16_and_gives_the_same_gradients(config):
     """Every matrix product of forward and backward is bf16 with checkpointing, and the gradients equal
     those without it bit for bit.
@@ -85,9 +105,10 @@ def test_checkpointed_recompute_is_bf16_and_gives_the_same_gradients(config):
     defects this test is for (an fp32 recompute, gradients summed in bf16, fresh dropout masks),
     whose differences are single bf16 ulps of some gradients.
     """
-    flags = CONFIGS[config]
-    loss0, plain, fwd0, bwd0 = _bf16_step(flags, checkpoint=False)
-    loss1, ckpt, fwd1, bwd1 = _bf16_step(flags, checkpoint=True)
+    lm = config == "lm-preln"  # the decoder-only language model (fairseq's language_modeling task)
+    flags = ("--decoder-normalize-before",) if lm else CONFIGS[config]
+    loss0, plain, fwd0, bwd0 = _bf16_step(flags, checkpoint=False, lm=lm)
+    loss1, ckpt, fwd1, bwd1 = _bf16_step(flags, checkpoint=True, lm=lm)
     for audit in (fwd0, bwd0, fwd1, bwd1):
         assert set(audit.by_dtype()) == {BF16}, audit.summary()
     assert fwd1.counts == fwd0.counts  # the checkpointed forward runs the same products
@@ -96,7 +117,7 @@ def test_checkpointed_recompute_is_bf16_and_gives_the_same_gradients(config):
     recomputed = sum(bwd1.by_dtype().values()) - sum(bwd0.by_dtype().values())
     assert 0 < recomputed < sum(fwd0.by_dtype().values())  # the output projection is not recomputed
     assert torch.equal(loss0, loss1)
-    assert set(plain) == set(ckpt) and len(plain) > 20
+    assert set(plain) == set(ckpt) and len(plain) > 10
     differ = [n for n in plain if not torch.equal(plain[n], ckpt[n])]
     assert not differ, differ
     assert sum(bool(g.abs().max() > 0) for g in plain.values()) > 0.8 * len(plain)
@@ -204,7 +225,7 @@ def test_cli_autocast_bf16_with_checkpoint_activations_matches_without(synthetic
 # ---- FixNorm's floor in fp16 and bf16 -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_fixnorm_floor_is_valid_in_low_precision(dtype):
     """A zero row (not the padding row) stays finite and zero, with a finite gradient; every other row
     matches the fp32 computation within two roundings of ``dtype``.
@@ -303,7 +324,7 @@ def _sample():
 OVERFLOW = {torch.bfloat16: 3.4e38, torch.float16: 1e5}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_guard_replays_a_low_precision_overflow_and_names_the_layer(dtype):
     """fc1 of encoder layer 0 gets one hidden unit with bias OVERFLOW[dtype] and zero in- and outgoing
     weights: in fp32 the unit's activation is large but finite and fc2 multiplies it by 0, so the model
