@@ -23,7 +23,6 @@ from fairseq.models.transformer import (
     TransformerEncoderBase,
     TransformerModel,
 )
-from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from . import options
 from .checkpoints import config_check
@@ -32,12 +31,15 @@ from .modules.layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
 from .modules.norms import build_optional_norm
 from .schemes import apply_init_scheme
 from .training import distributed
+from .training.activation_checkpoint import checkpoint_wrapper
 
 logger = logging.getLogger(__name__)
 
 
 def _wrap_layer(cfg, layer):
-    """fairseq's own activation-checkpoint / FSDP wrapping of a freshly built layer."""
+    """fairseq's activation-checkpoint / FSDP wrapping of a freshly built layer (fairseq's
+    ``TransformerEncoderBase.build_encoder_layer``), with the checkpoint's recompute under the forward's
+    autocast state (:mod:`.training.activation_checkpoint`)."""
     checkpoint = cfg.checkpoint_activations
     if checkpoint:
         layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)

@@ -21,9 +21,10 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
 2. a divergence guard: when the loss or the gradients go non-finite in a way fairseq's fp16/AMP loss
    scaling does not absorb (fp32 training, or the minimum loss scale reached), training stops with a
    :class:`DivergenceError` naming the update and the first layer, in forward order, whose output went
-   non-finite (found by replaying the update's batches with hooks), the non-finite weights, and the
-   first layer with non-finite gradients. A checkpoint save of a non-finite model is refused, so
-   ``checkpoint_last.pt`` keeps the last good state.
+   non-finite (found by replaying the update's batches with hooks, under the autocast state the
+   update's forward ran in, so that a bf16- or fp16-only overflow overflows again; ``--fp16`` weights
+   are half already), the non-finite weights, and the first layer with non-finite gradients. A
+   checkpoint save of a non-finite model is refused, so ``checkpoint_last.pt`` keeps the last good state.
 
 Gradients exist only after the backward pass, which fairseq's task runs; the criterion therefore
 gives the task a small mixin (:class:`DiagnosticsTaskMixin`) that tells it the update number, and
@@ -49,6 +50,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.logging import metrics
 
 from ..errors import DivergenceError
+from ..training.autocast_state import AutocastState
 from . import hooks
 from .stats import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
 
@@ -100,6 +102,7 @@ class _RunState:
         self.model: nn.Module | None = None
         self.optimizer = None
         self.last_loss: torch.Tensor | None = None
+        self.precision: AutocastState | None = None  # autocast state of the update's forward, for the replay
         self.diverged = False
         self.injected = False
         self.warned_sharded = False
@@ -225,6 +228,9 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def forward(self, model, sample, reduce=True):
         run = self._run
+        if model.training:
+            # the step's precision (--autocast-bf16, --amp), set by the caller; a replay must run under it
+            run.precision = AutocastState.capture(sample["net_input"].values())
         if not (run.collect and model.training):
             loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
             run.last_loss = loss.detach()
@@ -365,25 +371,30 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
             with ExitStack() as stack:
                 if res is not None:
                     stack.enter_context(res)
+                if run.precision is not None:  # a bf16/fp16-only overflow must overflow again
+                    stack.enter_context(run.precision.applied())
                 culprit = first_nonfinite_output(model, lambda: [model(**s["net_input"]) for s in run.samples])
             if res is not None:
                 for sub, v in res.variances().items():
                     if not (math.isfinite(v["branch"]) and math.isfinite(v["skip"])):
                         first_sub = (sub, v)
                         break
+        # say so when the replay ran under autocast: the same batch may be finite in fp32
+        under = f"replayed under {run.precision.describe()}" if run.precision and run.precision.enabled else ""
         if culprit is not None:
             line = f"First layer whose statistics went non-finite (forward order): {layer_key(culprit + '._')}"
             line += f" (first module with a NaN/Inf output: {culprit}"
             if first_sub is not None:
                 sub, v = first_sub
                 line += f"; first sub-layer: {sub}, Var(branch)={v['branch']:.4g}, Var(skip)={v['skip']:.4g}"
-            lines.append(line + ").")
+            lines.append(line + (f"; {under}" if under else "") + ").")
         elif model is not None:
             grads = grad_norms_per_layer(model)
             bad = [k for k, v in grads.items() if not math.isfinite(v)]
             if bad:
                 lines.append(
-                    f"The forward pass is finite; the gradients first go non-finite (forward order) in layer "
+                    f"The forward pass is finite{f' ({under})' if under else ''}; the gradients first go non-finite "
+                    f"(forward order) in layer "
                     f"{bad[0]} ({len(bad)} of {len(grads)} layers affected)."
                 )
                 world = _data_parallel_size()

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 class FixNormEmbedding(nn.Embedding):
     """An ``nn.Embedding`` whose rows are used l2-normalised (unit length)."""
 
-    # floor of a row's norm: only a row that collapsed to ~0 (never the padding row) reaches it
+    # floor of a row's norm (only a row that collapsed to ~0, never the padding row, reaches it): the
+    # released code's F.normalize default (TwT model.py:75, 123), raised per dtype by norm_floor
     eps: float = 1e-12
 
     def reset_parameters(self) -> None:
@@ -33,7 +34,8 @@ class FixNormEmbedding(nn.Embedding):
         constant 0 (and dividing it by 1) keeps it at zero with a zero gradient.
         """
         w = self.weight
-        norm = w.norm(dim=-1, keepdim=True).clamp(min=self.eps)
+        norm = w.norm(dim=-1, keepdim=True)
+        norm = norm.clamp(min=norm_floor(self.eps, norm.dtype))
         if self.padding_idx is None:
             return w / norm
         keep = torch.ones_like(norm)
@@ -42,6 +44,19 @@ class FixNormEmbedding(nn.Embedding):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.normalized_weight(), self.padding_idx)
+
+
+def norm_floor(eps: float, dtype: torch.dtype) -> float:
+    """``eps`` as a floor for a norm computed in ``dtype``: at least the dtype's smallest normal number.
+
+    The released code normalises in fp32 with ``F.normalize``'s ``eps = 1e-12``
+    (tnq177/transformers_without_tears ``model.py:75, 123``), which fp16 cannot hold: it rounds to 0,
+    and a zero row is divided by 0 (NaN). The floor must be nonzero in the dtype and ``1/floor`` (the
+    gradient of ``w / floor``) finite: fp16's smallest normal, ``2**-14`` (``1/floor = 16384``), is both,
+    where its subnormals would give an infinite ``1/floor``. fp32 and bf16 (fp32's exponent range)
+    keep 1e-12, so fp32 models compute exactly what the released code computes.
+    """
+    return max(eps, torch.finfo(dtype).tiny)
 
 
 class FixNormOutputProjection(nn.Module):
