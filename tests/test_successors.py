@@ -1,7 +1,9 @@
 """The successor methods of issue #16, each against its authors' released code (re-implemented here
 from the cited file and line, not imported): closed-form Admin (admin-torch), Sub-LN (torchscale),
 torchscale's DeepNorm constants, B2T connection (takase/b2t_connection), NormFormer on both stacks
-(fairseq's own decoder layer); plus their bad-input rules and a short fairseq-train of each new arch."""
+(fairseq's own decoder layer); the first three also decoder-only (issue 21: the layer's stack kind), and
+NormFormer under deepcopy, state-dict round trips and fairseq's EMA; plus their bad-input rules and a short
+fairseq-train of each new arch."""
 
 from __future__ import annotations
 
@@ -106,13 +108,6 @@ def test_closed_form_admin_exports_to_plain_postln_with_the_same_logits():
 # --- Sub-LN (torchscale) -----------------------------------------------------------------------------
 
 
-def torchscale_subln_gain(stack: str, n: int, m: int) -> float:
-    """torchscale @ 4d1e0e8: architecture/encoder.py:255-260, decoder.py:301-302 (encoder-decoder)."""
-    if stack == "encoder":
-        return math.sqrt(math.log(3 * m) * math.log(2 * n) / 3)
-    return math.sqrt(math.log(m * 3))
-
-
 def test_subln_layer_order_matches_torchscale():
     model, _ = build_model("subln_iwslt_de_en", *dims())
     model.eval()
@@ -157,9 +152,9 @@ def test_subln_init_gain_matches_torchscale():
         if ".layers." not in name or ".norm." in name:
             continue
         stack = name.split(".")[0]
-        gain = torchscale_subln_gain(stack, N_E, N_D) if any(f".{s}." in name for s in scaled) else 1.0
+        gain = released_subln(stack, True, N_E, N_D) if any(f".{s}." in name for s in scaled) else 1.0
         torch.testing.assert_close(p.detach(), bases[name].detach() * gain, rtol=1e-6, atol=0, msg=name)
-    assert torchscale_subln_gain("encoder", N_E, N_D) != 1.0
+    assert released_subln("encoder", True, N_E, N_D) != 1.0
 
 
 # --- torchscale DeepNorm -----------------------------------------------------------------------------
