@@ -53,6 +53,18 @@ def _replace_stack_norms(module, cfg, embed_dim: int) -> None:
             setattr(module, attr, build_optional_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
 
 
+def _keep_version(module, state_dict, name: str) -> None:
+    """Read a state dict without ``<name>.version`` as one of this version, not as a pre-2019 one.
+
+    fairseq takes a missing key for version 1 and then removes the stack's final norm
+    (fairseq/models/transformer/transformer_encoder.py:340-345, transformer_decoder.py:430-435). Every
+    checkpoint of this plugin has the key, but fairseq's EMA loads its averages without it (it skips
+    "version" keys, fairseq/models/ema/ema.py:164-174), which removed the EMA model's final Pre-LN norm
+    (and left its weights out of the EMA) without a word.
+    """
+    state_dict.setdefault(f"{name}.version", module.version.detach().clone())
+
+
 class DeepInitEncoder(TransformerEncoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, return_fc: bool = False) -> None:
         self._built_layers = 0
@@ -62,6 +74,10 @@ class DeepInitEncoder(TransformerEncoderBase):
     def build_encoder_layer(self, cfg):
         self._built_layers += 1
         return _wrap_layer(cfg, DeepInitEncoderLayer(cfg, self._built_layers, return_fc=self.return_fc))
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        _keep_version(self, state_dict, name)
+        return super().upgrade_state_dict_named(state_dict, name)
 
 
 class DeepInitDecoder(TransformerDecoderBase):
@@ -84,7 +100,8 @@ class DeepInitDecoder(TransformerDecoderBase):
         super().build_output_projection(cfg, dictionary, embed_tokens)
 
     def upgrade_state_dict_named(self, state_dict, name):
-        """fairseq's upgrade, minus its pre-0.10 fix-up where it does not apply to FixNorm.
+        """fairseq's upgrade, with the version kept (:func:`_keep_version`), minus its pre-0.10 fix-up where it
+        does not apply to FixNorm.
 
         fairseq copies ``embed_tokens.weight`` into ``output_projection.weight`` whenever that key
         is missing, for checkpoints written before the output projection was a module. The FixNorm
@@ -92,6 +109,7 @@ class DeepInitDecoder(TransformerDecoderBase):
         ``output_projection.embedding.weight``), so that copy would be an unexpected key under
         strict loading; it is dropped again here, and only when fairseq itself added it.
         """
+        _keep_version(self, state_dict, name)
         key = f"{name}.output_projection.weight"
         had_key = key in state_dict
         state_dict = super().upgrade_state_dict_named(state_dict, name)

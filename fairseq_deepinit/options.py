@@ -78,7 +78,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--deepnorm-variant",
         choices=("paper", "torchscale"),
         help="deepnorm: the DeepNet paper's init (Table 1, Figure 2; default) or torchscale's released code "
-        "(nn.Linear default init divided by (N^4 M)^(1/16)/1.15 and (12M)^(1/4); docs/schemes.md)",
+        "(nn.Linear default init divided by (N^4 M)^(1/16)/1.15 and (12M)^(1/4), decoder-only (8M)^(1/4); "
+        "docs/schemes.md)",
     )
     g.add_argument(
         "--force-norm-with-scheme",
@@ -308,7 +309,10 @@ POST_LN_RESIDUALS: set = {"deepnorm"}
 
 
 def has_encoder(args) -> bool:
-    """False for a decoder-only model: the language model stores ``encoder_layers = 0`` (lm/model.py)."""
+    """False for a decoder-only model: the language model stores ``encoder_layers = 0`` (lm/model.py).
+
+    For option checks only; the formulas read each layer's kind (modules/stacks.py).
+    """
     return getattr(args, "encoder_layers", None) != 0
 
 

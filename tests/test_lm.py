@@ -242,6 +242,25 @@ def test_admin_decoder_only_omega_closed_form(formula):
             assert omegas[i] == pytest.approx(math.sqrt(sum(variances[:i])), rel=1e-5), i
 
 
+# the successor families (docs/schemes.md): decoder-only constants by the layers' kind (test_successors.py)
+SUCCESSOR_LM_FAMILIES = ("admin_closed", "deepnorm_torchscale", "subln", "b2t", "normformer")
+
+
+@pytest.mark.parametrize("family", SUCCESSOR_LM_FAMILIES)
+def test_successor_families_build_decoder_only_models(family):
+    model, args, _ = build_lm(f"{family}_lm_tiny", "--decoder-layers", "3", "--dropout", "0")
+    assert args.encoder_layers == 0 and len(model.decoder.layers) == 3
+    assert {layer.kind.name for layer in model.decoder.layers} == {"decoder-only"}
+    model.eval()
+    toks = tokens(2, 6)
+    with torch.no_grad():
+        full = model(toks)[0]
+        state: dict = {}
+        steps = [model.decoder(toks[:, : t + 1], incremental_state=state)[0] for t in range(toks.size(1))]
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
+
+
 def test_incremental_decoding_matches_full_forward_for_every_family():
     """What fairseq-interactive / sequence generation uses: step-by-step logits == one full pass."""
     for family in LM_FAMILIES:
@@ -388,6 +407,19 @@ def test_train_resume_eval_lm_and_sample(lm_bin, tmp_path):
     assert gen.returncode == 0, gen.stdout[-3000:]
     hyp = [line for line in gen.stdout.splitlines() if line.startswith("H-0")]
     assert hyp and hyp[0].split("\t")[2].startswith("w3 w5 w7"), gen.stdout[-2000:]
+
+
+@pytest.mark.parametrize("family", ["subln", "admin_closed"])
+def test_successor_lm_trains(family, lm_bin, tmp_path):
+    """Sub-LN's LM builds under fairseq-train (it asked for --encoder-normalize-before, which the LM parser lacks);
+    closed-form Admin trains under the plain language_modeling task (omega set at build time, never profiled)."""
+    out = run_cli("train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
+                  f"{family}_lm_tiny", *TRAIN, "--max-update", "6", "--no-save", "--disable-validation",
+                  "--save-dir", tmp_path).stdout  # fmt: skip
+    assert "done training" in out and re.search(r"num_updates 6\b", out), out[-2000:]
+    assert ("subln" in out) if family == "subln" else ("residual=admin" in out), out[-2000:]
+    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", out)]
+    assert losses and all(math.isfinite(x) for x in losses), out[-2000:]
 
 
 def test_admin_lm_task_profiles_and_exports_to_stock_transformer_lm(lm_bin, tmp_path):

@@ -299,13 +299,14 @@ def test_own_value_projection_initialised_as_a_value_projection(scheme):
     import math
 
     from fairseq_deepinit.modules.residual import deepnorm_beta
+    from fairseq_deepinit.modules.stacks import DECODER
     from fairseq_deepinit.schemes.smallinit import smallinit_std
 
     model, args = _matt("aan", False, "--init-scheme", scheme, "--decoder-embed-dim", "256",
                         "--decoder-ffn-embed-dim", "256", "--encoder-embed-dim", "256")  # fmt: skip
     d = 256
     if scheme == "deepnorm":
-        want = deepnorm_beta("decoder", args.encoder_layers, args.decoder_layers) * math.sqrt(2.0 / (d + d))
+        want = deepnorm_beta(DECODER, args.encoder_layers, args.decoder_layers) * math.sqrt(2.0 / (d + d))
     else:
         want = smallinit_std(d)
     w = torch.cat([layer.self_branch.v_proj.weight.flatten() for layer in model.decoder.layers])

@@ -8,12 +8,16 @@
 
 with n the number of residual sub-layers of the stack (released code: microsoft/admin-torch @ 08b6605,
 ``admin_torch/admin.py:54-81``, ``calculate_init``; its docstring, admin.py:64, counts "2n residual
-layers" for an n-layer encoder, and the package's example passes one count per stack). The plugin
-counts as that docstring does, per stack: 2N for the encoder (self-attention, FFN), 3M for the decoder
-(self-attention, cross-attention, FFN; 2M with ``--no-cross-attention``). The fairseq integration the
-package README points to (LiyuanLucasLiu/fairseq commit 33ad76a) is not in the public snapshot
-available here, so the decoder's 3M is the docstring's rule applied to three sub-layers, not read from
-that commit. omega is the same per-dimension vector as profiled Admin's (``as_parameter``, trainable
+layers" for an n-layer encoder, and the package's example, admin.py:125, passes one count per stack).
+The plugin counts as that docstring does, per stack, the residual sub-layers its layers were built
+with (``layer.residuals``, one per sub-layer of the layer's kind, :mod:`~fairseq_deepinit.modules.stacks`):
+2N for the encoder (self-attention, FFN), 3M for a decoder with cross-attention (self-attention,
+cross-attention, FFN), 2M for a decoder-only stack (the language model, or ``--no-cross-attention``)
+and for a MAtt decoder (merged attention, FFN). The fairseq integration the package README points
+to (LiyuanLucasLiu/fairseq commit 33ad76a) is not in the public snapshot available here, so the
+decoder's 3M is the docstring's rule applied to three sub-layers, not read from that commit. omega
+is set after the model is built (``admin/residual.py``, ``set_closed_form_omega``) and is the same
+per-dimension vector as profiled Admin's (``as_parameter``, trainable
 unless ``--admin-freeze-omega``, as admin-torch's example script's ``--encoder-as-parameter``), so
 checkpoints, export to plain Post-LN and the diagnostics are unchanged; no profiling pass is needed.
 """
@@ -40,11 +44,3 @@ def closed_form_omega(num_res_layers: int, output_change_scale: str = DEFAULT_OU
     else:
         raise ValueError(f"unknown output change scale {output_change_scale!r}; choose from {OUTPUT_CHANGE_SCALES}")
     return value**0.5
-
-
-def residual_sublayers(cfg, stack: str) -> int:
-    """Residual sub-layers of ``stack`` as counted for the closed form (module docstring)."""
-    if stack == "encoder":
-        return 2 * cfg.encoder.layers
-    per_layer = 2 if getattr(cfg, "no_cross_attention", False) else 3
-    return per_layer * cfg.decoder.layers

@@ -49,9 +49,10 @@ from ..architectures import register_family
 from ..diagnostics.hooks import sublayer_name
 from ..errors import AdminConfigError, AdminNotProfiledError
 from ..modules.residual import Residual, register_residual
-from ..schemes import WITH_NORM, SchemeSpec, register_scheme
+from ..modules.stacks import StackKind
+from ..schemes import WITH_NORM, SchemeSpec, iter_layers, register_post_init_hook, register_scheme
 from ..schemes.baseline import apply_baseline
-from .closed_form import CLOSED_FORM, closed_form_omega, residual_sublayers
+from .closed_form import CLOSED_FORM, closed_form_omega
 
 FORMULAS = ("code", "paper")
 PROFILE_FORMAT = "fairseq-deepinit admin profile v1"
@@ -108,18 +109,33 @@ class AdminResidual(Residual):
         return f"dim={self.omega.numel()}, trainable={self.omega.requires_grad}"
 
 
-def _build_admin_residual(cfg, stack: str, sublayer: str, layer_idx: int) -> AdminResidual:
-    dim = cfg.encoder.embed_dim if stack == "encoder" else cfg.decoder.embed_dim
-    res = AdminResidual(dim, trainable=not getattr(cfg, "admin_freeze_omega", None))
-    if getattr(cfg, "admin_formula", None) == CLOSED_FORM:
-        # profiling-free Admin (closed_form.py): omega known at build time, so it counts as profiled
-        with torch.no_grad():
-            res.omega.fill_(closed_form_omega(residual_sublayers(cfg, stack), cfg.admin_output_change))
+def _build_admin_residual(cfg, kind: StackKind, sublayer: str, layer_idx: int) -> AdminResidual:
+    dim = cfg.encoder.embed_dim if kind.stack == "encoder" else cfg.decoder.embed_dim
+    return AdminResidual(dim, trainable=not getattr(cfg, "admin_freeze_omega", None))
+
+
+@torch.no_grad()
+def set_closed_form_omega(model: nn.Module, cfg) -> None:
+    """Post-init hook: profiling-free Admin (closed_form.py), omega from the depth, so it counts as profiled.
+
+    n is counted per stack over the residual modules its layers were built with (one per sub-layer
+    of each layer: 2N encoder, 3M decoder with cross-attention, 2M decoder-only), admin-torch's
+    "total number of residual layers" (admin_torch/admin.py:64).
+    """
+    if getattr(cfg, "residual_scale", None) != "admin" or getattr(cfg, "admin_formula", None) != CLOSED_FORM:
+        return
+    stacks: Dict[str, List[nn.Module]] = defaultdict(list)
+    for stack, _l, layer in iter_layers(model):
+        stacks[stack] += list(layer.residuals.values())
+    for modules in stacks.values():
+        omega = closed_form_omega(len(modules), cfg.admin_output_change)
+        for res in modules:
+            res.omega.fill_(omega)
             res.profiled.fill_(1)
-    return res
 
 
 register_residual("admin", _build_admin_residual)
+register_post_init_hook(set_closed_form_omega)
 options.POST_LN_RESIDUALS.add("admin")
 register_scheme(
     SchemeSpec(

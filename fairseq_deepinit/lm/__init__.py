@@ -9,7 +9,9 @@
 Decoder-only formulas (docs/lm.md): DeepNorm alpha = (2N)^(1/4), beta = (8N)^(-1/4) (DeepNet, Table 1,
 decoder-only); T-Fixup: the paper's decoder rules with N the decoder layers, (9N)^(-1/4) (this project's
 extension); DS-Init is per layer (unchanged); Admin: the released code's recurrence over the one stack
-(this project's extension). Importing the package registers all of it (:mod:`.export` is a command, imported on use).
+(this project's extension); the successors by each layer's decoder-only kind (modules/stacks.py):
+torchscale's DeepNorm divisor (8N)^(1/4), Sub-LN's gain sqrt(ln 2N), closed-form Admin's
+calculate_init(2N). Importing the package registers all of it (:mod:`.export` is a command, imported on use).
 """
 
 from . import architectures, criterion, model, numpy_compat, task  # noqa: F401  (registration)

@@ -8,9 +8,10 @@ translation model (:mod:`fairseq_deepinit.model`): ``build_embedding`` (FixNorm)
 The options are the translation model's (:func:`fairseq_deepinit.options.add_model_args`),
 resolved and validated by the same :func:`~fairseq_deepinit.options.resolve_and_validate`.
 
-A decoder-only model is stored with ``encoder_layers = 0``: the formulas that depend on the depth
-of both stacks (DeepNorm's alpha and beta) read that as "decoder-only" and use the decoder-only
-constants (:mod:`.formulas`).
+A decoder-only model is stored with ``encoder_layers = 0`` (what the option checks read as "no
+encoder", :func:`fairseq_deepinit.options.has_encoder`). Its layers are built without
+cross-attention, so each carries the decoder-only :class:`~fairseq_deepinit.modules.stacks.StackKind`,
+from which DeepNorm (both variants), Sub-LN and closed-form Admin take their decoder-only constants.
 
 Differences from fairseq's ``transformer_lm`` on purpose: fairseq's ``base_lm_architecture`` forces
 Pre-LN ("model training is not stable without this"); here the norm position is an axis like the

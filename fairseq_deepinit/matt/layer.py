@@ -43,6 +43,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor
 
 from ..modules.layers import DeepInitLayerMixin, drop_bias, register_decoder_layer_type
+from ..modules.stacks import DECODER
 
 SELF_BRANCHES = ("aan", "self-attn", "gated-aan")
 # fairseq (NormFormer) options that change the standard layer's sub-layers; MAtt has no counterpart
@@ -164,7 +165,6 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
     ``self_attn = None`` (there is no separate self-attention sub-layer), ``fc1``, ``fc2``.
     """
 
-    stack = "decoder"
     SUBLAYERS = ("matt", "ffn")
     _norm_attrs = ("matt_layer_norm", "final_layer_norm")
 
@@ -235,7 +235,9 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
         self.final_layer_norm = LayerNorm(self.embed_dim, export=cfg.export)
         self.need_attn = True
         self.onnx_trace = False
-        self._setup_axes(cfg, layer_idx, self.SUBLAYERS)  # norm type, residual modules, bias-free
+        # a decoder layer with cross-attention (DeepNorm's and Sub-LN's encoder-decoder constants),
+        # with two residual sub-layers of its own (closed-form Admin counts those)
+        self._setup_axes(cfg, layer_idx, DECODER, self.SUBLAYERS)  # norm type, residual modules, bias-free
         if getattr(cfg, "lipschitz_bias_free", None):
             # the released Lipschitz code drops the biases of every attention projection: W_v and
             # the self-attention ablation's q/k/v are attention projections

@@ -8,7 +8,16 @@ only what fairseq exposes for extension:
   (Post-LN "v1" / Pre-LN "v2", Xu et al. 2020 eq. 1-2) is fairseq's ``--*-normalize-before``;
 - ``residual_connection(x, residual)`` dispatches to one :mod:`~fairseq_deepinit.residual`
   module per sub-layer (DeepNorm, ReZero, Admin);
-- ``build_fc2`` / attention builders drop biases for the bias-free Lipschitz variant.
+- ``build_fc2`` / attention builders drop biases for the bias-free Lipschitz variant;
+- every layer carries its :class:`~.stacks.StackKind` (``layer.kind``: encoder, decoder with
+  cross-attention, decoder-only), set here from what the layer is built with; the depth-dependent
+  formulas (DeepNorm, Sub-LN, closed-form Admin) read it from the layer;
+- NormFormer's four operations (Shleifer et al. 2021) are attributes of both layers, as fairseq's
+  decoder layer has them (``c_attn``, ``attn_ln``, ``ffn_layernorm``, ``w_resid``; None when off).
+  fairseq applies them in its decoder layer's ``forward`` only (fairseq/modules/transformer_layer.py:
+  460-466 and 508-514); an encoder layer with any of them runs that same forward, without
+  cross-attention and without a causal mask, so the encoder's NormFormer computation is fairseq's own
+  and its parameters are the layer's (a deep copy computes with its own).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from fairseq.modules.transformer_layer import (
 from .attention import build_attention
 from .norms import build_norm
 from .residual import LayerInputResidual, build_residuals
+from .stacks import ENCODER, StackKind, decoder_kind
 
 
 def drop_bias(linear: nn.Module) -> None:
@@ -55,17 +65,23 @@ def register_layer_setup_hook(hook: LayerSetupHook) -> None:
 class DeepInitLayerMixin:
     """Shared post-construction setup and residual dispatch of encoder and decoder layers."""
 
-    stack: str = ""
+    kind: StackKind
     residuals: nn.ModuleDict
     _sublayer_names: List[str]
     _norm_attrs: tuple = ()
 
-    def _setup_axes(self, cfg, layer_idx: int, sublayers: tuple) -> None:
+    @property
+    def stack(self) -> str:
+        """The model attribute holding this layer's stack (``encoder`` / ``decoder``)."""
+        return self.kind.stack
+
+    def _setup_axes(self, cfg, layer_idx: int, kind: StackKind, sublayers: tuple) -> None:
         self.layer_idx = layer_idx  # 1-based depth within the stack (DS-Init's l)
+        self.kind = kind
         for attr in self._norm_attrs:
             if getattr(self, attr, None) is not None:
                 setattr(self, attr, build_norm(cfg.norm_type, self.embed_dim, cfg.norm_eps, cfg.export))
-        self.residuals = build_residuals(cfg, self.stack, sublayers, layer_idx)
+        self.residuals = build_residuals(cfg, kind, sublayers, layer_idx)
         self._sublayer_names = list(sublayers)
         self._next_sublayer = 0
         if getattr(cfg, "lipschitz_bias_free", None):
@@ -107,38 +123,58 @@ class DeepInitLayerMixin:
 
 
 class DeepInitEncoderLayer(DeepInitLayerMixin, TransformerEncoderLayerBase):
-    """fairseq's encoder layer; sub-layers ``self_attn`` and ``ffn``."""
+    """fairseq's encoder layer; sub-layers ``self_attn`` and ``ffn``; NormFormer as fairseq's decoder has it."""
 
-    stack = "encoder"
-    SUBLAYERS = ("self_attn", "ffn")
+    SUBLAYERS = ENCODER.sublayers
     _norm_attrs = ("self_attn_layer_norm", "final_layer_norm")
 
     def __init__(self, cfg, layer_idx: int, return_fc: bool = False) -> None:
         super().__init__(cfg, return_fc=return_fc)
-        self._setup_axes(cfg, layer_idx, self.SUBLAYERS)
+        # NormFormer's operations under fairseq's decoder-layer names (transformer_layer.py:277-325);
+        # a layer setup hook (modules/normformer.py) builds those that are switched on
+        self.c_attn: nn.Parameter | None = None
+        self.attn_ln: nn.Module | None = None
+        self.ffn_layernorm: nn.Module | None = None
+        self.w_resid: nn.Parameter | None = None
+        self.nh, self.head_dim = self.self_attn.num_heads, self.self_attn.head_dim
+        # what fairseq's decoder-layer forward reads besides those: no cross-attention, no
+        # encoder-prefixed self-attention, no ONNX state
+        self.encoder_attn = None
+        self.cross_self_attention = False
+        self.onnx_trace = False
+        self._setup_axes(cfg, layer_idx, ENCODER, self.SUBLAYERS)
+        if self.return_fc and self.has_normformer():
+            raise ValueError("NormFormer's encoder layer runs fairseq's decoder-layer forward, which has no return_fc")
+
+    def has_normformer(self) -> bool:
+        """Whether any of NormFormer's operations is on (then fairseq's decoder-layer forward applies them)."""
+        return any(m is not None for m in (self.c_attn, self.attn_ln, self.ffn_layernorm, self.w_resid))
 
     def forward(self, x, encoder_padding_mask: torch.Tensor | None, attn_mask=None):
         self._start_forward(list(self.SUBLAYERS))
-        return super().forward(x, encoder_padding_mask, attn_mask=attn_mask)
-
-    def residual_connection(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        w_resid = getattr(self, "w_resid", None)
-        if w_resid is not None and self._sublayer_names[self._next_sublayer] == "ffn":
-            residual = w_resid * residual  # NormFormer's ResScale, as fairseq's decoder layer applies it
-        return super().residual_connection(x, residual)
+        if not self.has_normformer():
+            return super().forward(x, encoder_padding_mask, attn_mask=attn_mask)
+        if attn_mask is not None:
+            # what fairseq's encoder layer does with a boolean mask before its self-attention
+            # (transformer_layer.py:189-192); the decoder-layer forward passes masks through as given
+            attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
+        # fairseq's NormFormer layer forward (transformer_layer.py:384-529): self-attention, then
+        # c_attn and attn_ln on its output, ffn_layernorm before fc2, w_resid on the FFN's residual
+        x, _attn, _state = TransformerDecoderLayerBase.forward(
+            self, x, self_attn_mask=attn_mask, self_attn_padding_mask=encoder_padding_mask
+        )
+        return x
 
 
 class DeepInitDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
     """fairseq's decoder layer; sub-layers ``self_attn``, ``encoder_attn`` and ``ffn``."""
 
-    stack = "decoder"
-    SUBLAYERS = ("self_attn", "encoder_attn", "ffn")
     _norm_attrs = ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
 
     def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False) -> None:
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
-        subs = tuple(s for s in self.SUBLAYERS if not (no_encoder_attn and s == "encoder_attn"))
-        self._setup_axes(cfg, layer_idx, subs)
+        kind = decoder_kind(cross_attention=not no_encoder_attn)
+        self._setup_axes(cfg, layer_idx, kind, kind.sublayers)
 
     def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None, *args, **kwargs):
         # fairseq skips cross-attention when there is no encoder output

@@ -4,10 +4,11 @@ Normalization", sec. 2, Figure 1) on the translation model, both stacks: fairseq
 for ``transformer_lm`` (fairseq/models/transformer_lm.py:198-212) and builds only in its decoder layer.
 
 - decoder: fairseq's ``TransformerDecoderLayerBase`` builds and applies them itself
-  (fairseq/modules/transformer_layer.py:277-323 build, 460-466 and 508-513 forward); the plugin only
+  (fairseq/modules/transformer_layer.py:277-325 build, 460-466 and 508-514 forward); the plugin only
   passes the flags through and gives ``attn_ln`` / ``ffn_layernorm`` the ``--norm-type``;
 - encoder: fairseq's encoder layer has none of them, so the plugin adds the same modules under the same
-  names and applies them where fairseq's decoder does: ``c_attn`` (one learned scale per head) and
+  names, and the encoder layer applies them by running fairseq's decoder-layer forward (without
+  cross-attention or a causal mask; modules/layers.py): ``c_attn`` (one learned scale per head) and
   ``attn_ln`` on the self-attention's output, ``ffn_layernorm`` before fc2, ``w_resid`` on the FFN's
   residual::
 
@@ -21,8 +22,6 @@ for ``transformer_lm`` (fairseq/models/transformer_lm.py:198-212) and builds onl
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import torch.nn as nn
 
@@ -31,50 +30,28 @@ from ..architectures import register_family
 from ..errors import DeepInitConfigError
 from .layers import register_layer_setup_hook
 from .norms import build_norm
+from .stacks import ENCODER
 
 NORMFORMER_FLAGS = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
 NORMFORMER_OPTIONS = {name: False for name in NORMFORMER_FLAGS}
 
 
-def _attn_output_hook(layer: nn.Module):
-    """Forward hook of an encoder self-attention: ``attn_ln(c_attn * out)`` as fairseq's decoder does."""
-
-    def hook(_module: nn.Module, _inputs, output: Tuple[torch.Tensor, torch.Tensor | None]):
-        x, weights = output
-        if layer.c_attn is not None:
-            tgt_len, bsz = x.size(0), x.size(1)
-            x = x.view(tgt_len, bsz, layer.nh, layer.head_dim)
-            x = torch.einsum("tbhd,h->tbhd", x, layer.c_attn).reshape(tgt_len, bsz, layer.embed_dim)
-        if layer.attn_ln is not None:
-            x = layer.attn_ln(x)
-        return x, weights
-
-    return hook
-
-
-def _fc2_input_hook(layer: nn.Module):
-    def hook(_module: nn.Module, inputs: tuple):
-        return (layer.ffn_layernorm(inputs[0]),)
-
-    return hook
-
-
 def setup_normformer_layer(layer: nn.Module, cfg) -> None:
-    """Layer setup hook: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms."""
+    """Layer setup hook: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms.
+
+    Only builds parameters and modules, under fairseq's decoder-layer names; the layers' forwards
+    apply them (:class:`~fairseq_deepinit.modules.layers.DeepInitEncoderLayer` runs fairseq's
+    decoder-layer forward when it has any of them).
+    """
     if not any(getattr(cfg, name, False) for name in NORMFORMER_FLAGS):
         return
     d = layer.embed_dim
     ffn_dim = layer.fc1.out_features
-    if layer.stack == "encoder":
-        layer.nh, layer.head_dim = layer.self_attn.num_heads, layer.self_attn.head_dim
-        layer.attn_ln = None
+    if layer.kind == ENCODER:
+        # registered in the order of earlier versions (c_attn, w_resid, then the norms): fairseq's
+        # optimizer state follows parameter order, so resuming their checkpoints keeps working
         layer.c_attn = nn.Parameter(torch.ones(layer.nh)) if cfg.scale_heads else None
-        layer.ffn_layernorm = None
         layer.w_resid = nn.Parameter(torch.ones(d)) if cfg.scale_resids else None
-        if cfg.scale_attn or cfg.scale_heads:
-            layer.self_attn.register_forward_hook(_attn_output_hook(layer))
-        if cfg.scale_fc:
-            layer.fc2.register_forward_pre_hook(_fc2_input_hook(layer))
     if cfg.scale_attn:
         layer.attn_ln = build_norm(cfg.norm_type, d, cfg.norm_eps, cfg.export)
     if cfg.scale_fc:

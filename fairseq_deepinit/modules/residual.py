@@ -6,8 +6,9 @@ the sub-layer input ``residual``. Because it is a module of its own, forward hoo
 exactly the two tensors the papers' statistics are about (Admin profiling, diagnostics).
 
 - ``none``: ``residual + x`` (Vaswani et al. 2017).
-- ``deepnorm``: ``alpha * residual + x`` (Wang et al. 2022, DeepNet eq. (2), Table 1
-  encoder-decoder constants: alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4)).
+- ``deepnorm``: ``alpha * residual + x`` (Wang et al. 2022, DeepNet eq. (2), Table 1: alpha_enc =
+  0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4) in an encoder-decoder model, (2M)^(1/4) decoder-only;
+  the layer's :class:`~.stacks.StackKind` picks the row).
 - ``rezero``: ``residual + a * x`` with one learned scalar ``a`` per sub-layer initialised to 0
   (Bachlechner et al. 2020, eq. (5); the Admin paper's Table 3 baseline).
 - ``b2t``: B2T connection (Takase et al. 2022, eq. (5)-(6)): plain residuals, plus the layer's input
@@ -22,6 +23,8 @@ from typing import Callable, Dict
 
 import torch
 import torch.nn as nn
+
+from .stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
 
 RESIDUAL_SCALES = ("none", "deepnorm", "rezero", "b2t")
 
@@ -95,43 +98,49 @@ class B2TResidual(LayerInputResidual):
         return f"top={self.top}"
 
 
-def deepnorm_alpha(stack: str, encoder_layers: int, decoder_layers: int) -> float:
-    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: alpha for ``stack``.
+def deepnorm_alpha(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
+    """DeepNet (Wang et al. 2022) Table 1: the residual alpha of a layer of ``kind``.
 
-    ``encoder_layers == 0`` is a decoder-only model: Table 1's decoder-only alpha = (2M)^(1/4).
+    Encoder-decoder: alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4); decoder-only:
+    (2M)^(1/4) (torchscale @ 4d1e0e8, architecture/encoder.py:78-87, decoder.py:89-93).
     """
     n, m = encoder_layers, decoder_layers
-    if n == 0:
-        return (2.0 * m) ** 0.25
-    if stack == "encoder":
+    if kind == ENCODER:
         return 0.81 * (n**4 * m) ** (1.0 / 16)
-    return (3.0 * m) ** 0.25
+    if kind == DECODER:
+        return (3.0 * m) ** 0.25
+    if kind == DECODER_ONLY:
+        return (2.0 * m) ** 0.25
+    raise ValueError(f"DeepNorm has no constants for a {kind} layer")
 
 
-def deepnorm_beta(stack: str, encoder_layers: int, decoder_layers: int) -> float:
-    """DeepNet (Wang et al. 2022) Table 1, encoder-decoder: init gain beta for ``stack``.
+def deepnorm_beta(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
+    """DeepNet (Wang et al. 2022) Table 1: the init gain beta of a layer of ``kind``.
 
-    ``encoder_layers == 0`` is a decoder-only model: Table 1's decoder-only beta = (8M)^(-1/4).
+    Encoder-decoder: beta_enc = 0.87 (N^4 M)^(-1/16), beta_dec = (12M)^(-1/4); decoder-only:
+    (8M)^(-1/4).
     """
     n, m = encoder_layers, decoder_layers
-    if n == 0:
-        return (8.0 * m) ** -0.25
-    if stack == "encoder":
+    if kind == ENCODER:
         return 0.87 * (n**4 * m) ** (-1.0 / 16)
-    return (12.0 * m) ** -0.25
+    if kind == DECODER:
+        return (12.0 * m) ** -0.25
+    if kind == DECODER_ONLY:
+        return (8.0 * m) ** -0.25
+    raise ValueError(f"DeepNorm has no constants for a {kind} layer")
 
 
-ResidualBuilder = Callable[[object, str, str, int], Residual]
+ResidualBuilder = Callable[[object, StackKind, str, int], Residual]
 
-# name -> builder(cfg, stack, sublayer, layer_idx); other modules (Admin) register here too
+# name -> builder(cfg, kind of the layer, sublayer, layer_idx); other modules (Admin) register here too
 RESIDUAL_BUILDERS: Dict[str, ResidualBuilder] = {
-    "none": lambda cfg, stack, sub, idx: Residual(),
-    "deepnorm": lambda cfg, stack, sub, idx: ConstantResidual(
-        deepnorm_alpha(stack, cfg.encoder.layers, cfg.decoder.layers)
+    "none": lambda cfg, kind, sub, idx: Residual(),
+    "deepnorm": lambda cfg, kind, sub, idx: ConstantResidual(
+        deepnorm_alpha(kind, cfg.encoder.layers, cfg.decoder.layers)
     ),
-    "rezero": lambda cfg, stack, sub, idx: ReZeroResidual(),
+    "rezero": lambda cfg, kind, sub, idx: ReZeroResidual(),
     # the FFN is the last sub-layer of every encoder and decoder layer
-    "b2t": lambda cfg, stack, sub, idx: B2TResidual(top=sub == "ffn"),
+    "b2t": lambda cfg, kind, sub, idx: B2TResidual(top=sub == "ffn"),
 }
 
 
@@ -141,7 +150,7 @@ def register_residual(name: str, builder: ResidualBuilder) -> None:
     RESIDUAL_BUILDERS[name] = builder
 
 
-def build_residuals(cfg, stack: str, sublayers: tuple, layer_idx: int) -> nn.ModuleDict:
-    """One residual module per sub-layer name, for ``cfg.residual_scale``."""
+def build_residuals(cfg, kind: StackKind, sublayers: tuple, layer_idx: int) -> nn.ModuleDict:
+    """One residual module per sub-layer name of a layer of ``kind``, for ``cfg.residual_scale``."""
     builder = RESIDUAL_BUILDERS[cfg.residual_scale]
-    return nn.ModuleDict({name: builder(cfg, stack, name, layer_idx) for name in sublayers})
+    return nn.ModuleDict({name: builder(cfg, kind, name, layer_idx) for name in sublayers})

@@ -7,14 +7,15 @@ Layer order, as in torchscale's released code (microsoft/torchscale @ 4d1e0e8)::
     FFN:             x + fc2(LN_in(act(fc1(LN(x)))))       component/feedforward_network.py:123, 134-139
 
 the inner norm of the FFN over its hidden width; cross-attention gets none (multihead_attention.py:51,
-``subln and self.self_attention``). Init (encoder-decoder): every weight and bias of fc1, fc2, out_proj
-and v_proj is multiplied by gamma (architecture/encoder.py:254-270, decoder.py:300-314, the decoder
-skipping its cross-attention)::
+``subln and self.self_attention``). Init: every weight and bias of fc1, fc2, out_proj and v_proj is
+multiplied by gamma (architecture/encoder.py:254-270, decoder.py:300-314, the decoder skipping its
+cross-attention), gamma by the layer's kind (:mod:`.stacks`; torchscale's ``is_encoder_decoder``)::
 
-    encoder: gamma = sqrt(ln(3M) ln(2N) / 3)        decoder: gamma = sqrt(ln(3M))
+    encoder (encoder-decoder):            gamma = sqrt(ln(3M) ln(2N) / 3)     encoder.py:255-260
+    decoder with cross-attention:         gamma = sqrt(ln(3M))                decoder.py:301-302
+    decoder-only (no cross-attention):    gamma = sqrt(ln(2M))                decoder.py:303-304
 
-(N, M = encoder, decoder layers; a decoder without cross-attention takes torchscale's decoder-only
-sqrt(ln(2M))). The gain multiplies whatever ``--init-scheme`` set (torchscale's own base init is
+(N, M = encoder, decoder layers). The gain multiplies whatever ``--init-scheme`` set (torchscale's own base init is
 nn.Linear's default; ``--init-scheme fairseq`` is the closest). The inner norms follow ``--norm-type``
 and ``--norm-eps`` (torchscale: LayerNorm, eps 1e-5). fairseq's attention calls its output projection
 as a module only outside its fused ``F.multi_head_attention_forward`` path, so a Sub-LN self-attention
@@ -35,6 +36,7 @@ from ..errors import DeepInitConfigError
 from ..schemes import iter_layers, register_post_init_hook
 from .layers import register_layer_setup_hook
 from .norms import build_norm
+from .stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
 
 SUBLN_OPTIONS = {"subln": False}
 # init schemes with their own depth-dependent scaling or norm removal, which Sub-LN's gain would compound
@@ -66,11 +68,15 @@ def add_inner_norm(linear: nn.Linear, norm: nn.Module) -> SubLNLinear:
     return linear
 
 
-def subln_gain(stack: str, encoder_layers: int, decoder_layers: int, cross_attention: bool = True) -> float:
-    """Sub-LN's init gain gamma for ``stack`` (encoder.py:255-260, decoder.py:301-304)."""
-    if stack == "encoder":
+def subln_gain(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
+    """Sub-LN's init gain gamma for a layer of ``kind`` (encoder.py:255-260, decoder.py:301-304)."""
+    if kind == ENCODER:
         return math.sqrt(math.log(3 * decoder_layers) * math.log(2 * encoder_layers) / 3)
-    return math.sqrt(math.log((3 if cross_attention else 2) * decoder_layers))
+    if kind == DECODER:
+        return math.sqrt(math.log(3 * decoder_layers))
+    if kind == DECODER_ONLY:
+        return math.sqrt(math.log(2 * decoder_layers))
+    raise ValueError(f"Sub-LN has no gain for a {kind} layer")
 
 
 def setup_subln_layer(layer: nn.Module, cfg) -> None:
@@ -88,9 +94,8 @@ def apply_subln_gain(model: nn.Module, cfg) -> None:
     """Post-init hook: fc1, fc2, self-attention out_proj and v_proj (weights and biases) times gamma."""
     if not getattr(cfg, "subln", False):
         return
-    cross = not getattr(cfg, "no_cross_attention", False)
-    for stack, _l, layer in iter_layers(model):
-        gamma = subln_gain(stack, cfg.encoder.layers, cfg.decoder.layers, cross)
+    for _stack, _l, layer in iter_layers(model):
+        gamma = subln_gain(layer.kind, cfg.encoder.layers, cfg.decoder.layers)
         for lin in (layer.fc1, layer.fc2, layer.self_attn.v_proj, layer.self_attn.out_proj):
             lin.weight.mul_(gamma)
             if isinstance(lin.bias, nn.Parameter):
@@ -117,10 +122,12 @@ def validate_subln_args(args) -> None:
         )
     if args.norm_type == "none":
         raise DeepInitConfigError("--subln adds norms inside each sub-layer; --norm-type none removes them. Drop one.")
-    if not (args.encoder_normalize_before and args.decoder_normalize_before):
+    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not options.has_encoder(args))):
+        flags = "--decoder-normalize-before"
+        if options.has_encoder(args):
+            flags = "--encoder-normalize-before " + flags
         raise DeepInitConfigError(
-            "--subln is Pre-LN with extra norms (Magneto); add --encoder-normalize-before --decoder-normalize-before "
-            "(the subln_* architectures set them)"
+            f"--subln is Pre-LN with extra norms (Magneto); add {flags} (the subln_* architectures set them)"
         )
     if args.residual_scale != "none":
         raise DeepInitConfigError(

@@ -1,20 +1,24 @@
 """DeepNorm initialisation (Wang et al. 2022, "DeepNet: Scaling Transformers to 1,000 Layers",
-Table 1, encoder-decoder).
+Table 1).
 
 From the baseline, v_proj, out_proj, fc1 and fc2 of every layer ~ xavier_normal with gain
 beta_enc = 0.87 (N^4 M)^(-1/16) (encoder) or beta_dec = (12 M)^(-1/4) (decoder, both attentions),
 and q_proj, k_proj ~ xavier_normal with gain 1 (the paper's Figure 2 pseudocode, ``deepnorm_init``);
 the residual is ``LN(alpha * x + f(x))`` (``--residual-scale deepnorm``, Post-LN) with
-alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3 M)^(1/4). N = encoder, M = decoder layers.
+alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3 M)^(1/4). N = encoder, M = decoder layers. A
+decoder-only layer (``layer.kind``, :mod:`~fairseq_deepinit.modules.stacks`) takes Table 1's
+decoder-only row: beta = (8M)^(-1/4), alpha = (2M)^(1/4).
 
 ``--deepnorm-variant torchscale`` reproduces the init of DeepNet's released code instead
 (microsoft/torchscale @ 4d1e0e8): the layers' q/k/v/out projections and fc1/fc2 keep PyTorch's
 ``nn.Linear`` default init (weights and biases U(+-1/sqrt(fan_in)); torchscale's
 ``MultiheadAttention.reset_parameters`` with its xavier gains, component/multihead_attention.py:61-66,
 is defined but never called), then every weight *and bias* of fc1, fc2, out_proj and v_proj is
-divided by ``init_scale`` (architecture/encoder.py:235-252, decoder.py:286-298)::
+divided by ``init_scale`` (architecture/encoder.py:235-252, decoder.py:286-298), by the layer's kind::
 
-    encoder: init_scale = (N^4 M)^(1/16) / 1.15      decoder: init_scale = (12 M)^(1/4)
+    encoder (encoder-decoder):          init_scale = (N^4 M)^(1/16) / 1.15    encoder.py:236-242
+    decoder with cross-attention:       init_scale = (12 M)^(1/4)             decoder.py:287-288
+    decoder-only:                       init_scale = (8 M)^(1/4)              decoder.py:289-290
 
 i.e. an encoder gain 1.15 (N^4 M)^(-1/16), 1.15/0.87 = 1.32 times the paper's beta_enc, on a base
 init that differs per projection (fc2's fan-in is the FFN width). The residual alpha is the same
@@ -27,15 +31,20 @@ import torch
 import torch.nn as nn
 
 from ..modules.residual import deepnorm_beta
+from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
 from .base import WITH_NORM, SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
 
 
-def torchscale_init_scale(stack: str, encoder_layers: int, decoder_layers: int) -> float:
-    """torchscale's DeepNorm divisor for ``stack`` (encoder.py:237-242, decoder.py:288; encoder-decoder)."""
-    if stack == "encoder":
+def torchscale_init_scale(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
+    """torchscale's DeepNorm divisor for a layer of ``kind`` (encoder.py:236-242, decoder.py:287-290)."""
+    if kind == ENCODER:
         return (encoder_layers**4 * decoder_layers) ** (1.0 / 16) / 1.15
-    return (12.0 * decoder_layers) ** 0.25
+    if kind == DECODER:
+        return (12.0 * decoder_layers) ** 0.25
+    if kind == DECODER_ONLY:
+        return (8.0 * decoder_layers) ** 0.25
+    raise ValueError(f"torchscale's DeepNorm has no divisor for a {kind} layer")
 
 
 def _torchscale_targets(layer: nn.Module) -> tuple:
@@ -53,8 +62,8 @@ def _torchscale_targets(layer: nn.Module) -> tuple:
 def apply_deepnorm_torchscale(model: nn.Module, cfg) -> None:
     """torchscale's DeepNorm init (see the module docstring)."""
     apply_baseline(model, cfg)
-    for stack, _l, layer in iter_layers(model):
-        scale = torchscale_init_scale(stack, cfg.encoder.layers, cfg.decoder.layers)
+    for _stack, _l, layer in iter_layers(model):
+        scale = torchscale_init_scale(layer.kind, cfg.encoder.layers, cfg.decoder.layers)
         linears, divided = _torchscale_targets(layer)
         for lin in linears:
             nn.Linear.reset_parameters(lin)  # kaiming_uniform(a=sqrt(5)) weight, U(+-1/sqrt(fan_in)) bias
@@ -70,8 +79,8 @@ def apply_deepnorm(model: nn.Module, cfg) -> None:
         apply_deepnorm_torchscale(model, cfg)
         return
     apply_baseline(model, cfg)
-    for stack, _l, layer in iter_layers(model):
-        beta = deepnorm_beta(stack, cfg.encoder.layers, cfg.decoder.layers)
+    for _stack, _l, layer in iter_layers(model):
+        beta = deepnorm_beta(layer.kind, cfg.encoder.layers, cfg.decoder.layers)
         targets = [layer.fc1, layer.fc2]
         for attn in (getattr(layer, "self_attn", None), getattr(layer, "encoder_attn", None)):
             if attn is not None:
