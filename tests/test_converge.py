@@ -383,3 +383,45 @@ def test_plan_and_jobs_auto_on_the_command_line(tmp_path):
     ):
         proc = driver("converge", "--chunk", "6l", *args, "--work-dir", str(tmp_path), m30k=tmp_path, check=False)
         assert proc.returncode == 1 and msg in proc.stdout and "Traceback" not in proc.stdout, (args, proc.stdout)
+
+
+def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
+    """A cell starts once it fits beside the running ones (a 36-layer cell holds ~6x a 6-layer one's
+    activations); the plan's schedule and converge's gate follow the same rule."""
+    import threading
+    import time
+
+    from matrix import plan
+
+    assert plan.schedule([10, 10, 10], 3, [50, 50, 50], 100) == [10, 10, 20]  # the third waits for memory
+    assert plan.schedule([10, 10, 10], 3, [50, 50, 50], None) == [10, 10, 10]  # nothing measured: no gate
+    assert plan.schedule([10, 10], 2, [150, 10], 100) == [10, 20]  # too big for the budget: runs alone
+    doc = json.loads(rates_file(tmp_path / "r.json", {1: 1000.0}).read_text())
+    doc["device_memory_mib"] = 81_559
+    doc["measurements"][0]["peak_mib"] = [1_000]
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    rates = plan.load_rates(tmp_path / "m.json")
+    assert rates.memory_mib(6) == 1_000 + plan.CONTEXT_MIB
+    assert rates.memory_mib(36) == pytest.approx(6_000 + plan.CONTEXT_MIB)  # scaled in depth
+    assert rates.memory_budget_mib() == pytest.approx(0.9 * 81_559)
+
+    gate, lock, log, live = plan.MemoryGate(100.0), threading.Lock(), [], []
+
+    def cell(i: int) -> None:
+        with gate.hold(i, 50.0):
+            with lock:
+                log.append(i)
+                live.append(i)
+                most = len(live)
+            time.sleep(0.05)
+            with lock:
+                live.remove(i)
+        return most
+
+    threads = [threading.Thread(target=lambda i=i: peaks.append(cell(i))) for i in (3, 1, 0, 2)]
+    peaks: list = []
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert log == [0, 1, 2, 3] and max(peaks) == 2

@@ -483,10 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             text, _ = plan_mod.plan(cells, rates, a.dim, plan_jobs or rates.jobs(), a.budget_min, a.command_min)
             print(text)
             return 0
+        if auto and (not a.rates or not a.rates.exists()):
+            raise ConvergeError("--jobs auto picks the measured best from --rates FILE; run --measure-jobs first")
+        rates = plan_mod.load_rates(a.rates) if a.rates and not measure else None
         if auto:
-            if not a.rates or not a.rates.exists():
-                raise ConvergeError("--jobs auto picks the measured best from --rates FILE; run --measure-jobs first")
-            jobs = plan_mod.best_jobs(plan_mod.load_rates(a.rates))
+            jobs = plan_mod.best_jobs(rates)
             log(f"--jobs auto: {jobs} (the highest measured aggregate tokens/s in {a.rates})")
         precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
         runs = a.runs_dir or a.work_dir / "converged"
@@ -551,15 +552,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                     n = pack(runs, cells, a.pack)
                 log(f"packed {n} results into {a.pack}")
 
-        def one(c: rg.Cell) -> dict | None:
-            result = run_cell(c, o, dev, stall)
+        # measured peak memory: a cell starts once it fits beside the running ones (plan.MemoryGate)
+        gate = plan_mod.MemoryGate(rates.memory_budget_mib() if rates and a.device == "cuda" else None)
+        if gate.budget is not None:
+            log(f"memory: cells start while they fit in {gate.budget:,.0f} MiB ({a.rates})")
+
+        def one(i: int) -> dict | None:
+            c = cells[i]
+            with gate.hold(i, rates.memory_mib(c.depth) if rates else None):
+                result = run_cell(c, o, dev, stall)
             if result is not None:
                 repack()
             return result
 
         repack()
         with ThreadPoolExecutor(jobs) as pool:
-            results = list(pool.map(one, cells))
+            results = list(pool.map(one, range(len(cells))))
         left = [c.name for c, r in zip(cells, results, strict=True) if r is None]
         repack()
         if left:
