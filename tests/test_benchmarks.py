@@ -20,7 +20,15 @@ import pytest
 from conftest import MULTI30K, REPO
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
-SCRIPTS = ("throughput.py", "speed.py", "matt_speed.py", "admin_profiling.py", "gpu_profile.py")
+SCRIPTS = (
+    "throughput.py",
+    "speed.py",
+    "matt_speed.py",
+    "admin_profiling.py",
+    "gpu_profile.py",
+    "gpu_smoke.py",
+    "gpu_results.py",
+)
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the scripts import it
 
 from harness import flops, report, timing  # noqa: E402
@@ -455,3 +463,16 @@ def test_every_option_has_help_with_its_default(script):
         if name in ("--help", "-h"):
             continue
         assert "default" in " ".join(block.split()), f"{script} {name}: no default in its help"
+
+
+def test_the_speed_target_is_stated_once_and_as_the_matrix_checks_it():
+    """docs/benchmarks.md states the target FAST_TARGET / LOSS_TOLERANCE apply; docs/speed.md refers to it."""
+    import gpu_matrix
+
+    bench = (REPO / "docs" / "benchmarks.md").read_text()
+    stated = re.search(r"\*\*at least ([\d.]+)x stock fairseq fp16 target tokens/s at equal\s+batch", bench)
+    assert stated and float(stated.group(1)) == gpu_matrix.FAST_TARGET
+    assert f"within {100 * gpu_matrix.LOSS_TOLERANCE:g} % of stock fp16's" in " ".join(bench.split())
+    speed = " ".join((REPO / "docs" / "speed.md").read_text().split())
+    assert "benchmarks.md#gpu-run-issues-13-22-25" in speed and "## GPU run (issues #13, #22, #25)" in bench
+    assert not re.search(r"target is at least [\d.]+x|[\d.]+x target", speed)  # no second statement

@@ -425,3 +425,23 @@ def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
     for t in threads:
         t.join()
     assert log == [0, 1, 2, 3] and max(peaks) == 2
+
+
+def test_skip_done_leaves_out_the_cells_with_a_result_on_the_same_device(tmp_path, monkeypatch):
+    from matrix import run
+
+    ran: list = []
+    monkeypatch.setattr(run, "run_cell", lambda c, o, dev, stall: ran.append(c.name))
+    monkeypatch.setattr(run, "prepare", lambda *a: None)
+    monkeypatch.setattr(run, "stall_bits_of", lambda o: 7.0)
+    store = tmp_path / "converged.json"  # docs/results/converged.json: a list of results
+    store.write_text(json.dumps([{"cell": "preln:2:paper:s1", "device_type": "cpu"},
+                                 {"cell": "tfixup:2:paper:s1", "device_type": "cuda"}]))  # fmt: skip
+    pack = tmp_path / "p.json"
+    pack.write_text(
+        json.dumps({"format": cmds.PACK_FORMAT, "cells": [{"cell": "admin:2:paper:s1", "device_type": "cpu"}]})
+    )
+    cells = "preln:2:paper,tfixup:2:paper,admin:2:paper,dsinit:2:paper"
+    args = ["--cells", cells, "--work-dir", str(tmp_path), "--skip-done", str(store), "--skip-done", str(pack)]
+    assert run.main(args) == 0 and ran == ["tfixup:2:paper:s1", "dsinit:2:paper:s1"]  # CPU results only count on CPU
+    assert run.main([*args[:4], "--skip-done", str(tmp_path / "nope.json")]) == 1

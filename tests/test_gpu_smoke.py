@@ -119,3 +119,28 @@ def test_results_are_written_after_every_row(tmp_path, monkeypatch):
 def test_bad_options_are_one_line(args, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args], capture_output=True, text=True)
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_gpu_results_merges_a_session_into_gpu_json_and_refuses_cpu_results(tmp_path):
+    """benchmarks/gpu_results.py: each file under its slot; a newer pass replaces the stored one; CPU refused."""
+    import gpu_results
+
+    def result(name: str, device: str, value: int):
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"device": device}, "rows": [value]}))
+        return path
+
+    store = gpu_results.merge({"matrix": {"gpu-18l-36l": {"rows": [0]}}}, [result("smoke.json", "cuda", 1),
+                              result("gpu-6l.json", "cuda", 2), result("prof.json", "cuda", 3)])  # fmt: skip
+    assert store["smoke"]["rows"] == [1] and store["profile"]["prof"]["rows"] == [3]
+    assert set(store["matrix"]) == {"gpu-18l-36l", "gpu-6l"}
+    store = gpu_results.merge(store, [result("gpu-6l.json", "cuda", 4)])
+    assert store["matrix"]["gpu-6l"]["rows"] == [4]
+    with pytest.raises(ValueError, match="measured on the CPU"):
+        gpu_results.merge(store, [result("smoke.json", "cpu", 5)])
+    with pytest.raises(ValueError, match="report --converged"):
+        gpu_results.merge(store, [result("converged.json", "cuda", 6)])
+    into = tmp_path / "docs" / "gpu.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_results.py"), str(tmp_path / "smoke.json"),
+                           "--into", str(into)], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "measured on the CPU" in proc.stderr and not into.exists()

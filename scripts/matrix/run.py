@@ -277,6 +277,19 @@ def select_cells(a: argparse.Namespace) -> Tuple[List[rg.Cell], rg.Chunk | None]
         raise ConvergeError(str(e)) from None
 
 
+def finished_cells(path: Path, device: str) -> set:
+    """Names of the cells ``path`` holds a result of (docs/results/converged.json: a list of results; or
+    a ``--pack`` file) trained on ``device``."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConvergeError(f"--skip-done {path}: cannot read it as JSON ({e})") from None
+    cells = doc.get("cells") if isinstance(doc, dict) and doc.get("format") == PACK_FORMAT else doc
+    if not isinstance(cells, list):
+        raise ConvergeError(f"--skip-done {path}: neither docs/results/converged.json nor a --pack file")
+    return {c["cell"] for c in cells if isinstance(c, dict) and c.get("device_type") == device and "cell" in c}
+
+
 def _ints(text: str, flag: str) -> List[int]:
     if not all(x.strip().isdigit() for x in text.split(",")):
         raise ValueError(f"{flag} {text!r} is not a comma-separated list of integers (e.g. 6,18)")
@@ -427,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=8.5,
         help="--plan: usable minutes of one device command (its --deadline-min) (default: %(default)s)",
     )
+    add(
+        "--skip-done",
+        type=Path,
+        action="append",
+        default=[],
+        help="leave out the cells this file (docs/results/converged.json or a --pack file) holds a result of,\n"
+        "trained on the same --device; may be repeated (default: none)",
+    )
     add("--extra-args", default="", help="appended to every fairseq-train command (default: none)")
     add("--dry-run", action="store_true", help="print the commands and the estimated GPU minutes, train nothing")
     return p
@@ -478,6 +499,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if measure and a.measure_updates < 10:
             raise ConvergeError("--measure-updates: give at least 10 updates (the first fifth is start-up)")
         cells, chunk = select_cells(a)
+        done = set().union(*(finished_cells(path, a.device) for path in a.skip_done))
+        if done:
+            log(f"--skip-done: {sum(c.name in done for c in cells)} of the selected cells have a result already")
+            cells = [c for c in cells if c.name not in done]
         if a.plan:
             rates = plan_mod.load_rates(a.rates) if a.rates else plan_mod.fallback_rates(a.dim)
             text, _ = plan_mod.plan(cells, rates, a.dim, plan_jobs or rates.jobs(), a.budget_min, a.command_min)
