@@ -341,9 +341,10 @@ def targets(results: Mapping[Row, dict], loss: dict | None, first: int) -> List[
     if plugin:
         fast = max(plugin, key=lambda r: harness.median(results[r]["rates"]))
         got = ratio(fast)
+        base = results[fast].get("baseline") or "no stock row measured in this pass"
         lines.append(
-            f"fastest plugin path {fast.key} vs {results[fast].get('baseline')}: {got:.3f}x; "
-            f"target >= {FAST_TARGET:.2f}: {_verdict(got, FAST_TARGET)}"
+            f"fastest plugin path {fast.key} vs {base}: {got:.3f}x; target >= {FAST_TARGET:.2f}: "
+            f"{_verdict(got, FAST_TARGET)}"
         )
     for name in INIT_ONLY:
         row = Row(name, Variant("fp16"), first)
