@@ -1,7 +1,7 @@
 """``throughput.py --gpu-matrix``: stock fairseq against the plugin's fast paths, side by side (issue #13).
 
-One command, one process, identical dimensions and batches for every row: transformer base
-(d 512, FFN 2048, 8 heads) at 6, 18 and 36 layers per stack. At 6 layers the full matrix:
+Identical dimensions and batches for every row: transformer base (d 512, FFN 2048, 8 heads) at 6,
+18 and 36 layers per stack. At 6 layers the full matrix:
 
 - stock ``transformer`` in fp32 and in fp16 (fairseq's ``FP16Optimizer``, as ``--fp16``), stock
   Pre-LN in fp16 (the reference of the Pre-LN rows);
@@ -15,14 +15,23 @@ One command, one process, identical dimensions and batches for every row: transf
 
 At 18 and 36 layers: stock fp16 and the plugin's fp16 and bf16 SDPA paths. Per row: median target
 tokens/s over interleaved rounds, the median per-round paired ratio to stock fp16 at the same
-depth and norm position, peak memory, MFU (benchmarks/harness/flops.py). Then the loss-curve
-check: stock fp16 and the fastest plugin path train ``--loss-updates`` updates on the same batches
-from the same initial weights; their final losses and the difference are recorded.
+depth and norm position, peak memory, MFU (benchmarks/harness/flops.py). Then, at 6 layers, the
+loss-curve check: stock fp16 and the fastest eager plugin path (a compiled row computes the same
+function; checking it would compile a second time) train ``--loss-updates`` updates on the same
+batches from the same initial weights; their final losses and the difference are recorded.
+
+The matrix runs in passes that each fit a 10-minute device command (docs/benchmarks.md, "GPU run"):
+``--layers 6 --no-compile`` (the 6-layer rows and their loss check, first), ``--layers 18 36``,
+``--compile-only`` (the compiled row beside its eager twin and stock fp16 at 6 layers). Depths run
+in ascending order. ``--deadline-min`` ends the timing rounds and skips the loss check once that
+many minutes have passed. The JSON and markdown (``--json``/``--markdown``, or
+``--out-dir``/``gpu-<pass>.json``/``.md``) are rewritten after every row built, every timing
+round and the loss check, so a command cut by its limit still returns what finished.
 
 Rows skipped on this device (fp16 and compile need CUDA) are recorded as skipped, so ``--quick``
-runs the whole code path on a CPU. The JSON (rows: config, layers, device, precision,
-tokens_per_s, ratio_to_stock, peak_mem_gib, mfu; ``note`` when a row was not measured) is written
-after every depth, so a run cut short still leaves what it measured.
+runs the whole code path on a CPU. Rows of the JSON: config, layers, device, precision,
+tokens_per_s, ratio_to_stock, peak_mem_gib, mfu; ``note`` when a row was not measured; top level:
+``finished`` (false while the pass runs or after it was cut), ``details`` (every round, ``rounds`` done).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping
+from typing import Callable, Dict, List, Mapping
 
 import harness
 from harness import flops
@@ -44,6 +53,9 @@ from harness.fairseq_train import train_argv as _train_argv
 
 BASE = (512, 2048, 8)  # transformer base: d, FFN, heads
 LAYERS, QUICK_LAYERS, QUICK_DIMS = (6, 18, 36), (1, 2), (64, 128, 2)
+# the speed target of issue #25, stated once (docs/speed.md and docs/benchmarks.md refer here): the plugin's
+# fastest transformer-base 6-layer path at least 2x stock fairseq fp16 target tokens/s at equal batch, with
+# the same loss curve (final training loss within LOSS_TOLERANCE of stock's)
 INIT_ONLY = ("postln", "lipschitz", "smallinit", "ds-init", "preln")
 FAST_TARGET, INIT_ONLY_TARGET, NORM_TARGET, LOSS_TOLERANCE = 2.0, 0.98, 1.0, 0.02
 LR = 5e-4
@@ -75,9 +87,17 @@ class Row:
         return f"{self.label} {self.variant.precision} {self.layers}L"
 
 
-def matrix(layers: List[int], compile_row: bool) -> List[Row]:
-    """The rows of the matrix (see the module docstring)."""
-    first, V = layers[0], Variant
+def compile_pair(full: int) -> List[Row]:
+    """The compiled row and its references: stock fp16 and the same path eager (``--compile-only``)."""
+    eager = Variant("bf16-autocast", "sdpa", optimizer="adam_foreach")
+    compiled = Variant("bf16-autocast", "sdpa", compile=True, optimizer="adam_foreach")
+    return [Row("stock", Variant("fp16"), full), Row("plugin", eager, full), Row("plugin", compiled, full)]
+
+
+def matrix(layers: List[int], compile_row: bool, full: int | None = None) -> List[Row]:
+    """The rows of the matrix (see the module docstring): the whole set at depth ``full`` (default:
+    the first of ``layers``), stock fp16 and the plugin's fp16 / bf16 SDPA paths at every other depth."""
+    first, V = (layers[0] if full is None else full), Variant
     variants = [("stock", V("fp32")), ("stock", V("fp16")), ("stock-preln", V("fp16")), ("plugin", V("fp16")),
                 ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast")),
                 ("plugin", V("bf16-autocast", "sdpa")),
@@ -85,9 +105,9 @@ def matrix(layers: List[int], compile_row: bool) -> List[Row]:
     if compile_row:
         variants.append(("plugin", V("bf16-autocast", "sdpa", compile=True, optimizer="adam_foreach")))
     variants += [(name, V("fp16")) for name in (*INIT_ONLY, "preln-scalenorm")]
-    rows = [Row(c, v, first) for c, v in variants]
+    rows = [Row(c, v, first) for c, v in variants] if first in layers else []
     deep = [("stock", V("fp16")), ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast", "sdpa"))]
-    return rows + [Row(c, v, n) for n in layers[1:] for c, v in deep]
+    return rows + [Row(c, v, n) for n in layers if n != first for c, v in deep]
 
 
 def skip_reason(row: Row, device: str) -> str | None:
@@ -138,8 +158,24 @@ class Builder:
         return next(iter(self.tasks.values()))
 
 
-def measure_depth(rows: List[Row], builder: Builder, batches: list, opts, out: dict) -> None:
-    """Build, warm up and time (interleaved) every row of one depth; fills ``out[row]``."""
+class _Deadline(Exception):
+    """The ``--deadline-min`` passed: no more timing rounds."""
+
+
+def past_deadline(opts) -> bool:
+    deadline = getattr(opts, "deadline", None)
+    return deadline is not None and time.time() > deadline
+
+
+def measure_depth(
+    rows: List[Row], builder: Builder, batches: list, opts, out: dict, on_update: Callable[[], None] = lambda: None
+) -> None:
+    """Build, warm up and time (interleaved) every row of one depth; fills ``out[row]``.
+
+    ``on_update()`` is called after every row built and every timing round (``out`` then holds
+    the rounds so far), so that the caller can rewrite its results; past ``opts.deadline`` no
+    further round starts.
+    """
     import torch
 
     runs: Dict[Row, Run] = {}
@@ -159,6 +195,7 @@ def measure_depth(rows: List[Row], builder: Builder, batches: list, opts, out: d
             if opts.device == "cuda":
                 torch.cuda.empty_cache()
         print(f"  built {row.key}: {out[row].get('note', 'ok')}", file=sys.stderr, flush=True)
+        on_update()
     if not runs:
         return
     errors: Dict[Row, str] = {}
@@ -175,30 +212,49 @@ def measure_depth(rows: List[Row], builder: Builder, batches: list, opts, out: d
 
         return one
 
-    sync = torch.cuda.synchronize if opts.device == "cuda" else (lambda: None)
-    rounds = harness.interleave(
-        {r.key: trial(r, run) for r, run in runs.items()}, opts.repeats, clocks=harness.Clocks(sync=sync)
-    )
     shape = builder.shape(rows[0].layers)
     pad = builder.task().target_dictionary.pad()
     dims = flops.Dims(shape.layers, shape.layers, shape.dim, shape.ffn, len(builder.task().target_dictionary))
     trial_batches = list(itertools.islice(itertools.cycle(batches), opts.steps))
     flops_per_trial = sum(flops.step_flops(dims, flops.BatchLengths.of_sample(b, pad)) for b in trial_batches)
-    for row, run in runs.items():
-        rec = out[row]
-        rec.update(rates=rounds.rates(row.key), flops_per_trial=flops_per_trial, fp16_overflows=run.overflows)
-        rec["seconds"] = rounds.wall[row.key]
-        if row in errors:
-            rec["note"] = errors[row]
-        base = baseline(row, runs, builder.configs)
-        if base is not None and base not in errors:
-            rec["baseline"] = base.key
-            rec["ratios"] = rounds.ratios(row.key, base.key)
-    # ScaleNorm against LayerNorm at the same (Pre-norm) position, paired per round
-    sn, ln = (Row(n, Variant("fp16"), rows[0].layers) for n in ("preln-scalenorm", "preln"))
-    if sn in runs and ln in runs:
-        out[sn]["ratios_to_preln"] = rounds.ratios(sn.key, ln.key)
-    del runs
+
+    def fill(rounds: harness.Rounds) -> None:
+        for row, run in runs.items():
+            rec = out[row]
+            rec.update(rates=rounds.rates(row.key), flops_per_trial=flops_per_trial, fp16_overflows=run.overflows)
+            rec["seconds"] = rounds.wall[row.key]
+            rec["rounds"] = len(rounds.orders)
+            if row in errors:
+                rec["note"] = errors[row]
+            base = baseline(row, runs, builder.configs)
+            if base is not None and base not in errors:
+                rec["baseline"] = base.key
+                rec["ratios"] = rounds.ratios(row.key, base.key)
+        # ScaleNorm against LayerNorm at the same (Pre-norm) position, paired per round
+        sn, ln = (Row(n, Variant("fp16"), rows[0].layers) for n in ("preln-scalenorm", "preln"))
+        if sn in runs and ln in runs:
+            out[sn]["ratios_to_preln"] = rounds.ratios(sn.key, ln.key)
+
+    latest: List[harness.Rounds] = []
+
+    def on_round(r: int, rounds: harness.Rounds) -> None:
+        latest[:] = [rounds]
+        fill(rounds)
+        on_update()
+        if r + 1 < opts.repeats and past_deadline(opts):
+            raise _Deadline
+
+    sync = torch.cuda.synchronize if opts.device == "cuda" else (lambda: None)
+    try:
+        harness.interleave(
+            {r.key: trial(r, run) for r, run in runs.items()},
+            opts.repeats,
+            clocks=harness.Clocks(sync=sync),
+            on_round=on_round,
+        )
+    except _Deadline:
+        print(f"  --deadline-min reached after {len(latest[0].orders)} rounds", file=sys.stderr, flush=True)
+    runs.clear()  # the models go before the next depth is built
     gc.collect()
     if opts.device == "cuda":
         torch.cuda.empty_cache()
@@ -285,9 +341,10 @@ def targets(results: Mapping[Row, dict], loss: dict | None, first: int) -> List[
     if plugin:
         fast = max(plugin, key=lambda r: harness.median(results[r]["rates"]))
         got = ratio(fast)
+        base = results[fast].get("baseline") or "no stock row measured in this pass"
         lines.append(
-            f"fastest plugin path {fast.key} vs {results[fast].get('baseline')}: {got:.3f}x; "
-            f"target >= {FAST_TARGET:.2f}: {_verdict(got, FAST_TARGET)}"
+            f"fastest plugin path {fast.key} vs {base}: {got:.3f}x; target >= {FAST_TARGET:.2f}: "
+            f"{_verdict(got, FAST_TARGET)}"
         )
     for name in INIT_ONLY:
         row = Row(name, Variant("fp16"), first)
@@ -304,7 +361,9 @@ def targets(results: Mapping[Row, dict], loss: dict | None, first: int) -> List[
             f"ScaleNorm vs LayerNorm (Pre-norm, fp16, {first}L): {harness.Stat.of(sn['ratios_to_preln']).text()}; "
             f"target >= {NORM_TARGET:.2f}: {_verdict(got, NORM_TARGET)}"
         )
-    if loss:
+    if loss and "note" in loss:
+        lines.append(f"loss curve: {loss['note']}")
+    elif loss:
         rel = loss["relative_difference"]
         lines.append(
             f"loss curve: {loss['fast_config']} final loss {loss['fast_final_loss']:.4f} vs {loss['stock_config']} "
@@ -342,43 +401,70 @@ def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else fmt.format(value)
 
 
+def pass_name(opts) -> str:
+    """The name of this pass's files under ``--out-dir``: ``gpu-6l``, ``gpu-18l-36l``, ``gpu-compile``."""
+    if opts.compile_only:
+        return "gpu-compile"
+    return "gpu-" + "-".join(f"{n}l" for n in opts.layers)
+
+
+def plan_rows(opts) -> tuple[List[Row], int]:
+    """This pass's rows and the depth of the full matrix (6; quick 1)."""
+    full = (QUICK_LAYERS if opts.quick else LAYERS)[0]
+    if opts.compile_only:
+        return compile_pair(full), full
+    return matrix(opts.layers, compile_row=not opts.no_compile, full=full), full
+
+
 def run(opts, data: Path, meta: dict, configs: Mapping) -> dict:
-    """Run the whole matrix; writes ``--json`` / ``--markdown`` after every depth; returns the document."""
-    layers = list(QUICK_LAYERS if opts.quick else LAYERS)
-    rows = matrix(layers, compile_row=not opts.no_compile)
+    """Run this pass of the matrix; rewrites ``--json`` / ``--markdown`` as it goes; returns the document."""
+    rows, full = plan_rows(opts)
+    layers = sorted({r.layers for r in rows})
     meta.update(
-        max_tokens=opts.max_tokens, batches=opts.batches, steps=opts.steps, repeats=opts.repeats, warmup=opts.warmup
-    )
+        max_tokens=opts.max_tokens, batches=opts.batches, steps=opts.steps, repeats=opts.repeats, warmup=opts.warmup,
+        layers=layers, compile_only=opts.compile_only, no_compile=opts.no_compile,
+    )  # fmt: skip
     name = meta["device_name"].split(",")[0]
     _, peak_note = flops.peak_flops(name) if opts.device == "cuda" else (None, "CPU: no bf16 peak, mfu is null")
     builder = Builder(data, opts, configs)
     results: Dict[Row, dict] = {r: {"note": skip_reason(r, opts.device)} for r in rows if skip_reason(r, opts.device)}
-    doc: dict = {}
-    batches: list = []
-    loss = None
-    for depth in layers:
-        todo = [r for r in rows if r.layers == depth and r not in results]
-        print(f"gpu matrix: {len(todo)} rows at {depth} layers ...", file=sys.stderr, flush=True)
-        if not batches:
-            builder.build(todo[0])  # sets up the task (dictionaries) the batches come from
-            batches = to_device(fixed_batches(builder.task(), opts.max_tokens, opts.seed, opts.batches), opts.device)
-        measure_depth(todo, builder, batches, opts, results)
-        if depth == layers[0]:
-            fast = [r for r in todo if r.config == "plugin" and results[r].get("rates")]
-            stock = baseline(
-                Row("plugin", Variant("fp16"), depth), {r: 1 for r in todo if results[r].get("rates")}, configs
-            )
-            if fast and stock:
-                best = max(fast, key=lambda r: harness.median(results[r]["rates"]))
-                print(f"gpu matrix: loss-curve check, {stock.key} vs {best.key} ...", file=sys.stderr, flush=True)
-                loss = loss_check(stock, best, builder, opts)
+    state: dict = {"loss": None, "finished": False}
+
+    def write() -> dict:
         ordered = {r: results[r] for r in rows if r in results}
         doc = {"device": name, "date": meta["date"], "command": meta["command"], "peak_note": peak_note,
-               "rows": table_rows(ordered, name), "loss_check": loss, "targets": targets(ordered, loss, layers[0]),
+               "finished": state["finished"], "rows": table_rows(ordered, name), "loss_check": state["loss"],
+               "targets": targets(ordered, state["loss"], full),
                "details": {r.key: {k: v for k, v in rec.items() if k != "note"}
                            for r, rec in ordered.items()}}  # fmt: skip
         harness.write_json(opts.json, doc, meta)
         harness.write_markdown(opts.markdown, markdown({**doc, "meta": meta}))
-    text = markdown({**doc, "meta": meta})
-    print(text)
+        return doc
+
+    write()
+    batches: list = []
+    for depth in layers:
+        todo = [r for r in rows if r.layers == depth and r not in results]
+        print(f"gpu matrix: {len(todo)} rows at {depth} layers ...", file=sys.stderr, flush=True)
+        if not todo:
+            continue
+        if not batches:
+            builder.build(todo[0])  # sets up the task (dictionaries) the batches come from
+            batches = to_device(fixed_batches(builder.task(), opts.max_tokens, opts.seed, opts.batches), opts.device)
+        measure_depth(todo, builder, batches, opts, results, on_update=write)
+        if depth == full and not opts.compile_only:
+            fast = [r for r in todo if r.config == "plugin" and not r.variant.compile and results[r].get("rates")]
+            stock = baseline(
+                Row("plugin", Variant("fp16"), depth), {r: 1 for r in todo if results[r].get("rates")}, configs
+            )
+            if fast and stock and past_deadline(opts):
+                state["loss"] = {"note": "skipped: --deadline-min reached before the loss-curve check"}
+            elif fast and stock:
+                best = max(fast, key=lambda r: harness.median(results[r]["rates"]))
+                print(f"gpu matrix: loss-curve check, {stock.key} vs {best.key} ...", file=sys.stderr, flush=True)
+                state["loss"] = loss_check(stock, best, builder, opts)
+        write()
+    state["finished"] = True
+    doc = write()
+    print(markdown({**doc, "meta": meta}))
     return {"meta": meta, **doc}

@@ -10,9 +10,11 @@ Multi30k batches:
 - **profiler**: ``torch.profiler`` over ``--steps`` steps: the GPU's kernel time against the wall
   time (busy fraction), kernel launches per step, and the top operators by device and by host time.
 
-Writes ``--json`` (figures) and ``--text`` (the operator tables). Usage (on the GPU machine)::
+Writes ``--json`` (figures) and ``--text`` (the operator tables), both rewritten after every row, so a
+command cut by its time limit keeps the rows it finished. ``--no-compile`` leaves out the compiled row
+(its compilation takes 1-2 minutes). Usage (on the GPU machine)::
 
-    python benchmarks/gpu_profile.py --device cuda --json prof.json --text prof.txt
+    python benchmarks/gpu_profile.py --device cuda --no-compile --json prof.json --text prof.txt
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def build_parser() -> harness.Parser:
     p.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K, help="train.{de,en}.gz folder (env MULTI30K_DIR)")
     p.add_argument("--work-dir", type=Path, default=throughput.DEFAULT_WORK, help="binarised corpus cache")
     p.add_argument("--train-sentences", type=pos, help="sentences to binarise (default: all 29000; quick 2000)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile row")
     p.add_argument("--json", type=Path, help="write the figures here (default: none)")
     p.add_argument("--text", type=Path, help="write the operator tables here (default: none)")
     return p
@@ -138,10 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     layers = 1 if opts.quick else 6
     out, texts, batches = {"device": torch.cuda.get_device_name() if opts.device == "cuda" else "cpu",
                            "torch": torch.__version__, "command": " ".join(["gpu_profile.py", *(argv or sys.argv[1:])]),
-                           "rows": {}}, [], None  # fmt: skip
+                           "finished": False, "rows": {}}, [], None  # fmt: skip
     for config, variant in ROWS:
         row = gpu_matrix.Row(config, variant, layers)
-        if gpu_matrix.skip_reason(row, opts.device):
+        if gpu_matrix.skip_reason(row, opts.device) or (variant.compile and opts.no_compile):
             continue
         run = None
         try:
@@ -162,9 +165,18 @@ def main(argv: list[str] | None = None) -> None:
         del run
         if opts.device == "cuda":
             torch.cuda.empty_cache()
+        write(opts, out, texts)
+    out["finished"] = True
+    write(opts, out, texts)
+
+
+def write(opts, out: dict, texts: list[str]) -> None:
+    """The figures and tables so far (rewritten after every row)."""
     if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(out, indent=1) + "\n")
     if opts.text:
+        opts.text.parent.mkdir(parents=True, exist_ok=True)
         opts.text.write_text("\n".join(texts))
 
 

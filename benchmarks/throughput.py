@@ -29,6 +29,7 @@ import gc
 import itertools
 import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -351,6 +352,14 @@ def build_parser() -> harness.Parser:
     p.add_argument("--cli-log-interval", type=pos, default=10, help="--mode cli: --log-interval (quick 2)")
     p.add_argument("--loss-updates", type=pos, help="gpu matrix: loss-check updates (default: 300; quick 2)")
     p.add_argument("--no-compile", action="store_true", help="gpu matrix: leave out the torch.compile row")
+    p.add_argument("--layers", type=pos, nargs="+", help="gpu matrix: the depths of this pass, run in ascending "
+                   "order; 6 is the full matrix with its loss check (default: 6 18 36; quick 1 2)")
+    p.add_argument("--compile-only", action="store_true", help="gpu matrix: only the torch.compile row, beside its "
+                   "eager twin and stock fp16 at 6 layers (no loss check)")
+    p.add_argument("--out-dir", type=Path, help="gpu matrix: write <pass>.json and <pass>.md here, rewritten as rows "
+                   "finish (gpu-6l, gpu-18l-36l, gpu-compile; default: none, or --json/--markdown)")
+    p.add_argument("--deadline-min", type=float, help="gpu matrix: start no timing round and no loss check after "
+                   "this many minutes (default: none)")
     p.add_argument("--seed", type=int, default=1, help="model and batch-order seed")
     p.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K, help="train.{de,en}.gz folder (env MULTI30K_DIR)")
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK, help="where the binarised corpus is cached")
@@ -381,8 +390,24 @@ def parse_args(argv: Sequence[str] | None = None):
                 "--gpu-matrix sets its own precisions, shapes and configurations "
                 "(drop --mode/--fp16/--amp/--shapes/--configs)"
             )
+        import gpu_matrix
+
         opts.configs = []
+        if opts.compile_only and (opts.no_compile or opts.layers):
+            p.error("--compile-only runs the 6-layer compile row and its references; drop --no-compile/--layers")
+        opts.layers = sorted(set(opts.layers or (gpu_matrix.QUICK_LAYERS if quick else gpu_matrix.LAYERS)))
+        if opts.deadline_min is not None and opts.deadline_min <= 0:
+            p.error(f"--deadline-min {opts.deadline_min}: give a positive number of minutes")
+        opts.deadline = None if opts.deadline_min is None else time.time() + 60 * opts.deadline_min
+        if opts.out_dir is not None:
+            name = gpu_matrix.pass_name(opts)
+            opts.json = opts.json or opts.out_dir / f"{name}.json"
+            opts.markdown = opts.markdown or opts.out_dir / f"{name}.md"
         return opts
+    given = [f for f, v in (("--layers", opts.layers), ("--compile-only", opts.compile_only),
+                            ("--out-dir", opts.out_dir), ("--deadline-min", opts.deadline_min)) if v]  # fmt: skip
+    if given:
+        p.error(f"{' / '.join(given)} belong to --gpu-matrix; add --gpu-matrix or drop them")
     opts.shapes = opts.shapes or list(QUICK_SHAPES if quick else FULL_SHAPES)
     names = opts.configs or (QUICK_CONFIGS if quick else TABLE_CONFIGS)
     if opts.mode == "cli" and quick:

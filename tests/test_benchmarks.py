@@ -20,7 +20,15 @@ import pytest
 from conftest import MULTI30K, REPO
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
-SCRIPTS = ("throughput.py", "speed.py", "matt_speed.py", "admin_profiling.py", "gpu_profile.py")
+SCRIPTS = (
+    "throughput.py",
+    "speed.py",
+    "matt_speed.py",
+    "admin_profiling.py",
+    "gpu_profile.py",
+    "gpu_smoke.py",
+    "gpu_results.py",
+)
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the scripts import it
 
 from harness import flops, report, timing  # noqa: E402
@@ -124,10 +132,20 @@ def test_options_add_references_and_reject_cpu_half_precision():
     assert [c.name for c in opts.configs] == ["stock", "stock-preln", "t-fixup", "twt"]
     opts = tp.parse_args(["--configs", "preln-scalenorm"])
     assert [c.name for c in opts.configs] == ["stock-preln", "preln", "preln-scalenorm"]
-    for bad in (["--fp16"], ["--steps", "0"], ["--gpu-matrix", "--fp16"]):
+    bad_args = (["--fp16"], ["--steps", "0"], ["--gpu-matrix", "--fp16"], ["--layers", "6"], ["--out-dir", "x"],
+                ["--gpu-matrix", "--compile-only", "--layers", "6"],
+                ["--gpu-matrix", "--deadline-min", "0"])  # fmt: skip
+    for bad in bad_args:
         with pytest.raises(SystemExit) as exc:
             tp.parse_args(bad)
         assert exc.value.code == 1  # one-line error, exit status 1
+    # the GPU matrix in passes: depths in ascending order, files named after the pass
+    opts = tp.parse_args(["--gpu-matrix", "--layers", "36", "18", "--out-dir", "o"])
+    assert (
+        opts.layers == [18, 36] and str(opts.json) == "o/gpu-18l-36l.json" and str(opts.markdown) == "o/gpu-18l-36l.md"
+    )
+    assert str(tp.parse_args(["--gpu-matrix", "--compile-only", "--out-dir", "o"]).json) == "o/gpu-compile.json"
+    assert tp.parse_args(["--gpu-matrix", "--quick"]).layers == [1, 2]
     assert tp.Shape.parse("18x128x512x4").flags()[:2] == ["--encoder-layers", "18"]
     with pytest.raises(Exception, match="heads must divide"):
         tp.Shape.parse("6x100x400x3")
@@ -213,7 +231,7 @@ def matrix_run(tmp_path_factory):
 def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped(matrix_run):
     doc, md = matrix_run
     keys = {"config", "layers", "device", "precision", "tokens_per_s", "ratio_to_stock", "peak_mem_gib", "mfu"}
-    assert doc["device"] and doc["date"] and "--gpu-matrix --quick" in doc["command"]
+    assert doc["device"] and doc["date"] and "--gpu-matrix --quick" in doc["command"] and doc["finished"]
     for row in doc["rows"]:
         assert keys <= set(row) <= keys | {"note"}, row
         if row["precision"] == "fp16" or row["config"].endswith("compile"):
@@ -232,19 +250,42 @@ def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped
     assert doc["command"] in md and "| stock | 1 | fp32 |" in md
 
 
+def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline(tmp_path):
+    """The device's first pass (``--layers 6 --no-compile``; quick: 1 layer) under a deadline already
+    passed: one timing round, the loss check skipped and said so, the pass's own file under --out-dir."""
+    if not (MULTI30K / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
+    cmd = [
+        sys.executable, str(SCRIPT), "--gpu-matrix", "--quick", "--layers", "1", "--no-compile", "--repeats", "3",
+        "--deadline-min", "0.001", "--multi30k", str(MULTI30K), "--work-dir", str(tmp_path / "data"),
+        "--out-dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu-1l.json", "gpu-1l.md"]
+    doc = json.loads((tmp_path / "out" / "gpu-1l.json").read_text())
+    assert doc["finished"] and {r["layers"] for r in doc["rows"]} == {1}
+    assert not any(r["config"].endswith("compile") for r in doc["rows"])
+    assert doc["loss_check"] == {"note": "skipped: --deadline-min reached before the loss-curve check"}
+    timed = [d for d in doc["details"].values() if d.get("rates")]
+    assert timed and all(d["rounds"] == 1 and len(d["rates"]) == 1 for d in timed)
+
+
 def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
     """benchmarks/gpu_profile.py on the CPU: the CUDA-only rows are left out, the bf16 SDPA row is profiled."""
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "gpu_profile.py"), "--quick", "--multi30k", str(MULTI30K),
-        "--work-dir", str(tmp_path / "data"), "--json", str(tmp_path / "p.json"), "--text", str(tmp_path / "p.txt"),
+        sys.executable, str(REPO / "benchmarks" / "gpu_profile.py"), "--quick", "--no-compile", "--multi30k",
+        str(MULTI30K), "--work-dir", str(tmp_path / "data"), "--json", str(tmp_path / "p.json"), "--text",
+        str(tmp_path / "p.txt"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     doc = json.loads((tmp_path / "p.json").read_text())
-    assert doc["device"] == "cpu" and "--quick" in doc["command"]
+    assert doc["device"] == "cpu" and "--quick" in doc["command"] and doc["finished"]
     # fp16 and compile rows need CUDA
     assert list(doc["rows"]) == ["plugin-sdpa bf16-autocast 1L", "plugin-sdpa-foreach bf16-autocast 1L"]
     fig = doc["rows"]["plugin-sdpa bf16-autocast 1L"]
@@ -262,6 +303,16 @@ def test_gpu_matrix_rows_and_compile_guard(monkeypatch):
 
     rows = gpu_matrix.matrix([6, 18, 36], compile_row=True)
     assert len(rows) == 15 + 3 + 3
+    # passes: the deep depths alone get the deep rows only; --compile-only the compiled row and its references
+    deep = gpu_matrix.matrix([18, 36], compile_row=False, full=6)
+    assert [(r.label, r.layers) for r in deep] == [
+        (c, n) for n in (18, 36) for c in ("stock", "plugin-sdpa", "plugin-sdpa")
+    ]
+    assert [r.key for r in gpu_matrix.matrix([6], compile_row=False, full=6)] == [
+        r.key for r in rows if r.layers == 6 and not r.variant.compile
+    ]
+    pair = ["stock fp16 6L", "plugin-sdpa-foreach bf16-autocast 6L", "plugin-sdpa-foreach-compile bf16-autocast 6L"]
+    assert [r.key for r in gpu_matrix.compile_pair(6)] == pair
     assert {r.label for r in rows if r.layers == 36} == {"stock", "plugin-sdpa"}
     assert sum(r.variant.compile for r in rows) == 1
     foreach = [r.key for r in rows if r.variant.optimizer == "adam_foreach"]
@@ -293,13 +344,20 @@ def test_gpu_matrix_rows_and_compile_guard(monkeypatch):
     import torch
 
     batch = {"net_input": {"src_lengths": torch.tensor([3])}, "target": torch.tensor([[5, 6]])}
-    opts = type("O", (), {"device": "cpu", "warmup": 0, "steps": 1, "repeats": 2})()
+    opts = type("O", (), {"device": "cpu", "warmup": 0, "steps": 1, "repeats": 3, "deadline": None})()
     out: dict = {}
     sel = [r for r in rows if r.layers == 6 and r.variant.precision == "bf16-autocast"]
-    gpu_matrix.measure_depth(sel, FakeBuilder(), [batch], opts, out)
+    seen: list = []  # what the caller could write at every update: rows built, rounds timed
+    gpu_matrix.measure_depth(sel, FakeBuilder(), [batch], opts, out, on_update=lambda: seen.append(
+        (len(out), max((len(v.get("rates", [])) for v in out.values()), default=0))))  # fmt: skip
     compiled = next(r for r in sel if r.variant.compile)
     assert out[compiled]["note"] == "error: RuntimeError: inductor: no C++ compiler"
-    assert all(len(out[r]["rates"]) == 2 for r in sel if r is not compiled)
+    assert all(len(out[r]["rates"]) == 3 for r in sel if r is not compiled)
+    assert seen == [(n, 0) for n in range(1, len(sel) + 1)] + [(len(sel), r) for r in (1, 2, 3)]
+    # past the deadline, no further round starts (the first always runs)
+    opts.deadline, out = 0.0, {}
+    gpu_matrix.measure_depth(sel, FakeBuilder(), [batch], opts, out)
+    assert all(len(out[r]["rates"]) == 1 for r in sel if r is not compiled)
 
 
 # --- the harness, on fake timers ----------------------------------------------------------------
@@ -405,3 +463,16 @@ def test_every_option_has_help_with_its_default(script):
         if name in ("--help", "-h"):
             continue
         assert "default" in " ".join(block.split()), f"{script} {name}: no default in its help"
+
+
+def test_the_speed_target_is_stated_once_and_as_the_matrix_checks_it():
+    """docs/benchmarks.md states the target FAST_TARGET / LOSS_TOLERANCE apply; docs/speed.md refers to it."""
+    import gpu_matrix
+
+    bench = (REPO / "docs" / "benchmarks.md").read_text()
+    stated = re.search(r"\*\*at least ([\d.]+)x stock fairseq fp16 target tokens/s at equal\s+batch", bench)
+    assert stated and float(stated.group(1)) == gpu_matrix.FAST_TARGET
+    assert f"within {100 * gpu_matrix.LOSS_TOLERANCE:g} % of stock fp16's" in " ".join(bench.split())
+    speed = " ".join((REPO / "docs" / "speed.md").read_text().split())
+    assert "benchmarks.md#gpu-run-issues-13-22-25" in speed and "## GPU run (issues #13, #22, #25)" in bench
+    assert not re.search(r"target is at least [\d.]+x|[\d.]+x target", speed)  # no second statement

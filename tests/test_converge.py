@@ -241,6 +241,15 @@ def test_two_cell_smoke_run_resumes_packs_and_reports(tiny_multi30k, tmp_path):
     assert again.count("finished before") == 2 and "train preln" not in again
     packed = json.loads(pack.read_text())
     assert packed["format"] == cmds.PACK_FORMAT and len(packed["cells"]) == 2
+    # the pack measures the cells' rates for --plan; --measure-jobs measures a pack of K processes (CPU here)
+    planned = driver("converge", "--plan", "--rates", str(pack), m30k=tiny_multi30k).stdout
+    assert "CPU-MEASURED, not a GPU plan" in planned
+    rates = tmp_path / "out" / "rates.json"
+    model = ["--work-dir", str(tmp_path / "w"), "--dim", "32", "--ffn", "64", "--heads", "2", "--max-tokens", "1024"]
+    driver("converge", *model, "--measure-jobs", "1", "--measure-updates", "10", "--measure-cells", "preln:2:paper",
+           "--rates", str(rates), m30k=tiny_multi30k)  # fmt: skip
+    measured = json.loads(rates.read_text())["measurements"]
+    assert [(m["jobs"], len(m["per_process"])) for m in measured] == [(1, 1)] and measured[0]["aggregate"] > 0
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -266,3 +275,173 @@ def test_two_cell_smoke_run_resumes_packs_and_reports(tiny_multi30k, tmp_path):
     older = {**stored[1], "date": "2000-01-01T00:00:00+00:00", "status": "diverged"}
     merged = rp.merge({c["cell"]: c for c in stored}, [newer, older])
     assert merged[newer["cell"]]["status"] == "converged" and merged[older["cell"]]["status"] == stored[1]["status"]
+
+
+# --- the GPU session: fast path, deadlines, a pack after every cell, the packing plan (issues #22, #25) ----
+
+
+def test_cuda_cells_train_on_the_fast_path(tmp_path):
+    """On CUDA: SDPA everywhere, adam_foreach where the regime trains with Adam (RAdam regimes keep radam);
+    the CPU and --no-fast-path keep the plain path."""
+    common = rg.Cell(18, "preln", "common")  # Adam
+    paper = rg.Cell(18, "admin", "paper")  # RAdam
+    cuda = opts(tmp_path, device="cuda", precision="bf16")
+    fast = " ".join(cmds.train_command(common, cuda))
+    assert "--optimizer adam_foreach " in fast and "--attention-impl sdpa" in fast and fast.count("--optimizer") == 1
+    radam = " ".join(cmds.train_command(paper, cuda))
+    assert "--optimizer radam " in radam and "--attention-impl sdpa" in radam
+    for plain in (opts(tmp_path, device="cuda", precision="bf16", fast_path=False), opts(tmp_path)):
+        text = " ".join(cmds.train_command(common, plain))
+        assert "--optimizer adam " in text and "--attention-impl" not in text
+
+
+def test_translate_stops_at_the_deadline(tmp_path, monkeypatch):
+    """fairseq-generate (here a stand-in that never ends) is killed at the deadline; nothing is taken
+    for a finished translation, and a deadline already passed starts nothing."""
+    from matrix import decode
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nsleep 60 &\nwait\n")  # a child that would hold the pipe open, as data loaders do
+    fake.chmod(0o755)
+    monkeypatch.setattr(decode.sys, "executable", str(fake))
+    (tmp_path / "checkpoint_best.pt").write_bytes(b"")
+    t0 = decode.time.time()
+    with pytest.raises(decode.DecodeDeadline):
+        decode.translate(tmp_path, tmp_path, "valid", "dev-greedy", 1, 1, deadline=t0 + 1.0)
+    assert decode.time.time() - t0 < 10
+    assert not (tmp_path / "generate-dev-greedy.txt").exists()
+    with pytest.raises(decode.DecodeDeadline):
+        decode.translate(tmp_path, tmp_path, "test", "test2016", 5, 1, deadline=t0)
+    assert not (tmp_path / "generate-test2016.tmp").exists()
+
+
+def test_the_pack_is_rewritten_after_every_cell(tmp_path, monkeypatch):
+    """A command cut after its first cell still returns that cell's result in the pack."""
+    from matrix import run
+
+    seen: list = []
+
+    def fake_cell(cell, o, dev, stall):
+        if seen:  # the second cell: the first must already be in the pack
+            seen.append([c["cell"] for c in json.loads(pack.read_text())["cells"]])
+            return None  # stopped at the deadline
+        out = o.runs / cell.dirname
+        out.mkdir(parents=True)
+        (out / "result.json").write_text(json.dumps({"cell": cell.name}))
+        seen.append(cell.name)
+        return {"cell": cell.name}
+
+    for name, value in (("run_cell", fake_cell), ("prepare", lambda *a: None), ("stall_bits_of", lambda o: 7.0)):
+        monkeypatch.setattr(run, name, value)
+    pack = tmp_path / "out" / "p.json"
+    code = run.main(["--cells", "preln:2:paper,tfixup:2:paper", "--work-dir", str(tmp_path), "--pack", str(pack)])
+    assert code == 0 and seen == ["preln:2:paper:s1", ["preln:2:paper:s1"]]
+    assert [c["cell"] for c in json.loads(pack.read_text())["cells"]] == ["preln:2:paper:s1"]
+
+
+def rates_file(path: Path, per: dict, device_type: str = "cuda") -> Path:
+    """A --measure-jobs file: ``per`` maps jobs to the per-process tokens/s of 6-layer cells."""
+    doc = {"format": "deepinit-pack-rates/1", "device": "NVIDIA H100 80GB HBM3", "device_type": device_type,
+           "precision": "bf16", "fast_path": True, "dim": 256, "date": "2026-11-25T00:00:00+00:00", "updates": 200,
+           "measurements": [{"cell": "preln:6:common:s1", "layers": 6, "jobs": k, "per_process": [v] * k,
+                             "aggregate": k * v} for k, v in per.items()]}  # fmt: skip
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_plan_schedules_the_cells_in_order_on_the_measured_rates(tmp_path):
+    from matrix import plan
+
+    assert plan.schedule([4, 1, 1, 1], 2) == [4, 1, 2, 3]  # in order, each to the first free slot
+    # perfect sharing: 8 processes each as fast as one alone -> the 8 cells of 6 layers take one cell's time
+    rates = plan.load_rates(rates_file(tmp_path / "r.json", {1: 100_000.0, 8: 100_000.0}))
+    cells = [rg.Cell(6, m, "paper") for m in rg.MAIN_METHODS[:8]]
+    one = plan.cell_seconds(cells[0], rates, 256, 1)
+    assert one == pytest.approx(rg.estimate_cell_s(cells[0], 256, rg.EPOCHS_EXPECTED, tokens_per_s=100_000.0))
+    text, best = plan.plan(cells, rates, 256, [1, 8], budget_min=one / 60 + 0.01, command_min=8.5)
+    assert best == 8 and "measured by --measure-jobs on NVIDIA H100" in text
+    assert f"{8 * one / 60:9.1f}" in text and f"{one / 60:9.1f}" in text  # wall minutes at 1 and 8 jobs
+    assert "finished within" in text and all(c.name in text for c in cells)
+    # an 18-layer cell: the 6-layer rate scaled by the CPU-measured depth cost, and the plan says so
+    value, how = rates.rate(18, 8)
+    assert value == pytest.approx(100_000 / rg.depth_cost(18)) and "scaled" in how
+    assert plan.best_jobs(plan.load_rates(rates_file(tmp_path / "s.json", {1: 100.0, 8: 20.0, 16: 9.0}))) == 8
+
+
+def test_plan_and_jobs_auto_on_the_command_line(tmp_path):
+    est = driver("converge", "--chunk", "priority", "--plan", "--budget-min", "18", m30k=tmp_path).stdout
+    assert est.startswith("rates: ESTIMATE, not measured") and "best: --jobs" in est
+    cpu = rates_file(tmp_path / "cpu.json", {1: 900.0, 2: 500.0}, device_type="cpu")
+    out = driver("converge", "--chunk", "6l", "--plan", "--rates", str(cpu), m30k=tmp_path).stdout
+    assert "CPU-MEASURED, not a GPU plan" in out and "best: --jobs 2" in out
+    for args, msg in (
+        (["--jobs", "auto"], "run --measure-jobs first"),
+        (["--jobs", "many"], "--jobs 'many'"),
+        (["--measure-jobs", "1,4"], "add --rates"),
+        (["--measure-jobs", "1,x", "--rates", str(cpu)], "comma-separated list"),
+        (["--plan", "--rates", str(tmp_path / "missing.json")], "cannot read it as JSON"),
+    ):
+        proc = driver("converge", "--chunk", "6l", *args, "--work-dir", str(tmp_path), m30k=tmp_path, check=False)
+        assert proc.returncode == 1 and msg in proc.stdout and "Traceback" not in proc.stdout, (args, proc.stdout)
+
+
+def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
+    """A cell starts once it fits beside the running ones (a 36-layer cell holds ~6x a 6-layer one's
+    activations); the plan's schedule and converge's gate follow the same rule."""
+    import threading
+    import time
+
+    from matrix import plan
+
+    assert plan.schedule([10, 10, 10], 3, [50, 50, 50], 100) == [10, 10, 20]  # the third waits for memory
+    assert plan.schedule([10, 10, 10], 3, [50, 50, 50], None) == [10, 10, 10]  # nothing measured: no gate
+    assert plan.schedule([10, 10], 2, [150, 10], 100) == [10, 20]  # too big for the budget: runs alone
+    doc = json.loads(rates_file(tmp_path / "r.json", {1: 1000.0}).read_text())
+    doc["device_memory_mib"] = 81_559
+    doc["measurements"][0]["peak_mib"] = [1_000]
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    rates = plan.load_rates(tmp_path / "m.json")
+    assert rates.memory_mib(6) == 1_000 + plan.CONTEXT_MIB
+    assert rates.memory_mib(36) == pytest.approx(6_000 + plan.CONTEXT_MIB)  # scaled in depth
+    assert rates.memory_budget_mib() == pytest.approx(0.9 * 81_559)
+
+    gate, lock, log, live = plan.MemoryGate(100.0), threading.Lock(), [], []
+
+    def cell(i: int) -> None:
+        with gate.hold(i, 50.0):
+            with lock:
+                log.append(i)
+                live.append(i)
+                most = len(live)
+            time.sleep(0.05)
+            with lock:
+                live.remove(i)
+        return most
+
+    threads = [threading.Thread(target=lambda i=i: peaks.append(cell(i))) for i in (3, 1, 0, 2)]
+    peaks: list = []
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert log == [0, 1, 2, 3] and max(peaks) == 2
+
+
+def test_skip_done_leaves_out_the_cells_with_a_result_on_the_same_device(tmp_path, monkeypatch):
+    from matrix import run
+
+    ran: list = []
+    monkeypatch.setattr(run, "run_cell", lambda c, o, dev, stall: ran.append(c.name))
+    monkeypatch.setattr(run, "prepare", lambda *a: None)
+    monkeypatch.setattr(run, "stall_bits_of", lambda o: 7.0)
+    store = tmp_path / "converged.json"  # docs/results/converged.json: a list of results
+    store.write_text(json.dumps([{"cell": "preln:2:paper:s1", "device_type": "cpu"},
+                                 {"cell": "tfixup:2:paper:s1", "device_type": "cuda"}]))  # fmt: skip
+    pack = tmp_path / "p.json"
+    pack.write_text(
+        json.dumps({"format": cmds.PACK_FORMAT, "cells": [{"cell": "admin:2:paper:s1", "device_type": "cpu"}]})
+    )
+    cells = "preln:2:paper,tfixup:2:paper,admin:2:paper,dsinit:2:paper"
+    args = ["--cells", cells, "--work-dir", str(tmp_path), "--skip-done", str(store), "--skip-done", str(pack)]
+    assert run.main(args) == 0 and ran == ["tfixup:2:paper:s1", "dsinit:2:paper:s1"]  # CPU results only count on CPU
+    assert run.main([*args[:4], "--skip-done", str(tmp_path / "nope.json")]) == 1

@@ -174,8 +174,8 @@ class Run:
         """What was actually built: model class, norm and residual module classes (for checks)."""
         kinds = {type(m).__name__ for m in self.model.modules()}
         norms = set()
-        for stack in (self.model.encoder, self.model.decoder):
-            for layer in stack.layers:
+        for stack in (getattr(self.model, "encoder", None), self.model.decoder):  # a language model has no encoder
+            for layer in getattr(stack, "layers", ()):
                 for attr in ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"):
                     if getattr(layer, attr, None) is not None:
                         norms.add(type(getattr(layer, attr)).__name__)

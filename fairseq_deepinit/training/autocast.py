@@ -131,7 +131,9 @@ class AutocastTaskMixin:
 
     @property
     def autocast_bf16(self) -> bool:
-        return bool(getattr(self.cfg, "autocast_bf16", False))
+        # fairseq's legacy tasks (language_modeling) keep their options in ``args`` and leave ``cfg`` None
+        cfg = self.cfg if getattr(self, "cfg", None) is not None else getattr(self, "args", None)
+        return bool(getattr(cfg, "autocast_bf16", False))
 
     def build_model(self, cfg, from_checkpoint: bool = False):
         if self.autocast_bf16 and not from_checkpoint:

@@ -47,7 +47,8 @@ class Options:
     stall_bits: float | None = None
     blind_fraction: float = BLIND_FRACTION
     extra_args: str = ""
-    deadline: float | None = None  # time.time() after which no training goes on
+    deadline: float | None = None  # time.time() after which no training or decoding goes on
+    fast_path: bool = True  # on CUDA: --attention-impl sdpa, and adam_foreach where the regime uses Adam
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +71,21 @@ def precision_flags(method: str, device: str, precision: str) -> List[str]:
     raise ConvergeError(f"--precision {precision!r}: choose fp16, bf16 or fp32")
 
 
+def fast_path_flags(regime_flags: List[str], o: Options) -> List[str]:
+    """The regime's flags on the plugin's fast path (CUDA, ``o.fast_path``): fused attention
+    (``--attention-impl sdpa``, the same function as fairseq's: tests/test_sdpa.py) and fairseq's Adam
+    rule over all tensors at once (``--optimizer adam_foreach``: tests/test_adam_foreach.py) where the
+    regime trains with Adam; RAdam regimes keep fairseq-deepinit's per-tensor ``radam``. The CPU
+    keeps the plain path of the CPU results in docs/results.md."""
+    if o.device != "cuda" or not o.fast_path:
+        return list(regime_flags)
+    out = list(regime_flags)
+    i = out.index("--optimizer") + 1
+    if out[i] == "adam":
+        out[i] = "adam_foreach"
+    return out + ["--attention-impl", "sdpa"]
+
+
 def train_command(cell: rg.Cell, o: Options) -> List[str]:
     """The exact fairseq-train command of ``cell`` (resumes from its save dir's checkpoint_last.pt)."""
     regime = cell.spec
@@ -84,7 +100,7 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
         cmd += [f"--{side}-attention-heads", str(o.heads)]
     cmd += ["--share-decoder-input-output-embed"]
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "0"]
-    cmd += regime.flags(batch)
+    cmd += fast_path_flags(regime.flags(batch), o)
     if regime.scheduler == "reduce_lr_on_plateau":
         cmd += ["--stop-min-lr", f"{STOP_MIN_LR:g}"]
     cmd += ["--max-tokens", str(per_forward), "--update-freq", str(freq), "--seed", str(cell.seed)]

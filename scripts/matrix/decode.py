@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import generate_progress  # noqa: E402  (sentences-done lines while fairseq-generate runs)
@@ -16,10 +19,25 @@ import prepare_bible  # noqa: E402  (the tokeniser, BPE and scorer of the quicks
 from matrix.common import BLEU_RE, TEST_SETS, USER_DIR, MatrixError, cell_dir, log
 
 
-def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, threads: int, device: str = "cpu") -> Path:
+class DecodeDeadline(Exception):
+    """fairseq-generate was stopped at the deadline; nothing was written (the next run decodes again)."""
+
+
+def translate(
+    bin_dir: Path,
+    out: Path,
+    subset: str,
+    label: str,
+    beam: int,
+    threads: int,
+    device: str = "cpu",
+    deadline: float | None = None,
+) -> Path:
     """``fairseq-generate`` of ``subset`` with the cell's best checkpoint (skipped when up to date),
     logging sentences done of the total every tenth of the set; its stderr goes to a log beside it.
-    ``device`` "cuda" decodes on the GPU (fp32), "cpu" with ``--cpu``."""
+    ``device`` "cuda" decodes on the GPU (fp32), "cpu" with ``--cpu``. At ``deadline`` (a
+    ``time.time()``) the process is killed and :class:`DecodeDeadline` raised; the partial output
+    stays a ``.tmp`` file, never taken for a finished translation."""
     ckpt = out / "checkpoint_best.pt"
     gen = out / f"generate-{label}.txt"
     if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
@@ -31,13 +49,37 @@ def translate(bin_dir: Path, out: Path, subset: str, label: str, beam: int, thre
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         tmp, err = gen.with_suffix(".tmp"), gen.with_suffix(".log")
         name = f"{out.name} {label}"
+        if deadline is not None and time.time() >= deadline:
+            raise DecodeDeadline(name)
         with open(tmp, "wb") as f, open(err, "wb") as e:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=e, env=env)
+            # its own process group (in this session), so that a stop at the deadline also ends its
+            # data-loader workers, which would hold the pipe open
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=e, env=env, process_group=0)
+            stopped = threading.Event()
+
+            def stop() -> None:
+                stopped.set()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended just now
+                    pass
+
+            timer = threading.Timer(deadline - time.time(), stop) if deadline is not None else None
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
             raw = bin_dir.parent / "raw" / f"{subset}.en"  # prepare's untokenised copy: one line per sentence
             total = sum(1 for _ in open(raw, "rb")) if raw.exists() else None
-            with proc.stdout:
-                generate_progress.relay(proc.stdout, f, log, total=total, label=name)
-            if proc.wait() != 0:
+            try:
+                with proc.stdout:
+                    generate_progress.relay(proc.stdout, f, log, total=total, label=name)
+                proc.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if stopped.is_set():
+                raise DecodeDeadline(name)
+            if proc.returncode != 0:
                 raise MatrixError(f"fairseq-generate failed on {name} (exit {proc.returncode}): see {err}")
         tmp.replace(gen)
     return gen

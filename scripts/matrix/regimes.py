@@ -363,6 +363,21 @@ CHUNKS: Dict[str, Chunk] = {
         "18 layers, the successors of #16, paper regime", tuple(cells_of(18, "paper", SUCCESSOR_METHODS))
     ),
 }
+# Issue #25: the paper matrix in one GPU session instead of one chunk per session, in the order the verdicts
+# need it (every paper regime at 6, 18 and 36 layers, then the common regime at each depth). Not a chunk: it
+# spans the chunks above (which partition the matrix); `converge --chunk priority --jobs K` packs K cells at
+# a time, and a command cut by its time limit resumes where it stopped.
+SESSIONS: Dict[str, Chunk] = {
+    "priority": Chunk(
+        "6/18/36 layers, every paper regime, then the common one (one GPU session, packed)",
+        (
+            *cells_of(6, "paper"),
+            *cells_of(18, "paper"),
+            *cells_of(36, "paper"),
+            *(c for d in (6, 18, 36) for c in cells_of(d, "common") if c.regime == "common"),
+        ),
+    )
+}
 
 # ---- GPU budget estimate -----------------------------------------------------------------------
 # Known H100 figures (issue #17 brief): stock fairseq transformer base (d=512) with --fp16, target tokens/s
@@ -406,10 +421,11 @@ def jobs_speedup(jobs: int) -> float:
     return JOBS_SPEEDUP[max(k for k in known if k <= jobs)] if jobs >= 1 else 1.0
 
 
-def estimate_cell_s(cell: Cell, dim: int, epochs: float) -> float:
-    """GPU seconds of one cell run alone: training + per-epoch validation/saving + 4 process starts
-    (train, dev probe, test2016, test2017) + decoding 3,014 sentences."""
-    train = epochs * M30K_TARGET_TOKENS / h100_tokens_per_s(cell.depth, dim)
+def estimate_cell_s(cell: Cell, dim: int, epochs: float, tokens_per_s: float | None = None) -> float:
+    """GPU seconds of one cell: training at ``tokens_per_s`` (default: :func:`h100_tokens_per_s`, one
+    process alone) + per-epoch validation/saving + 4 process starts (train, dev probe, test2016,
+    test2017) + decoding 3,014 sentences."""
+    train = epochs * M30K_TARGET_TOKENS / (tokens_per_s or h100_tokens_per_s(cell.depth, dim))
     per_epoch = epochs * (1.0 + VALID_SAVE_S_PER_LAYER * cell.depth)
     decode = 4 * PROCESS_START_S + 10 + 0.8 * cell.depth
     return train + per_epoch + decode

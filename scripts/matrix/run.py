@@ -17,9 +17,17 @@ matrix) and test2016 / test2017 with beam 5 (sacreBLEU), and everything is writt
 
 Resuming: a cell whose ``result.json`` exists is skipped; a cell killed while training restarts
 from its ``checkpoint_last.pt`` (fairseq's own resume); one killed after training (``train.done``)
-only decodes again. ``--deadline-min`` stops training processes before a device command's time
-limit, leaving them resumable, and ``--pack FILE`` writes every finished result of the selected
-cells into one JSON file (what a GPU session brings back).
+only decodes again. ``--deadline-min`` (or ``--deadline-at``) stops training and decoding processes
+before a device command's time limit, leaving them resumable, and ``--pack FILE`` writes every
+finished result of the selected cells into one JSON file, rewritten after every cell (what a GPU
+session brings back, also from a command cut by its limit).
+
+On CUDA the cells train in bf16 autocast (``--autocast-bf16``: fp32's exponent range, so no loss
+scaling, and a divergence is the method's, not fp16's: fairseq's ``--fp16`` stops at its minimum loss
+scale, which the status rules would count as diverged) on the plugin's fast path
+(:func:`matrix.commands.fast_path_flags`; ``--no-fast-path`` for fairseq's attention and Adam).
+``--jobs K`` trains K cells at once; ``--measure-jobs`` measures what K pays off and ``--plan`` turns
+the measured rates into the expected wall time of the selected cells (:mod:`matrix.plan`).
 """
 
 from __future__ import annotations
@@ -42,12 +50,13 @@ from typing import Dict, List, Sequence, Tuple
 import multi30k_data
 import prepare_bible  # noqa: E402
 
+from matrix import plan as plan_mod
 from matrix import regimes as rg
 from matrix.cells import last_line, merges_of, parse_log, unigram_bits
 from matrix.commands import PACK_FORMAT, ConvergeError, Options, precision_flags, printable, train_command
 from matrix.common import BLEU_RE, REPO, TEST_SETS, MatrixError, log
 from matrix.data import prepare
-from matrix.decode import translate
+from matrix.decode import DecodeDeadline, translate
 from matrix.logs import classify, train_wps, valid_curve
 
 # ---------------------------------------------------------------------------------------------
@@ -98,15 +107,16 @@ def _run_until(cmd: List[str], log_path: Path, env: dict, deadline: float | None
 
 
 def _decode(o: Options, out: Path) -> dict:
-    """Greedy dev probe and beam test2016/test2017 sacreBLEU of the cell's best checkpoint."""
+    """Greedy dev probe and beam test2016/test2017 sacreBLEU of the cell's best checkpoint
+    (:class:`DecodeDeadline` at ``o.deadline``; the translations finished before it are kept)."""
     bin_dir = o.data / "bin"
-    gen = translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device)
+    gen = translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device, deadline=o.deadline)
     hyps = prepare_bible.read_hypotheses(gen)
     dev = prepare_bible.score(gen, o.data / "raw" / "valid.en")
     found: dict = {"probe": {"distinct": len(set(hyps)), "sentences": len(hyps), "bleu": _bleu(dev)}}
     for subset, label in TEST_SETS.items():
         line = prepare_bible.score(
-            translate(bin_dir, out, subset, label, o.beam, o.threads, device=o.device),
+            translate(bin_dir, out, subset, label, o.beam, o.threads, device=o.device, deadline=o.deadline),
             o.data / "raw" / f"{subset}.en",
         )
         found[f"{label}_bleu"] = _bleu(line)
@@ -159,9 +169,11 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
     curve = valid_curve(text)
     decoded: dict = {"probe": None, "test2016_bleu": None, "test2017_bleu": None, "bleu_signature": None}
     if (out / "checkpoint_best.pt").exists():
-        if o.deadline is not None and time.time() > o.deadline:
+        try:
+            decoded = _decode(o, out)
+        except DecodeDeadline as e:
+            log(f"{cell.name}: decoding ({e}) stopped at the deadline; decodes again next time")
             return None
-        decoded = _decode(o, out)
     status, stop = classify(curve, text, rc, o.patience, stall_bits, decoded["probe"], o.blind_fraction)
     finite = [c for c in curve if math.isfinite(c[1])]
     best = min(finite, key=lambda c: c[1]) if finite else None
@@ -206,6 +218,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
             "update_freq": freq,
             "stall_bits": round(stall_bits, 3),
             "beam": o.beam,
+            "fast_path": o.fast_path and o.device == "cuda",
         },
         "valid": [list(c) for c in curve],
         "attempts": len(attempts),
@@ -225,14 +238,17 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
 
 
 def pack(runs: Path, cells: Sequence[rg.Cell], path: Path) -> int:
-    """Write the finished results of ``cells`` under ``runs`` into one JSON file; returns how many."""
+    """Write the finished results of ``cells`` under ``runs`` into one JSON file (atomically: a
+    command killed while writing leaves the previous pack); returns how many."""
     found = []
     for c in cells:
         p = runs / c.dirname / "result.json"
         if p.exists():
             found.append(json.loads(p.read_text()))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": PACK_FORMAT, "cells": found}, indent=1))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"format": PACK_FORMAT, "cells": found}, indent=1))
+    tmp.replace(path)
     return len(found)
 
 
@@ -243,9 +259,10 @@ def pack(runs: Path, cells: Sequence[rg.Cell], path: Path) -> int:
 def select_cells(a: argparse.Namespace) -> Tuple[List[rg.Cell], rg.Chunk | None]:
     """The cells of ``--chunk`` or of ``--cells`` or of ``--methods x --depths x --regime x --seeds``."""
     if a.chunk:
-        if a.chunk not in rg.CHUNKS:
-            raise ConvergeError(f"unknown --chunk {a.chunk!r}; choose from {', '.join(rg.CHUNKS)} (--list-chunks)")
-        return list(rg.CHUNKS[a.chunk].cells), rg.CHUNKS[a.chunk]
+        chunks = {**rg.CHUNKS, **rg.SESSIONS}
+        if a.chunk not in chunks:
+            raise ConvergeError(f"unknown --chunk {a.chunk!r}; choose from {', '.join(chunks)} (--list-chunks)")
+        return list(chunks[a.chunk].cells), chunks[a.chunk]
     try:
         if a.cells:
             return [rg.Cell.parse(c) for c in a.cells.split(",") if c], None
@@ -258,6 +275,19 @@ def select_cells(a: argparse.Namespace) -> Tuple[List[rg.Cell], rg.Chunk | None]
         return [c for d in depths for c in rg.cells_of(d, a.regime, methods, seeds)], None
     except ValueError as e:
         raise ConvergeError(str(e)) from None
+
+
+def finished_cells(path: Path, device: str) -> set:
+    """Names of the cells ``path`` holds a result of (docs/results/converged.json: a list of results; or
+    a ``--pack`` file) trained on ``device``."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConvergeError(f"--skip-done {path}: cannot read it as JSON ({e})") from None
+    cells = doc.get("cells") if isinstance(doc, dict) and doc.get("format") == PACK_FORMAT else doc
+    if not isinstance(cells, list):
+        raise ConvergeError(f"--skip-done {path}: neither docs/results/converged.json nor a --pack file")
+    return {c["cell"] for c in cells if isinstance(c, dict) and c.get("device_type") == device and "cell" in c}
 
 
 def _ints(text: str, flag: str) -> List[int]:
@@ -303,7 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp16: fairseq --fp16; bf16: --task translation_deepinit --autocast-bf16 (fp32 weights); fp32\n"
         "(default: bf16 on cuda, fp32 on cpu)",
     )
-    add("--jobs", type=int, default=1, help="cells trained at the same time, sharing the device (default: %(default)s)")
+    add(
+        "--jobs",
+        default="1",
+        help="cells trained at the same time, sharing the device, or 'auto': the count of the highest measured\n"
+        "aggregate tokens/s in --rates (default: %(default)s)",
+    )
     add("--max-epochs", type=int, default=50, help="epoch cap of every cell (default: %(default)s)")
     add(
         "--patience",
@@ -361,39 +396,136 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write the selected cells' finished results into this one JSON file (default: none)",
     )
+    add(
+        "--deadline-at",
+        type=float,
+        default=None,
+        help="as --deadline-min, at this Unix time (date +%%s): several steps in one device command (default: none)",
+    )
+    add(
+        "--no-fast-path",
+        action="store_true",
+        help="on CUDA, train with fairseq's attention and per-tensor Adam instead of the plugin's fast path\n"
+        "(--attention-impl sdpa, --optimizer adam_foreach where the regime uses Adam) (default: fast path)",
+    )
+    add(
+        "--rates",
+        type=Path,
+        default=None,
+        help="measured tokens/s: the file --measure-jobs writes, or a --pack file; read by --plan and --jobs auto\n"
+        "(default: none; --plan then uses the built-in H100 estimate, labelled as such)",
+    )
+    add(
+        "--measure-jobs",
+        default=None,
+        help="measure the aggregate tokens/s of K identical training processes for each K of this comma-separated\n"
+        "list (e.g. 1,8,12,16) into --rates, then exit (default: none)",
+    )
+    add(
+        "--measure-cells",
+        default=plan_mod.DEFAULT_PROBE,
+        help="--measure-jobs: the probe cell(s), comma-separated (default: %(default)s)",
+    )
+    add("--measure-updates", type=int, default=200, help="--measure-jobs: updates per process (default: %(default)s)")
+    add(
+        "--plan",
+        action="store_true",
+        help="print the expected wall time of the selected cells for every --jobs of the rates, then exit",
+    )
+    add("--plan-jobs", default=None, help="--plan: the job counts to plan for (default: those of --rates)")
+    add("--budget-min", type=float, default=None, help="--plan: list the cells finished within this many minutes")
+    add(
+        "--command-min",
+        type=float,
+        default=8.5,
+        help="--plan: usable minutes of one device command (its --deadline-min) (default: %(default)s)",
+    )
+    add(
+        "--skip-done",
+        type=Path,
+        action="append",
+        default=[],
+        help="leave out the cells this file (docs/results/converged.json or a --pack file) holds a result of,\n"
+        "trained on the same --device; may be repeated (default: none)",
+    )
     add("--extra-args", default="", help="appended to every fairseq-train command (default: none)")
     add("--dry-run", action="store_true", help="print the commands and the estimated GPU minutes, train nothing")
     return p
 
 
+ESTIMATE_NOTE = (
+    "estimate from stock fairseq fp16 on an H100 scaled by CPU-measured depth/width costs, sharing speed-up "
+    "assumed; `--plan --rates FILE` plans from measured rates"
+)
+
+
 def list_chunks(dim: int, jobs: int) -> str:
-    lines = [f"estimated H100 minutes with --jobs {jobs}, d={dim}, {rg.EPOCHS_EXPECTED} epochs per cell:"]
-    for name, ch in rg.CHUNKS.items():
+    lines = [f"estimated H100 minutes with --jobs {jobs}, d={dim}, {rg.EPOCHS_EXPECTED} epochs per cell"]
+    lines.append(f"({ESTIMATE_NOTE}):")
+    for name, ch in {**rg.CHUNKS, **rg.SESSIONS}.items():
         lines.append(
-            f"  {name:<11} {len(ch.cells):>3} cells {rg.estimate_chunk(ch.cells, dim, jobs):6.1f} min  {ch.description}"
+            f"  {name:<14} {len(ch.cells):>3} cells {rg.estimate_chunk(ch.cells, dim, jobs):6.1f} min  {ch.description}"
         )
     return "\n".join(lines)
+
+
+def _jobs_list(text: str, flag: str) -> List[int]:
+    values = _ints(text, flag)
+    if min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: every count must be at least 1")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        if a.jobs < 1 or a.patience < 1 or a.max_epochs < 1:
+        auto = a.jobs == "auto"
+        if not auto and not a.jobs.isdigit():
+            raise ConvergeError(f"--jobs {a.jobs!r}: give a number of cells at a time, or 'auto' with --rates")
+        jobs = 1 if auto else int(a.jobs)
+        if jobs < 1 or a.patience < 1 or a.max_epochs < 1:
             raise ConvergeError("--jobs, --patience and --max-epochs must be at least 1")
         if a.list_chunks:
-            print(list_chunks(a.dim, a.jobs))
+            print(list_chunks(a.dim, jobs))
             return 0
+        try:
+            measure = _jobs_list(a.measure_jobs, "--measure-jobs") if a.measure_jobs else None
+            plan_jobs = _jobs_list(a.plan_jobs, "--plan-jobs") if a.plan_jobs else None
+            probes = [rg.Cell.parse(c) for c in a.measure_cells.split(",") if c]
+        except ValueError as e:
+            raise ConvergeError(str(e)) from None
+        if measure and not a.rates:
+            raise ConvergeError("--measure-jobs writes its measurements into --rates FILE; add --rates")
+        if measure and a.measure_updates < 10:
+            raise ConvergeError("--measure-updates: give at least 10 updates (the first fifth is start-up)")
         cells, chunk = select_cells(a)
+        done = set().union(*(finished_cells(path, a.device) for path in a.skip_done))
+        if done:
+            log(f"--skip-done: {sum(c.name in done for c in cells)} of the selected cells have a result already")
+            cells = [c for c in cells if c.name not in done]
+        if a.plan:
+            rates = plan_mod.load_rates(a.rates) if a.rates else plan_mod.fallback_rates(a.dim)
+            text, _ = plan_mod.plan(cells, rates, a.dim, plan_jobs or rates.jobs(), a.budget_min, a.command_min)
+            print(text)
+            return 0
+        if auto and (not a.rates or not a.rates.exists()):
+            raise ConvergeError("--jobs auto picks the measured best from --rates FILE; run --measure-jobs first")
+        rates = plan_mod.load_rates(a.rates) if a.rates and not measure else None
+        if auto:
+            jobs = plan_mod.best_jobs(rates)
+            log(f"--jobs auto: {jobs} (the highest measured aggregate tokens/s in {a.rates})")
         precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
         runs = a.runs_dir or a.work_dir / "converged"
         limit = a.max_tokens_per_job or (chunk.max_tokens_per_job if chunk else None)
         deadline = time.time() + 60 * a.deadline_min if a.deadline_min else None
+        if a.deadline_at is not None:
+            deadline = a.deadline_at if deadline is None else min(deadline, a.deadline_at)
         o = Options(
             a.work_dir,
             runs,
             a.device,
             precision,
-            a.jobs,
+            jobs,
             a.dim,
             a.ffn,
             a.heads,
@@ -406,16 +538,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.stall_bits,
             extra_args=a.extra_args,
             deadline=deadline,
+            fast_path=not a.no_fast_path,
         )
-        for c in cells:
+        for c in [*cells, *probes]:
             precision_flags(c.method, o.device, o.precision)  # refuse bad combinations before anything runs
         if a.dry_run:
             for c in cells:
                 print(f"# {c.name}: {c.spec.label}")
                 print(printable(train_command(c, o)))
             print(
-                f"# {len(cells)} cells, estimated {rg.estimate_chunk(cells, a.dim, a.jobs):.1f} H100 minutes with "
-                f"--jobs {a.jobs} ({rg.EPOCHS_EXPECTED} epochs per cell; scripts/matrix/regimes.py)"
+                f"# {len(cells)} cells, estimated {rg.estimate_chunk(cells, a.dim, jobs):.1f} H100 minutes with "
+                f"--jobs {jobs} ({rg.EPOCHS_EXPECTED} epochs per cell; {ESTIMATE_NOTE})"
             )
             return 0
         if a.device == "cuda":
@@ -427,17 +560,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConvergeError("--device cuda: no CUDA device is visible; use --device cpu")
         prepare(a.work_dir, a.bpe_merges, a.multi30k_dir)
         dev = device_name(a.device)
+        if measure:
+            plan_mod.measure_jobs(probes, o, measure, a.measure_updates, a.rates, dev)
+            return 0
         stall = stall_bits_of(o)
         log(
-            f"{len(cells)} cells on {dev} ({precision}), {a.jobs} at a time, patience {a.patience}, "
+            f"{len(cells)} cells on {dev} ({precision}), {jobs} at a time, patience {a.patience}, "
             f"at most {a.max_epochs} epochs; results in {runs}"
         )
-        with ThreadPoolExecutor(a.jobs) as pool:
-            results = list(pool.map(lambda c: run_cell(c, o, dev, stall), cells))
+        packing = threading.Lock()
+
+        def repack() -> None:
+            # after every cell, so that a command cut by its time limit returns every result finished so far
+            if a.pack:
+                with packing:
+                    n = pack(runs, cells, a.pack)
+                log(f"packed {n} results into {a.pack}")
+
+        # measured peak memory: a cell starts once it fits beside the running ones (plan.MemoryGate)
+        gate = plan_mod.MemoryGate(rates.memory_budget_mib() if rates and a.device == "cuda" else None)
+        if gate.budget is not None:
+            log(f"memory: cells start while they fit in {gate.budget:,.0f} MiB ({a.rates})")
+
+        def one(i: int) -> dict | None:
+            c = cells[i]
+            with gate.hold(i, rates.memory_mib(c.depth) if rates else None):
+                result = run_cell(c, o, dev, stall)
+            if result is not None:
+                repack()
+            return result
+
+        repack()
+        with ThreadPoolExecutor(jobs) as pool:
+            results = list(pool.map(one, range(len(cells))))
         left = [c.name for c, r in zip(cells, results, strict=True) if r is None]
-        if a.pack:
-            n = pack(runs, cells, a.pack)
-            log(f"packed {n} results into {a.pack}")
+        repack()
         if left:
             log(f"{len(left)} cells not finished (deadline); run the same command again to resume: {', '.join(left)}")
         return 0
