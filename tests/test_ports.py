@@ -248,6 +248,8 @@ def test_hybridnorm_block_on_a_single_token():
     got = norm_placement.olmo_sequential_block(x, zero_attention(4), constant_ffn(c), {**cfg, **{"attn_norm": True,
         "ffn_residual": False}}, 2, n, n)  # fmt: skip
     torch.testing.assert_close(got, x + c, **TOL)
+    assert norm_placement.hybridnorm_init_std("qkv", 2048, 16) == pytest.approx(0.013975424859373685, rel=1e-15)
+    assert norm_placement.hybridnorm_init_std("ff_out", 2048, 16) == pytest.approx(0.013975424859373685 / math.sqrt(32))
 
 
 # ------------------------------------------------------------------------------- LayerNorm Scaling

@@ -37,6 +37,7 @@ no norm before attention, and the FFN fed and bypassed by the normalised stream 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from torch import Tensor
@@ -245,3 +246,23 @@ def hybridnorm_stack(
             causal=causal,
         )
     return final_norm(x)
+
+
+def hybridnorm_init_std(param: str, d_model: int, n_layers: int) -> float:
+    """Std of HybridNorm's released 1.2B initialisation (``init_fn: full_megatron``, truncated at 3 std).
+
+    The yaml's ``init_std: 0.013975424859373685`` is ``sqrt(2 / (5 * d_model))`` at ``d_model=2048``;
+    ``full_megatron`` uses it for the tied embedding (``model.py:1256-1266``) and ``att_proj``/``ff_proj``
+    (``788-795``), and ``init_std / sqrt(2 * n_layers)`` for ``attn_out``/``ff_out`` (``553-561``);
+    q/k/v norm gains are 1 (``reset_parameters``). ``param``: ``"embedding"``, ``"qkv"``, ``"ff_in"``,
+    ``"attn_out"``, ``"ff_out"``.
+    """
+    std = math.sqrt(2.0 / (5.0 * d_model))
+    if param in ("embedding", "qkv", "ff_in"):
+        return std
+    if param in ("attn_out", "ff_out"):
+        return std / math.sqrt(2.0 * n_layers)
+    raise ValueError(f"unknown parameter {param!r}")
+
+
+HYBRIDNORM_INIT_CUTOFF = 3.0  # init_cutoff_factor: 3 (truncated normal at +-3 std)
