@@ -227,6 +227,53 @@ def test_post_and_pre_layers_match_torch_transformer_layers(placement):
     torch.testing.assert_close(got, dec(x, mem, tgt_mask=causal), **TOL)
 
 
+@pytest.mark.parametrize("placement", ["post", "pre"])
+def test_readers_and_layout_match_fairseq_layers(placement):
+    """The readers (``from_module``) and the batch-first port equal fairseq's own layers (time-first)."""
+    from fairseq.models.transformer import TransformerConfig
+    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+
+    cfg = TransformerConfig()
+    for side in (cfg.encoder, cfg.decoder):
+        side.embed_dim, side.ffn_embed_dim, side.attention_heads = 8, 16, 2
+        side.normalize_before = placement == "pre"
+    cfg.dropout = 0.0
+    torch.manual_seed(0)
+    enc = TransformerEncoderLayerBase(cfg).double().eval()
+    dec = TransformerDecoderLayerBase(cfg).double().eval()
+    g = gen(9)
+    with torch.no_grad():  # non-trivial norms so a misplaced one shows
+        for m in (enc, dec):
+            for name, p in m.named_parameters():
+                if "norm" in name:
+                    p.copy_(
+                        torch.randn(p.shape, generator=g, dtype=F64) * 0.1 + (1.0 if name.endswith("weight") else 0.0)
+                    )
+    x = torch.randn(2, 5, 8, generator=g, dtype=F64)
+    mem = torch.randn(2, 4, 8, generator=g, dtype=F64)
+    role = "out" if placement == "post" else "in"
+    n = NormSpec.from_module
+    enc_norms = {f"attn.{role}": n(enc.self_attn_layer_norm), f"ffn.{role}": n(enc.final_layer_norm)}
+    got = norm_placement.encoder_layer(
+        x, AttnWeights.from_module(enc.self_attn), FFNWeights.from_module(enc), enc_norms, placement, 2
+    )
+    with torch.no_grad():
+        want = enc(x.transpose(0, 1), None).transpose(0, 1)
+    torch.testing.assert_close(got, want, **TOL)
+    norms = {f"attn.{role}": n(dec.self_attn_layer_norm), f"cross.{role}": n(dec.encoder_attn_layer_norm),
+             f"ffn.{role}": n(dec.final_layer_norm)}  # fmt: skip
+    got = norm_placement.decoder_layer(
+        x, mem, AttnWeights.from_module(dec.self_attn), AttnWeights.from_module(dec.encoder_attn),
+        FFNWeights.from_module(dec), norms, placement, 2)  # fmt: skip
+    future = torch.full((5, 5), float("-inf"), dtype=F64).triu(1)
+    with torch.no_grad():
+        want = dec(x.transpose(0, 1), mem.transpose(0, 1), None, self_attn_mask=future)[0].transpose(0, 1)
+    # fairseq's explicit attention path (cross-attention: static_kv) computes the softmax in float32 even for
+    # float64 inputs (fairseq/utils.py:518): probabilities carry a relative error up to 2**-24 = 6e-8, which
+    # the following projections, norms and sub-layers (weights and activations of O(1-10)) amplify to < 1e-6
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_hybridnorm_block_on_a_single_token():
     # one token: attention returns v_norm(v) per head through identity projections
     eye = torch.eye(4, dtype=F64)
