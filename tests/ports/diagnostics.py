@@ -3,11 +3,11 @@ layers, loss with one layer removed.
 
 Residual stream size. OLMo-core's ``GAPMonitorCallback`` (``src/olmo_core/train/callbacks/gap_monitor.py``,
 commit fa6c501) hooks every module's output (``pre_train``, ``112-129``; a block's output is the residual
-stream after that layer) and records per activation (``record_tensor_stats``, ``182-231``): ``max |x|``
-over the local tensor, and ``var``/``mean`` computed per instance over the flattened ``T * C`` values
-(``torch.var_mean``, unbiased, ``331-333``) then averaged over instances. :func:`gap_activation_stats`.
-The per-token L2 norm averaged over non-padding tokens (:func:`residual_norms`) is this project's
-companion statistic (no released code computes exactly it).
+stream after that layer) and records per activation (``record_tensor_stats``, ``182-247``, activations
+``196-231``): ``max |x|`` over the local tensor, and ``var``/``mean`` computed per instance over the
+flattened ``T * C`` values (``torch.var_mean``, unbiased, ``331-333``) then averaged over instances
+(:func:`gap_activation_stats`). The per-token L2 norm averaged over non-padding tokens
+(:func:`residual_norms`) is this project's companion statistic (no released code computes exactly it).
 
 Max attention logit. Megatron-LM ``megatron/core/optimizer/qk_clip.py`` ``prepare_qk_clip`` (index commit
 2ba9903): ``log_max_attention_logit = max(0.0, max over layers of logits.max())`` where ``logits`` is each
