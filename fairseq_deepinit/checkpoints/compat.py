@@ -75,7 +75,7 @@ def pickled_globals(path: PathLike) -> List[str]:
 def disallowed_globals(path: PathLike) -> List[str]:
     """The globals of ``path`` that ``torch.load(weights_only=True)`` will refuse even with the plugin."""
     allowed = set(allowed_global_names())
-    return [g for g in pickled_globals(path) if g not in allowed]
+    return sorted({g for g in pickled_globals(path) if g not in allowed})
 
 
 USE_ANOTHER = (
