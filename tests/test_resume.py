@@ -453,14 +453,11 @@ def test_unwritable_save_dir_is_one_line(synthetic_bin, tmp_path):
 
 
 def test_missing_given_checkpoints_are_one_line(synthetic_bin, tmp_path):
-    """A --restore-file or --finetune-from-model that does not exist stops the run (it trained from scratch with
-    exit status 0, or ended in a ValueError traceback); the default checkpoint_last.pt may be missing (a first
-    launch, tested by ``trained``)."""
+    """A --restore-file, --continue-once or --finetune-from-model that does not exist stops the run (fairseq
+    trained from scratch with exit status 0, or, for the last, ended in a ValueError traceback); the default
+    checkpoint_last.pt may be missing (a first launch, tested by ``trained``)."""
     nope = tmp_path / "nope.pt"
-    runs = {
-        "--restore-file": ("--restore-file", str(nope)),
-        "--finetune-from-model": ("--finetune-from-model", str(nope)),
-    }
+    runs = {flag: (flag, str(nope)) for flag in ("--restore-file", "--continue-once", "--finetune-from-model")}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
             flag: pool.submit(train, synthetic_bin, tmp_path / flag.strip("-"), 2, *extra, check=False)
