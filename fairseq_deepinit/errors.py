@@ -1,23 +1,29 @@
 """The plugin's errors, in one place, and how they end a fairseq command: one line, exit status 1.
 
-The classes: :class:`DeepInitConfigError` (an invalid or incompatible combination of options, found
-before a model is built), :class:`AdminConfigError` and :class:`AdminNotProfiledError` (Admin),
+Every error the plugin raises on purpose is an ordinary exception under one base class,
+:class:`DeepInitError`, so that a Python program using fairseq with the plugin (for example calling
+``checkpoint_utils.load_checkpoint_to_cpu`` on a damaged file) can catch it with ``except Exception``
+and go on. Each class also keeps the built-in base that says what kind of failure it is:
+:class:`DeepInitConfigError` (``ValueError``: an invalid or incompatible combination of options,
+found before a model is built), :class:`AdminConfigError` and :class:`AdminNotProfiledError` (Admin),
 :class:`AdminExportError`, :class:`AutocastConfigError`, :class:`DivergenceError` (the diagnostics
-guard), :class:`UnsafeCheckpointError`, and :class:`CheckpointFileError` / :class:`ConfigChangeError`
-(a checkpoint that cannot be read, a resumed run whose model options differ from its checkpoint's;
-these two are :class:`SystemExit` so that fairseq's ``except Exception`` crash handlers let them
-through).
+guard), :class:`UnsafeCheckpointError` (a checkpoint that pickles something torch's ``weights_only``
+loader refuses; also a ``pickle.UnpicklingError``, what torch raises for it), :class:`CheckpointFileError` /
+:class:`ConfigChangeError` (a checkpoint that cannot be read or must not be resumed) and
+:class:`CheckpointSaveError` (an ``OSError``: a checkpoint that cannot be written).
 
-Every exception class defined in this package (``DeepInitConfigError``, ``AdminConfigError``,
-``AdminNotProfiledError``, ``AutocastConfigError``, ``DivergenceError``, ...) is raised on purpose,
-with a message that says what to change; a traceback adds nothing for the user. :func:`install`
-(called once when the plugin is imported, i.e. by ``--user-dir``) does two things:
+The one-line exit belongs to the command line, not to the library. :func:`install` (called once
+when the plugin is imported, i.e. by ``--user-dir``, and by the plugin's own console scripts, which
+import the package) does two things:
 
 - it wraps ``sys.excepthook`` so that an uncaught plugin error prints
   ``fairseq-deepinit: error: <message>`` on stderr instead of the traceback; the interpreter then
-  exits with status 1, as for any uncaught exception. Every other exception goes to the previous
-  hook unchanged (fairseq's usual traceback). ``FAIRSEQ_DEEPINIT_TRACEBACK=1`` keeps the traceback
-  for plugin errors too (debugging);
+  exits with status 1, as for any uncaught exception. An exception that fairseq raised while
+  handling a plugin error (``Trainer.load_checkpoint`` wraps every failure in
+  ``Exception("Cannot load model parameters ...")``) is reported as the plugin error it hides
+  (:func:`plugin_error_in`). Every other exception goes to the previous hook unchanged (fairseq's
+  usual traceback). ``FAIRSEQ_DEEPINIT_TRACEBACK=1`` keeps the traceback for plugin errors too
+  (debugging);
 - it registers :func:`stop_batch_prefetching` with ``atexit``. That is the root cause of the
   "terminate called without an active exception" abort (status 134) that followed errors raised in
   the training step: fairseq's ``BufferedIterator`` collates the next batches in a *daemon* thread
@@ -30,7 +36,10 @@ with a message that says what to change; a traceback adds nothing for the user. 
   threads there removes the race for every way out: plugin errors, other exceptions, ``sys.exit``
   (``--admin-profile-only`` stops with status 0 this way) and the normal end of training.
 
-This module imports nothing from the plugin, so every other module can import it.
+fairseq's own ``except Exception`` handlers that see a plugin error re-raise it unchanged (the
+training step's crash handler after writing ``crash.pt``), except ``Trainer.load_checkpoint``'s,
+which :mod:`.checkpoints.resume` teaches to let it through. This module imports nothing from the
+plugin, so every other module can import it.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import queue
 import sys
 import threading
@@ -58,7 +68,11 @@ _installed = False
 # --- the error classes --------------------------------------------------------------------------
 
 
-class DeepInitConfigError(ValueError):
+class DeepInitError(Exception):
+    """Base class of every error the plugin raises on purpose: a message that says what to change."""
+
+
+class DeepInitConfigError(DeepInitError, ValueError):
     """An invalid or incompatible combination of deepinit options."""
 
 
@@ -66,57 +80,81 @@ class AdminConfigError(DeepInitConfigError):
     """Invalid Admin options, or a profile that does not fit the model."""
 
 
-class AdminNotProfiledError(RuntimeError):
+class AdminNotProfiledError(DeepInitError, RuntimeError):
     """An Admin model is being trained with omega never profiled."""
 
 
-class AdminExportError(ValueError):
+class AdminExportError(DeepInitError, ValueError):
     """The checkpoint cannot be folded into a plain Post-LN transformer."""
 
 
-class AutocastConfigError(ValueError):
+class AutocastConfigError(DeepInitError, ValueError):
     """``--autocast-bf16`` combined with something it cannot work with."""
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(DeepInitError, RuntimeError):
     """Training diverged (non-finite loss, gradients or weights) beyond what loss scaling absorbs."""
 
 
-class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint pickles a class that fairseq does not write and the plugin does not allow-list."""
+class UnsafeCheckpointError(DeepInitError, pickle.UnpicklingError, RuntimeError):
+    """A checkpoint pickles a class or function that fairseq does not write and torch's loader refuses.
 
-
-class CheckpointFileError(SystemExit):
-    """A checkpoint file that cannot be read, or a resume that must not go on.
-
-    A :class:`SystemExit` whose code is the message: an uncaught one ends fairseq-train,
-    fairseq-generate or a plugin tool with that single line on stderr and exit status 1, no
-    traceback (and fairseq's ``except Exception`` crash handlers let it through).
+    Also a ``pickle.UnpicklingError``, the class of torch's own refusal, so that code catching that
+    keeps working with the plugin loaded.
     """
 
-    def __init__(self, message: str) -> None:
-        super().__init__(PREFIX + message)
-        self.message = message
+
+class CheckpointFileError(DeepInitError, RuntimeError):
+    """A checkpoint file that cannot be read, or a resume that must not go on."""
+
+    @property
+    def message(self) -> str:
+        """The message (the attribute of the former ``SystemExit`` class, kept for its callers)."""
+        return str(self)
 
 
 class ConfigChangeError(CheckpointFileError):
     """A resumed ``deepinit`` run whose model options differ from its checkpoint's."""
 
 
+class CheckpointSaveError(DeepInitError, OSError):
+    """A checkpoint could not be written (disk full, no permission, file size limit, ...)."""
+
+
 # --- how they end a command ---------------------------------------------------------------------
 
 
 def is_plugin_error(exc: BaseException) -> bool:
-    """True for an instance of an exception class defined in this package (or a subclass of one).
+    """True for a :class:`DeepInitError` or an instance of another class defined in this package.
 
     Plain ``RuntimeError`` / ``ValueError`` raised by the plugin as internal assertions, and every
-    exception of fairseq, torch or Python, are not plugin errors: they keep their traceback.
+    exception of fairseq, torch or Python, are not plugin errors: they keep their traceback. The
+    module test also recognises the errors of a second copy of the package (an installed one next to
+    the ``--user-dir`` checkout), whose classes are not this copy's.
     """
+    if isinstance(exc, DeepInitError):
+        return True
     return any(
         cls.__module__ == PACKAGE or cls.__module__.startswith(PACKAGE + ".")
         for cls in type(exc).__mro__
         if issubclass(cls, BaseException) and cls not in (BaseException, Exception)
     )
+
+
+def plugin_error_in(exc: BaseException | None) -> BaseException | None:
+    """``exc`` if it is a plugin error, else the first plugin error it was raised from or while handling.
+
+    fairseq wraps some failures in an exception of its own (``Trainer.load_checkpoint``:
+    ``raise Exception("Cannot load model parameters ...")`` inside ``except Exception``); the plugin
+    error is then its ``__cause__`` or ``__context__``. Returns None when the chain holds none.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if is_plugin_error(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def one_line(exc: BaseException) -> str:
@@ -131,13 +169,15 @@ def format_error(exc: BaseException) -> str:
 
 def _excepthook(previous):
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if is_plugin_error(exc) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
+        # KeyboardInterrupt and the like are never reported as the plugin error they interrupted
+        plugin = plugin_error_in(exc) if isinstance(exc, Exception) else None
+        if plugin is not None and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
             for stream in (sys.stdout, sys.stderr):  # the log (stdout) first, then the error after it
                 try:
                     stream.flush()
                 except (OSError, ValueError, AttributeError):
                     pass
-            print(format_error(exc), file=sys.stderr, flush=True)
+            print(format_error(plugin), file=sys.stderr, flush=True)
             return  # an uncaught exception: the interpreter exits with status 1
         previous(exc_type, exc, tb)
 

@@ -43,11 +43,44 @@ class _SubclassElsewhere(errors.DeepInitConfigError):
         DivergenceError("x"),
         UnsafeCheckpointError("x"),
         errors.AdminExportError("x"),
+        errors.CheckpointFileError("x"),
+        errors.ConfigChangeError("x"),
+        errors.CheckpointSaveError("x"),
+        errors.DeepInitError("x"),
         _SubclassElsewhere("x"),
     ],
 )
 def test_plugin_errors_are_recognised(exc):
     assert errors.is_plugin_error(exc)
+
+
+PLUGIN_ERROR_CLASSES = sorted(
+    (c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, BaseException)),
+    key=lambda c: c.__name__,
+)
+
+
+@pytest.mark.parametrize("cls", PLUGIN_ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_plugin_error_is_an_ordinary_exception_under_one_base(cls):
+    """A library caller catches each with ``except Exception`` (CheckpointFileError and ConfigChangeError were
+    SystemExit, which ended a program that called fairseq's loader on a damaged file)."""
+    assert issubclass(cls, errors.DeepInitError) and issubclass(cls, Exception)
+    assert not issubclass(cls, SystemExit)
+    try:
+        raise cls("what to change")
+    except Exception as e:  # noqa: BLE001  (the point of the test)
+        assert str(e) == "what to change" and errors.format_error(e) == errors.PREFIX + "what to change"
+
+
+def test_the_kind_of_failure_is_kept():
+    """Each keeps the built-in class that says what failed, for callers that catch those."""
+    import pickle
+
+    assert issubclass(errors.DeepInitConfigError, ValueError) and issubclass(errors.AdminConfigError, ValueError)
+    assert issubclass(errors.DivergenceError, RuntimeError) and issubclass(errors.CheckpointFileError, RuntimeError)
+    assert issubclass(errors.UnsafeCheckpointError, pickle.UnpicklingError)  # what torch raises for the same file
+    assert issubclass(errors.CheckpointSaveError, OSError)
+    assert issubclass(errors.ConfigChangeError, errors.CheckpointFileError)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +117,57 @@ def test_excepthook_prints_one_line_for_plugin_errors_only(capsys, monkeypatch):
     plugin = errors.AdminConfigError("x")
     hook(*_raised(plugin))
     assert seen == [other, plugin]
+
+
+def _wrapped(plugin: BaseException, outer: BaseException):
+    """``outer`` raised while handling ``plugin``, as fairseq's ``except Exception: raise Exception(...)`` does."""
+    try:
+        try:
+            raise plugin
+        except Exception:  # noqa: BLE001
+            raise outer  # noqa: B904  (fairseq's own pattern: the plugin error becomes the context)
+    except BaseException as e:  # noqa: BLE001
+        return type(e), e, e.__traceback__
+
+
+def test_a_plugin_error_wrapped_by_fairseq_is_still_one_line(capsys, monkeypatch):
+    """trainer.load_checkpoint: ``except Exception: raise Exception("Cannot load model parameters ...")``."""
+    seen = []
+    hook = errors._excepthook(lambda *info: seen.append(info[1]))
+    monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
+    plugin = errors.CheckpointFileError("checkpoint x is truncated")
+    info = _wrapped(plugin, Exception("Cannot load model parameters from checkpoint x"))
+    assert errors.plugin_error_in(info[1]) is plugin
+    hook(*info)
+    assert capsys.readouterr().err == "fairseq-deepinit: error: checkpoint x is truncated\n" and not seen
+    interrupted = _wrapped(errors.DeepInitConfigError("x"), KeyboardInterrupt())
+    hook(*interrupted)  # Ctrl-C is never reported as the error it interrupted
+    assert seen == [interrupted[1]] and capsys.readouterr().err == ""
+    assert errors.plugin_error_in(RuntimeError("fairseq's own")) is None
+
+
+def test_trainer_load_checkpoint_lets_plugin_errors_through(monkeypatch):
+    """The wrapper of Trainer.load_checkpoint re-raises the plugin error that fairseq's handler wrapped; other
+    failures keep fairseq's exception."""
+    from fairseq.trainer import Trainer
+
+    from fairseq_deepinit.checkpoints import resume
+
+    assert Trainer.load_checkpoint is resume.trainer_load_checkpoint
+    plugin = errors.DeepInitConfigError("the checkpoint's options do not fit")
+
+    def fairseq_load(self, filename, *args, **kwargs):  # the shape of trainer.py, lines 525-599
+        try:
+            raise kwargs.pop("inner")
+        except Exception:  # noqa: BLE001
+            raise Exception(f"Cannot load model parameters from checkpoint {filename}")  # noqa: B904
+
+    monkeypatch.setitem(resume._ORIGINAL, "Trainer.load_checkpoint", fairseq_load)
+    with pytest.raises(errors.DeepInitConfigError) as info:
+        resume.trainer_load_checkpoint(None, "c.pt", inner=plugin)
+    assert info.value is plugin
+    with pytest.raises(Exception, match="Cannot load model parameters from checkpoint c.pt"):
+        resume.trainer_load_checkpoint(None, "c.pt", inner=KeyError("encoder.layers.0.weight"))
 
 
 def test_importing_the_plugin_installs_the_hooks_once():

@@ -1,22 +1,32 @@
-"""Nothing lost when a run is killed (fairseq_deepinit/resume.py).
+"""Nothing lost when a run is killed or a save fails (fairseq_deepinit/checkpoints/).
 
 The atomic copy in-process (and SIGKILLed in a child), then real fairseq-train runs: killed in the
-middle of the checkpoint_last.pt copy and resumed, killed at random moments during saves and
-resumed every time, resumed from a truncated / empty / random checkpoint_last.pt, refused when the
-architecture changes; and the one-line error of every tool that reads a damaged checkpoint.
+middle of the checkpoint_last.pt copy and resumed (from the newest intact checkpoint, whichever file
+it is), killed at random moments during saves and resumed every time, resumed from a truncated /
+empty / random checkpoint_last.pt, saving onto a file system that fills up (a small tmpfs) or past
+the file size limit, refused when the architecture changes or a given checkpoint does not exist;
+hostile checkpoints of every payload kind refused with one line that names the global; and the
+one-line error of every tool that reads a damaged or hostile checkpoint, while a library caller
+catches the same errors with ``except Exception``.
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import importlib
 import os
 import pickle
 import random
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,11 +59,12 @@ def loaded_updates(log: str) -> int | None:
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit status 1, no traceback, and the last output line is the error naming ``needles``."""
+    """Exit status 1, no traceback, exactly one error line, the last one, naming ``needles``."""
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(errors.PREFIX), proc.stdout[-3000:]  # "fairseq-deepinit: error: "
+    assert [ln for ln in proc.stdout.splitlines() if errors.PREFIX in ln] == [last], proc.stdout[-3000:]
     for n in needles:
         assert n in last, last
     return last
@@ -181,7 +192,10 @@ def test_inspect_checkpoint_tells_damage_from_refusal(trained, tmp_path):
     assert st.refused and not st.damaged
     from fairseq import checkpoint_utils
 
-    with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+    name = f"{Smuggled.__module__}.Smuggled"
+    assert st.refused_globals == [name] and name in st.reason
+    # the plugin's one line, also a pickle.UnpicklingError like torch's own refusal
+    with pytest.raises(pickle.UnpicklingError, match=rf"{re.escape(str(tampered))} was refused .*pickles {name}"):
         checkpoint_utils.load_checkpoint_to_cpu(str(tampered))
     with pytest.raises(errors.CheckpointFileError, match=re.escape(str(tmp_path / "truncated.pt"))):
         checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "truncated.pt"))
@@ -228,6 +242,66 @@ def test_kill_during_checkpoint_last_copy_then_resume(synthetic_bin, tmp_path):
     assert "removed 1 temporary file(s) of an interrupted checkpoint save" in log
     assert integrity.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
     assert atomic.stale_temporaries(save) == []
+
+
+def test_kill_during_the_copy_of_a_later_save_resumes_from_the_newer_file(synthetic_bin, tmp_path):
+    """The issue's case: killed while the save of update 4 is copied to checkpoint_last.pt (which holds 2).
+
+    checkpoint_1_4.pt (and checkpoint_best.pt, copied before checkpoint_last.pt) hold 4 updates and
+    are intact; the resume must load 4 updates, not the older checkpoint_last.pt, and say why.
+    """
+    save = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", atomic.TEST_HOOK_SLOW_COPY_ENV: "0.3"}
+    args = [a for a in map(str, train_cmd(synthetic_bin, save, 50)) if a != "--disable-validation"]
+    cmd = [sys.executable, "-m", "fairseq_cli.train", *args, "--validate-interval-updates", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            copying_last = any(".checkpoint_last.pt." in p for p in atomic.stale_temporaries(save))
+            if copying_last and (save / "checkpoint_1_4.pt").exists():
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    updates = {p.name: integrity.inspect_checkpoint(p).num_updates for p in save.glob("*.pt")}
+    assert updates["checkpoint_last.pt"] == 2 and updates["checkpoint_1_4.pt"] == 4, updates
+    assert updates["checkpoint_best.pt"] in (2, 4), updates  # 4 when update 4 validated better
+
+    log = train(synthetic_bin, save, 6).stdout
+    lines = [ln for ln in log.splitlines() if "resuming from" in ln]
+    assert len(lines) == 1, log[-3000:]
+    assert re.search(
+        r"WARNING .*resuming from \S+/checkpoint_(1_4|best)\.pt \(4 updates\), the newest intact checkpoint, "
+        r"because \S+/checkpoint_last\.pt holds only 2 updates",
+        lines[0],
+    ), lines[0]
+    assert loaded_updates(log) == 4
+    assert integrity.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
+
+
+def test_the_newest_intact_file_wins_whatever_its_name(trained, tmp_path):
+    """The choice itself: most saved updates first, whatever the file (here an epoch checkpoint's name); a tie
+    goes to checkpoint_last.pt, the file fairseq itself loads; damaged files are skipped."""
+    save = copy_run(trained, tmp_path)
+    shutil.copy(save / "checkpoint_1_2.pt", save / "checkpoint_last.pt")  # last: 2 updates, checkpoint_1_4: 4
+    shutil.copy(save / "checkpoint_1_4.pt", save / "checkpoint7.pt")  # another name, also 4, written last
+    last = str(save / "checkpoint_last.pt")
+
+    def newest() -> tuple:
+        found = [integrity.inspect_checkpoint(p) for p in integrity.checkpoint_candidates(save)]
+        chosen, rejected = integrity.newest_intact(found, prefer=last)
+        return os.path.basename(chosen.path), chosen.num_updates, sorted(os.path.basename(s.path) for s in rejected)
+
+    assert newest() == ("checkpoint7.pt", 4, [])  # of the two with 4 updates, the newest file
+    damage(save / "checkpoint7.pt", "truncated")
+    assert newest() == ("checkpoint_1_4.pt", 4, ["checkpoint7.pt"])
+    shutil.copy(save / "checkpoint_1_4.pt", save / "checkpoint_last.pt")
+    os.utime(save / "checkpoint_1_4.pt")  # newer on disk, the same updates: checkpoint_last.pt still wins
+    assert newest() == ("checkpoint_last.pt", 4, ["checkpoint7.pt"])
 
 
 def kill_state(save: Path) -> str:
@@ -289,6 +363,114 @@ def test_random_kills_during_saves_always_resume(synthetic_bin, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# saves that fail: one line, no temporary file, the previous checkpoints kept
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_file_system(folder: Path, size: int):
+    """A tmpfs of ``size`` bytes mounted at ``folder`` (needs CAP_SYS_ADMIN: root here), unmounted after."""
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); test_file_size_limit covers a failed save")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def leftovers(save: Path) -> list:
+    """Temporary files of any save (fairseq's ``.pt.tmp``, the atomic copy's) and fairseq's ``dummy``."""
+    return [p.name for p in save.iterdir() if p.name.endswith((".tmp", atomic.TMP_SUFFIX)) or p.name == "dummy"]
+
+
+@pytest.mark.parametrize("where", ["write", "copy"])
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoints(trained, synthetic_bin, tmp_path, where):
+    """A tmpfs that fills up during the save of update 4: in fairseq's torch.save of checkpoint_1_4.pt
+    ("write": room for the first save's two files and half a third), or in its copy to checkpoint_last.pt
+    ("copy": room for three files and half a fourth, the copy's temporary file). Before: five chained
+    OSError tracebacks, fairseq's checkpoint_1_4.pt.tmp left behind."""
+    size = (trained / "checkpoint_last.pt").stat().st_size  # the same model and options as these runs
+    files = {"write": 2, "copy": 3}[where]
+    with small_file_system(tmp_path / "fs", files * size + size // 2) as save:
+        proc = train(synthetic_bin, save, 6, check=False)
+        last = assert_one_line_error(proc, "No space left on device (ENOSPC)", "free space there or pass another")
+        failed = "checkpoint_1_4.pt" if where == "write" else "checkpoint_last.pt"
+        assert f"cannot write checkpoint {save / failed}: " in last
+        newest = "checkpoint_last.pt (2 updates)" if where == "write" else "checkpoint_1_4.pt (4 updates)"
+        assert f"resumes from the newest, {newest}" in last
+        assert "Saved checkpoint" in proc.stdout  # the save of update 2 went through
+        assert leftovers(save) == [], sorted(os.listdir(save))
+        kept = {p.name: integrity.inspect_checkpoint(p, deep=True) for p in save.iterdir()}
+        assert all(st.ok for st in kept.values()), kept
+        want = {"checkpoint_1_2.pt": 2, "checkpoint_last.pt": 2}
+        if where == "copy":
+            want["checkpoint_1_4.pt"] = 4
+        assert {n: st.num_updates for n, st in kept.items()} == want
+        if where == "copy":  # room again: the resume takes the newer checkpoint_1_4.pt, not checkpoint_last.pt
+            subprocess.run(["mount", "-o", f"remount,size={8 * size}", str(save)], check=True)
+            log = train(synthetic_bin, save, 6).stdout
+            assert "checkpoint_last.pt holds only 2 updates" in log and loaded_updates(log) == 4
+            assert integrity.inspect_checkpoint(save / "checkpoint_last.pt").num_updates == 6
+
+
+def _limit_file_size(limit: int):
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes get EFBIG
+
+    return preexec
+
+
+def test_file_size_limit_is_one_line_and_leaves_nothing(trained, synthetic_bin, tmp_path):
+    """``ulimit -f`` below a checkpoint's size (no privilege needed): the first save fails with EFBIG."""
+    save = tmp_path / "ckpt"
+    limit = (trained / "checkpoint_last.pt").stat().st_size // 2
+    cmd = [sys.executable, "-m", "fairseq_cli.train", *map(str, train_cmd(synthetic_bin, save, 4))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+        preexec_fn=_limit_file_size(limit),
+    )  # fmt: skip
+    last = assert_one_line_error(proc, f"cannot write checkpoint {save / 'checkpoint_1_2.pt'}: File too large (EFBIG)")
+    assert "(ulimit -f): raise that limit" in last and "starts from scratch" in last
+    assert os.listdir(save) == []
+
+
+def test_unwritable_save_dir_is_one_line(synthetic_bin, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder\n")
+    save = tmp_path / "a_file" / "ckpt"
+    proc = train(synthetic_bin, save, 2, check=False)
+    assert_one_line_error(proc, f"--save-dir {save} cannot be written (Not a directory", "Pass a --save-dir")
+    assert "Start iterating over samples" not in proc.stdout  # at start-up, before any training
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints named on the command line that do not exist
+# --------------------------------------------------------------------------------------------
+
+
+def test_missing_given_checkpoints_are_one_line(synthetic_bin, tmp_path):
+    """A --restore-file, --continue-once or --finetune-from-model that does not exist stops the run (fairseq
+    trained from scratch with exit status 0, or, for the last, ended in a ValueError traceback); the default
+    checkpoint_last.pt may be missing (a first launch, tested by ``trained``)."""
+    nope = tmp_path / "nope.pt"
+    runs = {flag: (flag, str(nope)) for flag in ("--restore-file", "--continue-once", "--finetune-from-model")}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            flag: pool.submit(train, synthetic_bin, tmp_path / flag.strip("-"), 2, *extra, check=False)
+            for flag, extra in runs.items()
+        }
+        for flag, future in futures.items():
+            proc = future.result()
+            assert_one_line_error(proc, f"{flag} {nope} does not exist")
+            assert "num_updates" not in proc.stdout, flag  # nothing trained
+            assert not list((tmp_path / flag.strip("-")).glob("*.pt")), flag
+
+
+# --------------------------------------------------------------------------------------------
 # damaged checkpoint_last.pt: fall back to the newest intact checkpoint
 # --------------------------------------------------------------------------------------------
 
@@ -347,25 +529,182 @@ def test_generate_with_damaged_path_is_a_one_line_error(trained, synthetic_bin, 
     assert_one_line_error(proc, str(bad), "is truncated", "intact checkpoint")
 
 
-TOOL_MODULES = {"export_admin": "fairseq_deepinit.admin.export", "diagnose": "fairseq_deepinit.diagnostics.diagnose"}
+TOOL_MODULES = {
+    "export_admin": "fairseq_deepinit.admin.export",  # deepinit-export-admin
+    "export_admin_lm": "fairseq_deepinit.lm.export",  # deepinit-export-admin-lm
+    "diagnose": "fairseq_deepinit.diagnostics.diagnose",  # deepinit-diagnose
+}
 
 
-@pytest.mark.parametrize("tool", sorted(TOOL_MODULES))
-def test_plugin_tools_with_damaged_checkpoint(synthetic_bin, tmp_path, tool):
-    bad = tmp_path / "checkpoint_last.pt"
-    bad.write_bytes(random.Random(1).randbytes(4096))
-    args = [str(bad), str(tmp_path / "plain.pt")] if tool == "export_admin" else [
-        str(synthetic_bin), "--checkpoint", str(bad), "--output-dir", str(tmp_path / "diag")]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", TOOL_MODULES[tool], *args],
+def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """The plugin's console script ``tool``: its ``main`` as the entry point calls it (``sys.exit(main())``)."""
+    code = f"import sys; from {TOOL_MODULES[tool]} import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         cwd=Path(USER_DIR).parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=300,
     )
-    assert_one_line_error(proc, str(bad), "is not a torch checkpoint")
+
+
+@pytest.fixture(scope="module")
+def unreadable_runs(trained, synthetic_bin, tmp_path_factory) -> dict:
+    """Every command on a damaged and on a hostile checkpoint, two at a time: {(command, kind): (path, proc)}."""
+    root = tmp_path_factory.mktemp("unreadable")
+    marker = root / "payload-ran"
+    files = {"hostile": hostile(trained, root / "hostile.pt", payloads(marker)["posix.system"])}
+    files["damaged"] = root / "damaged.pt"
+    files["damaged"].write_bytes(random.Random(1).randbytes(4096))
+
+    def command(cmd: str, kind: str) -> subprocess.CompletedProcess:
+        path = str(files[kind])
+        out = root / f"{cmd}-{kind}"
+        if cmd == "train":
+            out.mkdir()
+            shutil.copy(path, out / "checkpoint_last.pt")
+            return train(synthetic_bin, out, 6, check=False)
+        if cmd == "generate":
+            return run_cli(
+                "generate", synthetic_bin, "--user-dir", USER_DIR, "--path", path, "-s", "src", "-t", "tgt", "--cpu",
+                "--gen-subset", "test", check=False,
+            )  # fmt: skip
+        if cmd == "diagnose":
+            return run_tool(cmd, str(synthetic_bin), "--checkpoint", path, "--output-dir", str(out))
+        return run_tool(cmd, path, str(out) + ".pt")
+
+    jobs = [(c, k) for c in ("train", "generate", *TOOL_MODULES) for k in ("hostile", "damaged")]
+    jobs.remove(("train", "damaged"))  # test_no_intact_checkpoint_is_a_one_line_error
+    jobs.remove(("generate", "damaged"))  # test_generate_with_damaged_path_is_a_one_line_error
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {job: pool.submit(command, *job) for job in jobs}
+        runs = {job: (files[job[1]], f.result()) for job, f in futures.items()}
+    assert not marker.exists()
+    return runs
+
+
+@pytest.mark.parametrize("cmd", ["train", "generate", *sorted(TOOL_MODULES)])
+def test_hostile_checkpoint_is_one_line_everywhere(unreadable_runs, cmd):
+    path, proc = unreadable_runs[(cmd, "hostile")]
+    if cmd == "train":
+        path = Path(proc.args[proc.args.index("--save-dir") + 1]) / "checkpoint_last.pt"
+    line = assert_one_line_error(proc)
+    assert_refusal(line[len(errors.PREFIX) :], path, "posix.system")
+    if cmd == "train":
+        assert "Move it out of --save-dir" in line
+    assert "weights_only" not in proc.stdout.replace("torch.load(weights_only=True)", "")  # no hint of torch's
+    assert "Loaded checkpoint" not in proc.stdout
+
+
+@pytest.mark.parametrize("cmd", sorted(TOOL_MODULES))
+def test_plugin_tools_with_damaged_checkpoint(unreadable_runs, cmd):
+    path, proc = unreadable_runs[(cmd, "damaged")]
+    assert_one_line_error(proc, f"checkpoint {path} is not a torch checkpoint", "Use an intact checkpoint")
+
+
+# --------------------------------------------------------------------------------------------
+# hostile checkpoints: refused, one line naming the global, nothing run
+# --------------------------------------------------------------------------------------------
+
+
+class Payload:
+    """Pickles as a call of ``func(*args)``: what a hostile checkpoint smuggles in (``__reduce__``)."""
+
+    def __init__(self, func, *args) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def payloads(marker: Path) -> dict:
+    """Each payload kind, keyed by the global it pickles; any of them, run, would create ``marker``."""
+    return {
+        "posix.system": Payload(os.system, f"touch {marker}"),
+        "subprocess.Popen": Payload(subprocess.Popen, ["touch", str(marker)]),
+        "subprocess.check_output": Payload(subprocess.check_output, ["touch", str(marker)]),
+        "builtins.exec": Payload(builtins.exec, f"open({str(marker)!r}, 'w').close()"),
+        "builtins.eval": Payload(builtins.eval, f"open({str(marker)!r}, 'w').close()"),
+        "importlib.import_module": Payload(importlib.import_module, "this_module_does_not_exist"),
+    }
+
+
+def hostile(trained: Path, dst: Path, payload, legacy: bool = False) -> Path:
+    """A real fairseq checkpoint with ``payload`` in its extra state, in torch's zip or legacy format."""
+    state = torch.load(trained / "checkpoint_last.pt")
+    state["extra_state"]["payload"] = payload
+    torch.save(state, dst, _use_new_zipfile_serialization=not legacy)
+    return dst
+
+
+# torch's hint ("Re-running `torch.load` with `weights_only` set to `False` ...") and the old wording
+ASKS_TO_TURN_THE_CHECK_OFF = re.compile(r"weights_only`?( set to `?|=)False|damaged", re.IGNORECASE)
+
+
+def assert_refusal(message: str, path: Path, names: str) -> None:
+    assert "\n" not in message, message
+    assert f"checkpoint {path} was refused (nothing in it was run): it pickles {names}, which" in message, message
+    assert not ASKS_TO_TURN_THE_CHECK_OFF.search(message), message
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+@pytest.mark.parametrize("name", sorted(payloads(Path("m"))))
+def test_hostile_checkpoint_is_refused_naming_the_global(trained, tmp_path, name, fmt):
+    """Every payload kind in both formats: inspection, fairseq's loader and the tools' loader refuse it with one
+    line naming the global (torch 2.13 words posix.system "unsupported GLOBAL ... whose module posix is blocked",
+    drops the module of builtins and reads subprocess as Python 2's "commands"), and nothing ran."""
+    from fairseq import checkpoint_utils
+
+    marker = tmp_path / "payload-ran"
+    path = hostile(trained, tmp_path / f"{fmt}.pt", payloads(marker)[name], legacy=fmt == "legacy")
+    assert ("zip" if zipfile.is_zipfile(path) else "legacy") == fmt
+    st = integrity.inspect_checkpoint(path)
+    assert st.refused and not st.damaged and st.refused_globals == [name], st
+    caught = None
+    try:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    except Exception as e:  # a library caller catches it: no SystemExit
+        caught = e
+    assert isinstance(caught, errors.UnsafeCheckpointError) and isinstance(caught, errors.DeepInitError)
+    assert caught.__cause__ is None and caught.__suppress_context__  # torch's hint is not chained in
+    assert_refusal(str(caught), path, name)
+    with pytest.raises(errors.UnsafeCheckpointError) as info:
+        integrity.torch_load_checked(path, map_location="cpu")  # deepinit-export-admin(-lm)'s loader
+    assert_refusal(str(info.value), path, name)
+    assert not marker.exists()
+
+
+def test_every_refused_global_is_named(trained, tmp_path):
+    """torch stops at the first; a static scan of the zip's pickle names the others too (nothing executed)."""
+    from fairseq_deepinit.checkpoints import compat
+
+    marker = tmp_path / "payload-ran"
+    kinds = payloads(marker)
+    path = hostile(trained, tmp_path / "two.pt", [kinds["posix.system"], kinds["subprocess.Popen"]])
+    assert integrity.inspect_checkpoint(path).refused_globals == ["posix.system", "subprocess.Popen"]
+    with pytest.raises(errors.UnsafeCheckpointError) as info:
+        integrity.raise_if_unreadable(path)
+    assert_refusal(str(info.value), path, "posix.system, subprocess.Popen")
+    with pytest.raises(errors.UnsafeCheckpointError) as info:  # the static check gives the same line
+        compat.check_checkpoint(path)
+    assert_refusal(str(info.value), path, "posix.system, subprocess.Popen")
+    assert not marker.exists()
+
+
+def test_library_caller_catches_plugin_errors(trained, tmp_path):
+    """fairseq's loader on a damaged file, from Python: an ordinary exception (a SystemExit before, which ended
+    the calling program); the class says what went wrong and the message is the command line's."""
+    from fairseq import checkpoint_utils
+
+    bad = tmp_path / "checkpoint_last.pt"
+    shutil.copy(trained / "checkpoint_last.pt", bad)
+    damage(bad, "truncated")
+    for exc_type in (errors.CheckpointFileError, errors.DeepInitError, RuntimeError, Exception):
+        with pytest.raises(exc_type, match=rf"checkpoint {re.escape(str(bad))} is truncated"):
+            checkpoint_utils.load_checkpoint_to_cpu(str(bad))
+    assert not issubclass(errors.CheckpointFileError, SystemExit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,6 +722,7 @@ def test_arch_change_on_resume_is_refused_then_allowed(trained, synthetic_bin, t
 
     log = train(synthetic_bin, save, 6, "--allow-config-change", arch="deepnorm_iwslt_de_en").stdout
     assert re.search(r"WARNING .*--arch \S+ -> deepnorm_iwslt_de_en.*continuing because of --allow-config-change", log)
+    assert re.search(r"INFO .*resuming from \S+/checkpoint_last\.pt \(5 updates\), the newest intact checkpoint", log)
     assert loaded_updates(log) == 5
 
 

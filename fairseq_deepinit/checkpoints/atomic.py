@@ -1,26 +1,39 @@
-"""Atomic checkpoint copies (fairseq 0.12.3 ``checkpoint_utils.save_checkpoint``, line 139).
+"""Checkpoint writes that leave either the old file or the whole new one (fairseq 0.12.3 ``checkpoint_utils``).
 
-``save_checkpoint`` writes the first checkpoint file atomically (``torch_persistent_save``, line
-578: ``<name>.tmp`` then ``PathManager.rename``) but then copies it to ``checkpoint_last.pt``,
+``save_checkpoint`` (line 139) writes the first checkpoint file atomically (``torch_persistent_save``,
+line 578: ``<name>.tmp`` then ``PathManager.rename``) but then copies it to ``checkpoint_last.pt``,
 ``checkpoint_best.pt``, ``checkpointN.pt`` ... with a plain ``PathManager.copy``; a SIGKILL during
 that copy leaves a truncated file. :class:`AtomicCopyPathManager`, installed by
 :func:`~.resume.install` as ``checkpoint_utils.PathManager`` only, copies through a temporary file in
 the same folder, fsync and ``os.replace``, and fsyncs what it renames, so fairseq's own atomic write
 survives a power cut, not only a kill.
+
+A write that fails (disk full, no permission, file size limit) removes its temporary file, leaves
+every existing checkpoint as it was, and becomes one :class:`~fairseq_deepinit.errors.CheckpointSaveError`
+(:func:`save_error`) that says which file, why, what to do and which checkpoint a resume will use.
+:func:`atomic_torch_save` is fairseq's atomic write without its retries: fairseq calls ``torch.save``
+three times on the same file object, 2.5 s apart, but a retry cannot succeed there (the object is
+positioned after the part already written, and torch's zip writer fails with "unexpected pos"), so a
+full disk gave five chained tracebacks (one logged, four raised) and left ``<name>.pt.tmp`` behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
 import shutil
 import tempfile
 import time
-from typing import List
+from typing import Any, List
 
+import torch
 from fairseq.file_io import PathManager
+
+from ..errors import CheckpointSaveError
+from .integrity import checkpoint_candidates, inspect_checkpoint, newest_intact
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +99,75 @@ def atomic_copy(src: PathLike, dst: PathLike, overwrite: bool = False) -> bool:
     return True
 
 
+def atomic_torch_save(obj: Any, filename: PathLike) -> None:
+    """``torch.save(obj)`` to ``<filename>.tmp``, fsync, rename onto ``filename`` (once; see the module doc).
+
+    The temporary file has fairseq's name (``torch_persistent_save``, line 585), so that
+    :func:`stale_temporaries` knows it if a kill leaves it; on any error it is removed here.
+    """
+    filename = os.fspath(filename)
+    tmp = filename + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, filename)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(filename)))
+
+
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind a failed write: ``exc`` itself or what it was raised from or while handling.
+
+    torch's zip writer reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc]
+    ... unexpected pos``, raised while handling the ``OSError`` of the file object.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointSaveError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _what_to_do(err: OSError, folder: str) -> str:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"The file system of {folder} is full (or over quota): free space there or pass another --save-dir "
+            "(--keep-interval-updates N, --keep-last-epochs N and --no-epoch-checkpoints keep fewer checkpoints)"
+        )
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{folder} is not writable by this user: fix its permissions or pass another --save-dir"
+    if err.errno == errno.EFBIG:
+        return "The file is larger than this process may write (ulimit -f): raise that limit"
+    return f"Check the file system of {folder}, or pass another --save-dir"
+
+
+def save_error(path: PathLike, err: OSError, save_dir: PathLike | None = None) -> CheckpointSaveError:
+    """The one-line error of a failed checkpoint write, naming the checkpoint a resume will load."""
+    path = os.fspath(path)
+    save_dir = os.fspath(save_dir) if save_dir is not None else os.path.dirname(path) or "."
+    code = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
+    why = (err.strerror or str(err)) + (f" ({code})" if code else "")
+    found = [inspect_checkpoint(p) for p in checkpoint_candidates(save_dir)]
+    newest, _ = newest_intact(found, prefer=os.path.join(save_dir, "checkpoint_last.pt"))
+    if newest is None:
+        kept = f"no checkpoint in {save_dir} is intact yet, so running the command again starts from scratch"
+    else:
+        kept = (
+            f"every checkpoint in {save_dir} is complete, and running the same command again resumes from the "
+            f"newest, {os.path.basename(newest.path)} ({newest.num_updates} updates)"
+        )
+    return CheckpointSaveError(
+        f"cannot write checkpoint {path}: {why}. {_what_to_do(err, save_dir)}. Nothing was left half-written: {kept}"
+    )
+
+
 def durable_rename(src: str, dst: str) -> None:
     """fairseq's ``PathManager.rename`` (``os.rename``) after an fsync of ``src``, then of the folder."""
     with open(src, "rb") as f:
@@ -106,7 +188,10 @@ class AtomicCopyPathManager(PathManager):
     def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
         if PathManager.path_requires_pathmanager(src_path) or PathManager.path_requires_pathmanager(dst_path):
             return PathManager.copy(src_path, dst_path, overwrite=overwrite)
-        return atomic_copy(src_path, dst_path, overwrite=overwrite)
+        try:
+            return atomic_copy(src_path, dst_path, overwrite=overwrite)
+        except OSError as e:
+            raise save_error(dst_path, e) from e
 
     @staticmethod
     def rename(src: str, dst: str) -> None:

@@ -13,6 +13,7 @@ fail at ``torch.load`` ("Unsupported global: GLOBAL argparse.Namespace"); see do
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import os
 from typing import List
@@ -40,6 +41,22 @@ def allowed_global_names() -> List[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in FAIRSEQ_CHECKPOINT_GLOBALS]
 
 
+def resolved_global_name(raw: str) -> str:
+    """A pickled global as Python's own unpickler would resolve it: the code that would have run.
+
+    torch drops the ``builtins.`` of builtins (``exec``), and pickle protocol 2 (torch.save's)
+    stores some modules under their Python 2 names (``subprocess.Popen`` as ``commands.Popen``),
+    which ``pickle.load`` maps back (``fix_imports``).
+    """
+    module, _, name = raw.rstrip(".").rpartition(".")
+    module = module or "builtins"
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
 def pickled_globals(path: PathLike) -> List[str]:
     """Every global in ``path`` that torch does not accept by default, allow-listed by us or not.
 
@@ -50,7 +67,7 @@ def pickled_globals(path: PathLike) -> List[str]:
     saved = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        return [resolved_global_name(g) for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))]
     finally:
         torch.serialization.add_safe_globals(saved)
 
@@ -58,16 +75,31 @@ def pickled_globals(path: PathLike) -> List[str]:
 def disallowed_globals(path: PathLike) -> List[str]:
     """The globals of ``path`` that ``torch.load(weights_only=True)`` will refuse even with the plugin."""
     allowed = set(allowed_global_names())
-    return [g for g in pickled_globals(path) if g not in allowed]
+    return sorted({g for g in pickled_globals(path) if g not in allowed})
+
+
+USE_ANOTHER = (
+    "Use a checkpoint written by fairseq-train instead, for example another checkpoint*.pt of the same save dir"
+)
+
+
+def refused_file_error(path: PathLike, names: List[str], instead: str = "") -> UnsafeCheckpointError:
+    """The one line for a file that torch refused: which file, which globals, that nothing of it ran.
+
+    Never advice to load it with the check off: a checkpoint written by fairseq-train holds nothing
+    that needs it, so such a file was modified or written by other code.
+    """
+    what = ", ".join(names) if names else "a class or function outside torch's weights_only allow-list"
+    return UnsafeCheckpointError(
+        f"checkpoint {os.fspath(path)} was refused (nothing in it was run): it pickles {what}, which a checkpoint "
+        "written by fairseq-train never holds (fairseq-deepinit allows tensors, plain containers and "
+        f"{', '.join(allowed_global_names())} only), so torch.load(weights_only=True) stopped at it. The file was "
+        f"modified or written by other code; do not load it. {instead or USE_ANOTHER}"
+    )
 
 
 def check_checkpoint(path: PathLike) -> None:
-    """Raise :class:`UnsafeCheckpointError`, naming the classes, if ``path`` will not load safely."""
+    """Raise :class:`UnsafeCheckpointError`, naming the globals, if ``path`` will not load safely."""
     bad = disallowed_globals(path)
     if bad:
-        raise UnsafeCheckpointError(
-            f"{path} pickles {', '.join(bad)}, which fairseq-train does not write and fairseq-deepinit does not "
-            f"allow-list (allowed: {', '.join(allowed_global_names())}), so torch.load(weights_only=True) refuses "
-            "it. The file was modified or written by other code; load it with weights_only=False only if you "
-            "trust its origin, and re-save the tensors you need."
-        )
+        raise refused_file_error(path, bad)

@@ -1,8 +1,11 @@
 """Is a checkpoint file intact, and which checkpoint of a save dir is the newest intact one.
 
 Cheap checks first (size, the zip's table of contents, the pickled record without its tensors), a
-full read of the file that is chosen; a damaged file gives :class:`~fairseq_deepinit.errors.CheckpointFileError`,
-one line that names the file and what to do.
+full read of the file that is chosen. A damaged file gives :class:`~fairseq_deepinit.errors.CheckpointFileError`,
+a file that torch's ``weights_only`` loader refuses (it pickles a class or function that a fairseq
+checkpoint never holds: ``posix.system``, ``subprocess.Popen``, ``builtins.exec``, ...) gives
+:class:`~fairseq_deepinit.errors.UnsafeCheckpointError`; each is one line that names the file, what
+is wrong and what to do, and neither repeats torch's advice to load the file with the check off.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any, List, Tuple
 import torch
 from fairseq.file_io import PathManager
 
-from ..errors import CheckpointFileError
+from ..errors import CheckpointFileError, UnsafeCheckpointError
+from .compat import allowed_global_names, refused_file_error, resolved_global_name
 
 PathLike = str | os.PathLike
 
@@ -32,6 +36,7 @@ class CheckpointStatus:
     reason: str | None = None
     missing: bool = False
     refused: bool = False  # torch's weights_only refusal (unexpected class), not damage
+    refused_globals: List[str] = field(default_factory=list)  # what it pickles that torch refuses
     num_updates: int | None = None
     model_args: argparse.Namespace | None = field(default=None, repr=False)
 
@@ -53,6 +58,44 @@ def _load_error(e: BaseException) -> str:
     """The informative part of a torch.load error, without torch's hint to turn ``weights_only`` off."""
     m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))
     return f"{type(e).__name__}: {m.group(1)[:200]}" if m else _first_line(e)
+
+
+# How torch words a weights_only refusal that names what it refused: the same strings in
+# torch/_weights_only_unpickler.py of torch 2.10, 2.13 (this stack) and a later main-branch snapshot,
+# so also in 2.11 (the GPU image); a wording none of these matches is reported as damage, never run:
+#   "Unsupported global: GLOBAL subprocess.Popen was not an allowed global by default. ..."
+#   "Trying to load unsupported GLOBAL posix.system whose module posix is blocked."  (sys, os, posix, nt)
+#   "Can only build Tensor, Parameter, OrderedDict or types allowlisted via `add_safe_globals`, but got <class 'x.Y'>"
+#   "Unsupported class x.Y"  (torch < 2.4)
+_REFUSED = (
+    re.compile(r"GLOBAL (\S+) was not an allowed global"),
+    re.compile(r"unsupported GLOBAL (\S+) whose module \S+ is blocked", re.IGNORECASE),
+    re.compile(r"Can only (?:build|create new object)[^\n]* but got <class '([^']+)'>"),
+    re.compile(r"Unsupported class (\S+)"),
+)
+_NAME = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def refused_globals(path: PathLike, error: BaseException) -> List[str] | None:
+    """What torch's ``weights_only`` loader refused in ``path``, or None if ``error`` is no such refusal.
+
+    The global that stopped the load comes from torch's message; for a zip checkpoint every other
+    refused global is added from a static scan of its pickle
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``: nothing is executed).
+    """
+    if not isinstance(error, pickle.UnpicklingError):
+        return None
+    found = [m.group(1) for pattern in _REFUSED for m in pattern.finditer(str(error))]
+    names = [resolved_global_name(n) for n in found if _NAME.fullmatch(n.rstrip("."))]
+    if not names:
+        return None
+    if zipfile.is_zipfile(path) and hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):
+        with contextlib.suppress(Exception):  # the names torch gave are enough
+            names += sorted(
+                resolved_global_name(n) for n in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+            )
+    allowed = set(allowed_global_names())
+    return [n for n in dict.fromkeys(names) if n not in allowed]
 
 
 def _saved_model_args(state: Any) -> argparse.Namespace | None:
@@ -112,8 +155,10 @@ def inspect_checkpoint(path: PathLike, deep: bool = False) -> CheckpointStatus:
         # not a zip: torch's legacy format or garbage, which only a full load can tell apart
         state = torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
     except Exception as e:  # torch reports damage as UnpicklingError, RuntimeError, EOFError, ValueError, ...
-        if isinstance(e, pickle.UnpicklingError) and "Unsupported global" in str(e):
-            st.reason, st.refused = "pickles a class that torch.load(weights_only=True) refuses", True
+        names = refused_globals(path, e)
+        if names is not None:
+            st.refused, st.refused_globals = True, names
+            st.reason = f"pickles {', '.join(names) or 'a global'}, which torch.load(weights_only=True) refuses"
             return st
         what = "is damaged" if is_zip else "is not a torch checkpoint (neither torch's zip nor its legacy format)"
         st.reason = f"{what}: loading it fails with {_load_error(e)}"
@@ -148,21 +193,28 @@ def checkpoint_candidates(save_dir: PathLike, suffix: str = "", exclude: Tuple[s
     return sorted(out)
 
 
-def newest_intact(paths: List[str]) -> Tuple[CheckpointStatus | None, List[CheckpointStatus]]:
-    """The intact checkpoint with the most saved updates (then the newest file), and the rejected ones.
+def newest_intact(
+    found: List[CheckpointStatus], prefer: str = ""
+) -> Tuple[CheckpointStatus | None, List[CheckpointStatus]]:
+    """The intact checkpoint with the most saved updates, and the rejected ones (not ok).
 
-    Every file gets the cheap check; the chosen one also the CRC check (:func:`inspect_checkpoint`
-    with ``deep``), falling back to the next if that fails.
+    ``found`` are :func:`inspect_checkpoint` results (the cheap check). Ties go to ``prefer`` (the
+    save dir's ``checkpoint_last.pt``: the file fairseq itself would load), then to the newest file.
+    The chosen one also gets the CRC check (:func:`inspect_checkpoint` with ``deep``), falling back
+    to the next if that fails.
     """
-    found = [inspect_checkpoint(p) for p in paths]
     rejected = [s for s in found if not s.ok]
+    preferred = os.path.abspath(prefer) if prefer else None
 
     def mtime(s: CheckpointStatus) -> float:
         with contextlib.suppress(OSError):
             return os.path.getmtime(s.path)
         return 0.0
 
-    for s in sorted((s for s in found if s.ok), key=lambda s: (s.num_updates or 0, mtime(s)), reverse=True):
+    def rank(s: CheckpointStatus) -> Tuple[int, bool, float]:
+        return (s.num_updates or 0, os.path.abspath(s.path) == preferred, mtime(s))
+
+    for s in sorted((s for s in found if s.ok), key=rank, reverse=True):
         deep = inspect_checkpoint(s.path, deep=True)
         if deep.ok:
             return deep, rejected
@@ -177,21 +229,35 @@ def damaged_file_error(path: PathLike, reason: str) -> CheckpointFileError:
     )
 
 
-def raise_if_damaged(path: PathLike) -> None:
-    """Raise :class:`CheckpointFileError` naming ``path`` if it exists and is damaged; else return."""
+def status_error(st: CheckpointStatus, instead: str = "") -> CheckpointFileError | UnsafeCheckpointError | None:
+    """The error to raise for a damaged or refused file (None for an intact or missing one)."""
+    if st.refused:
+        return refused_file_error(st.path, st.refused_globals, instead)
+    if st.damaged:
+        return damaged_file_error(st.path, st.reason)
+    return None
+
+
+def raise_if_unreadable(path: PathLike) -> None:
+    """Raise the one-line error for ``path`` if it exists and is damaged or refused; else return.
+
+    :class:`CheckpointFileError` for damage, :class:`UnsafeCheckpointError` for a file that torch's
+    ``weights_only`` loader refuses; raised without the error it replaces (torch's message advises
+    loading the file with the check off).
+    """
     path = os.fspath(path)
     if PathManager.path_requires_pathmanager(path):
         return
-    st = inspect_checkpoint(path)
-    if st.damaged:
-        raise damaged_file_error(path, st.reason)
+    err = status_error(inspect_checkpoint(path))
+    if err is not None:
+        raise err from None
 
 
 def torch_load_checked(path: PathLike, **kwargs: Any) -> Any:
-    """``torch.load(path, **kwargs)`` whose failure on a damaged file is a :class:`CheckpointFileError`."""
+    """``torch.load(path, **kwargs)`` whose failure on a damaged or refused file is the plugin's one-line error."""
     try:
         with open(path, "rb") as f:
             return torch.load(f, **kwargs)
     except Exception:
-        raise_if_damaged(path)
+        raise_if_unreadable(path)
         raise

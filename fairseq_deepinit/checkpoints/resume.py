@@ -1,7 +1,7 @@
-"""Nothing lost when a run is killed: atomic checkpoint copies, resume fallback, readable errors.
+"""Nothing lost when a run is killed or a save fails: atomic writes, resume from the newest checkpoint, one-line errors.
 
 Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.3's
-``fairseq/checkpoint_utils.py`` at three points and copies none of its function bodies:
+``fairseq/checkpoint_utils.py`` at these points and copies none of its function bodies:
 
 1. **Atomic copies.** ``save_checkpoint`` writes the first checkpoint file atomically
    (``torch_persistent_save``, line 578: ``<name>.tmp`` then ``PathManager.rename``) but then
@@ -12,20 +12,35 @@ Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.
    :class:`AtomicCopyPathManager`, whose ``copy`` is :func:`atomic_copy` (temporary file in the
    same folder, fsync, ``os.replace``) and whose ``rename`` also fsyncs the file it renames, so
    fairseq's own atomic write survives a power cut, not only a kill.
-2. **Resume fallback and configuration check.** ``checkpoint_utils.load_checkpoint`` (line 208)
-   is wrapped by :func:`load_checkpoint`: when the default ``checkpoint_last.pt`` is missing, empty
-   or damaged but the save dir holds other intact checkpoints, training resumes from the newest
-   of them (by saved ``num_updates``), with one log line saying which file and why. Before any
-   state is loaded, a ``deepinit`` model whose configuration differs from the checkpoint's stops
-   with the differences (``--allow-config-change`` continues on purpose).
-3. **Readable errors.** ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306), which resume,
+2. **Failed saves.** ``checkpoint_utils.torch_persistent_save`` (line 578), ``save_checkpoint``
+   (line 35) and ``verify_checkpoint_directory`` (line 870) are wrapped: a checkpoint that cannot be
+   written (disk full, no permission, ``ulimit -f``) removes its temporary file, leaves the
+   checkpoints already saved as they were, and ends the run with one line
+   (:class:`~fairseq_deepinit.errors.CheckpointSaveError`, :func:`.atomic.save_error`) instead of
+   fairseq's three ``torch.save`` attempts and five chained tracebacks. ``crash.pt``, which fairseq
+   writes while handling another error, keeps fairseq's behaviour (that error is the one to see).
+3. **Resume from the newest intact checkpoint.** ``checkpoint_utils.load_checkpoint`` (line 208) is
+   wrapped by :func:`load_checkpoint`: with the default ``--restore-file checkpoint_last.pt``, every
+   ``checkpoint*.pt`` of the save dir is checked (cheaply: its table of contents and its pickled
+   record without the tensors) and the intact one with the most saved updates is loaded, whichever
+   file it is; the log says which file and why. ``checkpoint_last.pt`` is the last of a save's
+   copies, so a kill or a full disk between ``checkpoint_E_U.pt`` and its copy to
+   ``checkpoint_last.pt`` leaves the newer state only in the other files. A ``--restore-file``
+   (or ``--continue-once``, ``--finetune-from-model``) that does not exist is an error, not a
+   silent fresh start. Before any state is loaded, a ``deepinit`` model whose configuration differs
+   from the checkpoint's stops with the differences (``--allow-config-change`` continues on purpose).
+4. **Readable errors.** ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306), which resume,
    fairseq-generate/-interactive ``--path`` and the plugin's tools read checkpoints through, is
-   wrapped by :func:`load_checkpoint_to_cpu`: a damaged file ends the program with one line that
-   names the file and what to do (:class:`CheckpointFileError`, exit status 1). Files that torch
-   refuses under ``weights_only`` (an unexpected pickled class) keep torch's own error: the
-   ``weights_only`` policy of :mod:`.compat` is unchanged.
+   wrapped by :func:`load_checkpoint_to_cpu`: a damaged file is a
+   :class:`~fairseq_deepinit.errors.CheckpointFileError`, a file that torch's ``weights_only``
+   loader refuses is an :class:`~fairseq_deepinit.errors.UnsafeCheckpointError`, each one line
+   that names the file (and the refused globals). They are ordinary exceptions: a library caller
+   catches them; the command line prints them (:mod:`fairseq_deepinit.errors`). The ``weights_only``
+   policy of :mod:`.compat` is unchanged. ``Trainer.load_checkpoint`` turns every error in its
+   model loading into ``Exception("Cannot load model parameters ...")``; :func:`trainer_load_checkpoint`
+   lets a plugin error through instead.
 
-The pieces: :mod:`.atomic` (1), :mod:`.integrity` and :mod:`.config_check` (2, 3); this module
+The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4); this module
 holds the wrappers and :func:`install`.
 """
 
@@ -38,11 +53,19 @@ from typing import Any, Callable, Dict, Iterator
 
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
+from fairseq.trainer import Trainer
 
-from ..errors import CheckpointFileError
-from .atomic import AtomicCopyPathManager, remove_stale_temporaries
+from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
+from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
 from .config_check import check_config
-from .integrity import checkpoint_candidates, damaged_file_error, inspect_checkpoint, newest_intact, raise_if_damaged
+from .integrity import (
+    CheckpointStatus,
+    checkpoint_candidates,
+    inspect_checkpoint,
+    newest_intact,
+    raise_if_unreadable,
+    status_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +73,75 @@ _ORIGINAL: Dict[str, Callable] = {}
 
 
 def load_checkpoint_to_cpu(path: str, arg_overrides: dict | None = None, load_on_all_ranks: bool = False) -> dict:
-    """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306) with a one-line error for damaged files."""
+    """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306) with a one-line error for unreadable files."""
     try:
         return _ORIGINAL["load_checkpoint_to_cpu"](path, arg_overrides, load_on_all_ranks)
     except Exception:
-        raise_if_damaged(path)  # else: not damage (weights_only refusal, ...): fairseq's own error
+        raise_if_unreadable(path)  # damaged or refused: the plugin's error; else fairseq's own
         raise
+
+
+def trainer_load_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+    """fairseq's ``Trainer.load_checkpoint`` (trainer.py, line 465) that lets a plugin error through.
+
+    Its ``except Exception`` around the model's ``load_state_dict`` (line 596) raises
+    ``Exception("Cannot load model parameters ...; please ensure that the architectures match")``
+    for whatever failed, which would hide a plugin error's message (and its class from a library
+    caller); that plugin error is raised instead.
+    """
+    try:
+        return _ORIGINAL["Trainer.load_checkpoint"](self, *args, **kwargs)
+    except Exception as e:
+        plugin = plugin_error_in(e)
+        if plugin is None or plugin is e:
+            raise
+        raise plugin from None
+
+
+def torch_persistent_save(obj: Any, filename: str, async_write: bool = False) -> None:
+    """fairseq's ``checkpoint_utils.torch_persistent_save`` (line 578): for a local file, one atomic
+    write whose failure removes the temporary file and is one :class:`CheckpointSaveError`."""
+    local = not async_write and not PathManager.path_requires_pathmanager(filename)
+    if not local or not PathManager.supports_rename(filename):
+        return _ORIGINAL["torch_persistent_save"](obj, filename, async_write)
+    try:
+        atomic_torch_save(obj, filename)
+    except Exception as e:
+        err = os_error_in(e)
+        if err is None or os.path.basename(filename).startswith("crash"):
+            raise  # not a failed write, or crash.pt written while fairseq handles another error
+        raise save_error(filename, err) from e
+
+
+def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
+    """fairseq's ``checkpoint_utils.save_checkpoint`` (line 35) whose failed file operations are one line.
+
+    The writes and copies raise :class:`CheckpointSaveError` themselves; what is left is its
+    ``os.makedirs`` of the save dir and its removal of old checkpoints (``--keep-*``).
+    """
+    try:
+        return _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+    except CheckpointSaveError:
+        raise
+    except Exception as e:
+        err = os_error_in(e)
+        if err is None or PathManager.path_requires_pathmanager(cfg.save_dir):
+            raise
+        raise save_error(err.filename or cfg.save_dir, err, cfg.save_dir) from e
+
+
+def verify_checkpoint_directory(save_dir: str) -> None:
+    """fairseq's start-up check that ``--save-dir`` can be written (line 870), as one line when it cannot."""
+    try:
+        _ORIGINAL["verify_checkpoint_directory"](save_dir)
+    except OSError as e:
+        if PathManager.path_requires_pathmanager(save_dir):
+            raise
+        why = (e.strerror or str(e)) + (f": {e.filename}" if e.filename else "")
+        raise CheckpointSaveError(
+            f"--save-dir {save_dir} cannot be written ({why}), so no checkpoint could be saved. Pass a --save-dir "
+            "that this user can create and write"
+        ) from e
 
 
 @contextlib.contextmanager
@@ -75,24 +161,55 @@ def _restore_from(cfg: Any, path: str, suffix: str) -> Iterator[None]:
             cfg[k] = v
 
 
+def _same(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
 def _fine_tuning(cfg: Any) -> bool:
     return any(bool(getattr(cfg, k, False)) for k in ("reset_optimizer", "reset_lr_scheduler", "reset_dataloader"))
 
 
+def _check_given(path: str, flag: str, instead: str) -> CheckpointStatus:
+    """The status of a checkpoint named by ``flag``; a missing, damaged or refused one is an error."""
+    st = inspect_checkpoint(path)
+    if st.missing:
+        raise CheckpointFileError(f"{flag} {path} does not exist. {instead}")
+    err = status_error(st)
+    if err is not None:
+        raise err
+    return st
+
+
+def _first_launch(cfg: Any) -> None:
+    """fairseq's first launch (no checkpoint in the save dir) with the checkpoint it is told to start from checked.
+
+    fairseq starts from scratch, with exit status 0, when ``--continue-once`` does not exist, and
+    raises a bare ``ValueError`` for a ``--finetune-from-model`` that does not exist.
+    """
+    for flag, key in (("--continue-once", "continue_once"), ("--finetune-from-model", "finetune_from_model")):
+        path = getattr(cfg, key, None)
+        if path and not PathManager.path_requires_pathmanager(path):
+            _check_given(path, flag, f"Give an existing checkpoint, or drop {flag} to start from scratch")
+            return  # fairseq uses --continue-once first
+
+
 def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
-    """fairseq's ``checkpoint_utils.load_checkpoint`` (line 208) that never loses a run.
+    """fairseq's ``checkpoint_utils.load_checkpoint`` (line 208) that resumes from the newest intact checkpoint.
 
     With the default ``--restore-file checkpoint_last.pt``:
 
-    - intact: fairseq loads it (after the configuration check);
-    - missing, and no other ``checkpoint*.pt`` in the save dir: fairseq's first launch (fresh
-      start, ``--finetune-from-model``, ``--continue-once``);
-    - missing, empty or damaged, and the save dir holds other intact checkpoints: resume from the
-      one with the most saved updates, logging one line with the file and the reason;
-    - otherwise (damaged, nothing intact to fall back to): :class:`CheckpointFileError`.
+    - no ``checkpoint*.pt`` in the save dir: fairseq's first launch (fresh start,
+      ``--finetune-from-model``, ``--continue-once``; one that does not exist is an error);
+    - else the intact one with the most saved updates is loaded (a tie goes to
+      ``checkpoint_last.pt``), with one log line naming it and, when it is not
+      ``checkpoint_last.pt``, why: that file is missing, damaged or holds fewer updates;
+    - a file that torch refuses (it pickles a global that a fairseq checkpoint never holds) stops
+      the run (:class:`~fairseq_deepinit.errors.UnsafeCheckpointError`), whichever file it is: it
+      may be the newest, and it should not stay in the save dir unnoticed;
+    - nothing intact: :class:`CheckpointFileError`.
 
-    An explicit ``--restore-file`` that is damaged is a :class:`CheckpointFileError`. Temporary
-    files of a killed save are removed first.
+    An explicit ``--restore-file`` is loaded as given (fairseq's behaviour); one that does not
+    exist, is damaged or refused is an error. Temporary files of a killed save are removed first.
     """
     original = _ORIGINAL["load_checkpoint"]
     suffix = getattr(trainer, "checkpoint_suffix", "") or ""
@@ -106,51 +223,81 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
 
     if cfg.restore_file != "checkpoint_last.pt":
         path = cfg.restore_file.replace(".pt", suffix + ".pt") if suffix else cfg.restore_file
-        st = inspect_checkpoint(path)
-        if st.damaged:
-            raise damaged_file_error(path, st.reason)
-        if st.ok:
+        if not PathManager.path_requires_pathmanager(path):
+            st = _check_given(
+                path,
+                "--restore-file",
+                "Give the path of an existing checkpoint, or drop --restore-file to resume from the newest checkpoint "
+                f"in --save-dir {save_dir} (or to start from scratch when it holds none)",
+            )
+            logger.info(f"loading {path} ({st.num_updates} updates), given by --restore-file")
             check_config(st, current, fine_tuning)
         return original(cfg, trainer, **passthrough_args)
 
     last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
-    st = inspect_checkpoint(last)
-    if st.ok or st.refused:  # a refused file keeps torch's error, raised by fairseq's load
-        if st.ok:
-            check_config(st, current, fine_tuning)
+    found = [inspect_checkpoint(p) for p in checkpoint_candidates(save_dir, suffix)]
+    if not found:
+        _first_launch(cfg)
         return original(cfg, trainer, **passthrough_args)
-    others = checkpoint_candidates(save_dir, suffix, exclude=(last,))
-    if not others:
-        if st.missing:
-            return original(cfg, trainer, **passthrough_args)
-        raise CheckpointFileError(
-            f"checkpoint {last} {st.reason}, and the save dir holds no other checkpoint to resume from. Delete it "
-            "to start training from scratch, or pass --restore-file with an intact checkpoint"
-        )
-    chosen, rejected = newest_intact(others)
+    for st in found:
+        if st.refused:
+            raise status_error(
+                st, f"Move it out of --save-dir {save_dir} (resuming then uses the newest intact checkpoint there)"
+            )
+    last_st = next((s for s in found if _same(s.path, last)), None)
+    last_st = last_st or CheckpointStatus(last, reason="does not exist", missing=True)
+    chosen, rejected = newest_intact(found, prefer=last)
+    others = [s for s in rejected if not _same(s.path, last)]
     if chosen is None:
-        bad = "; ".join(f"{os.path.basename(s.path)} {s.reason}" for s in rejected)
+        last_reason = next((s.reason for s in rejected if _same(s.path, last)), last_st.reason)
+        if not others:
+            raise CheckpointFileError(
+                f"checkpoint {last} {last_reason}, and the save dir holds no other checkpoint to resume from. "
+                "Delete it to start training from scratch, or pass --restore-file with an intact checkpoint"
+            )
+        bad = "; ".join(f"{os.path.basename(s.path)} {s.reason}" for s in others)
         raise CheckpointFileError(
-            f"checkpoint {last} {st.reason}, and no other checkpoint in {save_dir} is intact ({bad}). Delete the "
-            "damaged files to start training from scratch, or pass --restore-file with an intact checkpoint"
+            f"checkpoint {last} {last_reason}, and no other checkpoint in {save_dir} is intact ({bad}). Delete "
+            "the damaged files to start training from scratch, or pass --restore-file with an intact checkpoint"
         )
-    skipped = "".join(f"; skipped {os.path.basename(s.path)}, which {s.reason}" for s in rejected)
+    skipped = "".join(f"; skipped {os.path.basename(s.path)}, which {s.reason}" for s in others)
+    if _same(chosen.path, last):
+        logger.info(f"resuming from {last} ({chosen.num_updates} updates), the newest intact checkpoint{skipped}")
+        check_config(chosen, current, fine_tuning)
+        return original(cfg, trainer, **passthrough_args)
+    if last_st.ok:
+        why = (
+            f"{last} holds only {last_st.num_updates} updates (a save stopped before its copy to it was complete: a "
+            "kill or a failed write; pass --restore-file to resume from an older checkpoint on purpose)"
+        )
+    else:
+        why = f"{last} {last_st.reason}"
     logger.warning(
-        f"resuming from {chosen.path} ({chosen.num_updates} updates), the newest intact checkpoint, because {last} "
-        f"{st.reason}{skipped}"
+        f"resuming from {chosen.path} ({chosen.num_updates} updates), the newest intact checkpoint, because {why}"
+        f"{skipped}"
     )
     check_config(chosen, current, fine_tuning)
     with _restore_from(cfg, chosen.path, suffix):
         return original(cfg, trainer, **passthrough_args)
 
 
+_WRAPPERS = {
+    "load_checkpoint": load_checkpoint,
+    "load_checkpoint_to_cpu": load_checkpoint_to_cpu,
+    "torch_persistent_save": torch_persistent_save,
+    "save_checkpoint": save_checkpoint,
+    "verify_checkpoint_directory": verify_checkpoint_directory,
+}
+
+
 def install() -> None:
-    """Install the three extensions into ``fairseq.checkpoint_utils`` (idempotent)."""
+    """Install the extensions into ``fairseq.checkpoint_utils`` and ``Trainer.load_checkpoint`` (idempotent)."""
     if _ORIGINAL:
         return
-    _ORIGINAL["load_checkpoint"] = checkpoint_utils.load_checkpoint
-    _ORIGINAL["load_checkpoint_to_cpu"] = checkpoint_utils.load_checkpoint_to_cpu
     _ORIGINAL["PathManager"] = checkpoint_utils.PathManager
     checkpoint_utils.PathManager = AtomicCopyPathManager
-    checkpoint_utils.load_checkpoint = load_checkpoint
-    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    for name, wrapper in _WRAPPERS.items():
+        _ORIGINAL[name] = getattr(checkpoint_utils, name)
+        setattr(checkpoint_utils, name, wrapper)
+    _ORIGINAL["Trainer.load_checkpoint"] = Trainer.load_checkpoint
+    Trainer.load_checkpoint = trainer_load_checkpoint
