@@ -176,8 +176,8 @@ def test_target_padding_comes_from_the_task():
         model, _ = build_model("deepinit_tiny", "--attention-impl", "sdpa", *flags)  # noqa: B023
         dec = [m for m in model.decoder.modules() if isinstance(m, SDPAMultiheadAttention) and m.self_attention]
         enc = [m for m in model.encoder.modules() if isinstance(m, SDPAMultiheadAttention)]
-        assert len(dec) == 2 and all(m.causal_right_padded is want for m in dec)
-        assert not any(m.causal_right_padded for m in enc)
+        assert len(dec) == 2 and all(m.causal_right_padded is want and m.causal_self_attention for m in dec)
+        assert not any(m.causal_right_padded or m.causal_self_attention for m in enc)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -193,7 +193,7 @@ def test_causal_module_call_with_padding(side):
                 p.normal_(0, 0.2)
     fast = use_sdpa(MultiheadAttention(16, 2, self_attention=True))
     fast.load_state_dict(ref.state_dict())
-    fast.causal_right_padded = side == "right"
+    fast.causal_self_attention, fast.causal_right_padded = True, side == "right"  # as the decoder declares
     t, lengths = 6, [6, 4, 1]
     kpm = torch.zeros(3, t, dtype=torch.bool)
     for i, n in enumerate(lengths):
@@ -356,6 +356,31 @@ def test_future_mask_is_known_without_a_read():
     with OpCounter() as ops:
         assert is_future_mask(other[:3, :3]) and is_future_mask(other[:4, :4]) and is_future_mask(other)
     assert ops.counts["aten.equal.default"] == 1
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "right-padding"])
+def test_declared_causal_attention_compiles_without_a_graph_break(padded):
+    """Under torch.compile the declaration stands for the mask check (is_causal_mask): no graph break
+    in the decoder's self-attention, and the compiled call computes what the eager one does."""
+    torch.manual_seed(0)
+    fast = use_sdpa(MultiheadAttention(16, 2, self_attention=True))
+    fast.causal_self_attention = fast.causal_right_padded = True
+    x = torch.randn(6, 2, 16)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    mask = future_mask(8, x)[:6, :6]
+    pad = kpm if padded else None
+
+    def call(x, mask):
+        return fast(x, x, x, key_padding_mask=pad, attn_mask=mask, need_weights=False)[0]
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(call)(x, mask)
+    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, mask), call(x, mask), rtol=0, atol=0)
+    torch._dynamo.reset()
 
 
 # --- ScaleNorm / RMSNorm --------------------------------------------------------------------------

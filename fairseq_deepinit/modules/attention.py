@@ -17,7 +17,9 @@ explicit ``bmm -> softmax -> dropout -> bmm``. What it changes, per call site of
   ``<= t``, all real. Only padding query rows change (they also see the padding keys before them);
   the loss ignores them, and nothing at a real position depends on them, so real outputs, the loss
   and every gradient are the masked path's (to float round-off). Where padding rows are *read*
-  (Admin's profiling statistics count them), :func:`exact_padding_rows` restores the masked path;
+  (Admin's profiling statistics count them), :func:`exact_padding_rows` restores the masked path.
+  Whether a mask is the future mask is known without reading it (:func:`future_mask`,
+  :func:`is_causal_mask`): no device sync, nothing read on the ``meta`` device, no graph break;
 - encoder-decoder attention (always fairseq's explicit path, as it passes ``static_kv``) and
   incremental decoding: the fused kernel, with fairseq's key/value cache in fairseq's own layout
   (``prev_key``/``prev_value`` ``(B, H, S, d_head)``, ``prev_key_padding_mask``), so
@@ -65,8 +67,11 @@ class SDPAMultiheadAttention(MultiheadAttention):
     layers' ``build_self_attention`` / ``build_encoder_attention`` return).
     """
 
-    #: a decoder self-attention whose key padding marks only the end of each row (right-padded
-    #: targets, :func:`declare_target_padding`): the future mask is then ``is_causal`` for every real query
+    #: a plugin decoder's causal self-attention (:func:`declare_target_padding`): the only ``attn_mask``
+    #: it is given is its decoder's future mask (fairseq's ``buffered_future_mask``, or None)
+    causal_self_attention: bool = False
+    #: ... and its key padding marks only the end of each row (right-padded targets): the future mask
+    #: is then ``is_causal`` for every real query
     causal_right_padded: bool = False
 
     def forward(
@@ -187,7 +192,13 @@ class SDPAMultiheadAttention(MultiheadAttention):
             key_padding_mask = None  # fairseq's TorchScript workaround for "no mask"
 
         mask, is_causal = _kernel_mask(
-            attn_mask, key_padding_mask, tgt_len, src_len, q.dtype, right_padded=self.causal_right_padded
+            attn_mask,
+            key_padding_mask,
+            tgt_len,
+            src_len,
+            q.dtype,
+            declared_future=self.causal_self_attention,
+            right_padded=self.causal_right_padded,
         )
         dropout_p = self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
 
@@ -217,14 +228,17 @@ def _kernel_mask(
     tgt_len: int,
     src_len: int,
     dtype: torch.dtype,
+    declared_future: bool = False,
     right_padded: bool = False,
 ) -> Tuple[Tensor | None, bool]:
     """fairseq's ``attn_mask`` (additive float, or bool/byte with True = masked) and key-padding mask
     (``(B, S)``, nonzero = padding) as one mask for the kernel, or ``is_causal`` where that is exact.
 
-    ``right_padded``: the key padding marks only the end of each row (the caller's build-time
-    knowledge, never read from the mask: that would be a device sync per call); with a future mask
-    over the same positions, ``is_causal`` is then exact for every query row that is not padding.
+    ``declared_future``: the caller is a decoder's causal self-attention, whose ``attn_mask`` is its
+    decoder's future mask (:func:`is_causal_mask`). ``right_padded``: the key padding marks only the
+    end of each row. Both are the caller's build-time knowledge, never read from the masks (a device
+    sync per call); with a future mask over the same positions, ``is_causal`` is then exact for every
+    query row that is not padding.
 
     Returns ``(mask, is_causal)``: ``mask`` is None, boolean ``True = attend`` or additive float in
     the query's dtype, broadcastable to ``(B, H, T, S)``.
@@ -233,7 +247,7 @@ def _kernel_mask(
         attn_mask is not None
         and tgt_len == src_len
         and (key_padding_mask is None or right_padded)
-        and is_future_mask(attn_mask)
+        and is_causal_mask(attn_mask, declared_future)
     ):
         return None, True
     mask: Tensor | None = None
@@ -315,12 +329,26 @@ def is_future_mask(mask: Tensor) -> bool:
     return result
 
 
+def is_causal_mask(mask: Tensor, declared: bool = False) -> bool:
+    """Whether ``mask`` is fairseq's future mask, for the kernel's ``is_causal``.
+
+    ``declared``: the caller's decoder declared its self-attention masks to be its future mask
+    (:func:`declare_target_padding`). Eager PyTorch checks anyway (:func:`is_future_mask`: a lookup,
+    no device read, for the plugin decoders' masks); a graph being compiled cannot look at values
+    and identities, so there the declaration stands for the check (no graph break).
+    """
+    if declared and torch.compiler.is_compiling():
+        return mask.dim() == 2 and mask.is_floating_point()
+    return is_future_mask(mask)
+
+
 def future_mask(size: int, like: Tensor) -> Tensor:
     """fairseq's decoder future mask ``triu(-inf, 1)`` of ``size x size`` in ``like``'s dtype and device,
     remembered as such: :func:`is_future_mask` answers for it, its slices and aliases without a
     device read (on a GPU, no sync; on the ``meta`` device, where nothing can be read, at all)."""
     mask = torch.full((size, size), float("-inf"), dtype=like.dtype, device=like.device).triu(1)
-    _remember(mask, True)
+    if not torch.compiler.is_compiling():  # a compiled graph relies on the declaration (is_causal_mask)
+        _remember(mask, True)
     return mask
 
 
@@ -340,14 +368,17 @@ def target_padding(task) -> str:
 
 
 def declare_target_padding(decoder: nn.Module, side: str) -> None:
-    """Tell the decoder's SDPA self-attentions where the targets are padded (:func:`target_padding`).
+    """Tell a plugin decoder's SDPA self-attentions that they are its causal self-attentions (their
+    ``attn_mask`` is the decoder's future mask, fairseq's ``buffered_future_mask``, or None) and where
+    the targets are padded (:func:`target_padding`).
 
     ``"right"`` lets a causal self-attention pass ``is_causal`` with target padding (module
-    docstring); anything else keeps the ``(B, 1, T, T)`` mask. A build-time fact of the task, so
-    that no forward reads the padding mask to find out.
+    docstring); anything else keeps the ``(B, 1, T, T)`` mask. Build-time facts of the decoder and
+    the task, so that no forward reads a mask to find out.
     """
     for module in decoder.modules():
         if isinstance(module, SDPAMultiheadAttention) and module.self_attention:
+            module.causal_self_attention = True
             module.causal_right_padded = side == "right"
 
 
@@ -436,6 +467,7 @@ __all__ = [
     "declare_target_padding",
     "exact_padding_rows",
     "future_mask",
+    "is_causal_mask",
     "is_future_mask",
     "target_padding",
     "use_sdpa",

@@ -74,7 +74,8 @@ def scalenorm_as_rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch
     """:class:`ScaleNorm` as one ``F.rms_norm`` call (its path off the CPU; any device computes it)."""
     dim = x.size(-1)
     gain = (g / math.sqrt(dim)).expand(dim)
-    rms_eps = eps * eps / dim
+    # eps^2 / d, kept a normal fp32 number: the kernel adds it in fp32, and a flushed 0 would make x = 0 NaN
+    rms_eps = max(eps * eps / dim, torch.finfo(torch.float32).tiny)
     if _fused_rms_norm_applies(x, gain):
         return F.rms_norm(x, (dim,), gain, rms_eps)
     return F.rms_norm(x.float(), (dim,), gain.float(), rms_eps).type_as(x)
