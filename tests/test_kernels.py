@@ -577,3 +577,32 @@ def test_step_ops_against_stock(arch, stock_flags):
     assert plugin <= 1.02 * stock, (plugin, stock, plugin / stock)
     if arch.startswith("deepnorm"):
         assert plugin - stock <= 6 * 2 + 6 * 3  # at most one extra per sub-layer (30)
+
+
+# --- benchmarks/norm_speed.py --------------------------------------------------------------------
+
+
+def test_norm_speed_benchmark_smoke(capsys):
+    """The side-by-side benchmark runs, prints every norm's ratio to LayerNorm and its kernel count;
+    bad input is one line and exit status 1; every option's help names its default."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_norm_speed", REPO / "benchmarks" / "norm_speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--shape", "4x2x16", "--calls", "1", "--rounds", "2", "--warmup", "0"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"layernorm", "scalenorm", "rmsnorm", "scalenorm-rms-norm"}
+    assert rows["layernorm"][3].strip().startswith("1.000")
+    assert [rows[n][5].strip() for n in ("layernorm", "rmsnorm", "scalenorm")] == ["2", "2", "5"]
+    assert "Command: `" in out and "norm_speed.py" in out
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--shape", "4x2"])
+    assert exc.value.code == 1 and capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        script.main(["--help"])
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    for option in ("--device", "--dtype", "--shape", "--calls", "--rounds", "--warmup"):
+        block = text.split(option, 1)[1].split("\n  --", 1)[0]
+        assert "default" in block, option
