@@ -26,6 +26,7 @@ from fairseq.models.transformer import (
 
 from . import options
 from .checkpoints import config_check
+from .modules.attention import declare_target_padding, future_mask, target_padding
 from .modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
 from .modules.layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
 from .modules.norms import build_optional_norm
@@ -93,6 +94,16 @@ class DeepInitDecoder(TransformerDecoderBase):
         layer_cls = DECODER_LAYER_TYPES[cfg.decoder_layer_type]
         return _wrap_layer(cfg, layer_cls(cfg, self._built_layers, no_encoder_attn=no_encoder_attn))
 
+    def buffered_future_mask(self, tensor):
+        """fairseq's cached ``triu(-inf, 1)`` (transformer_decoder.py, ``buffered_future_mask``), built by
+        :func:`~fairseq_deepinit.modules.attention.future_mask` in ``tensor``'s dtype and device, so that
+        the SDPA attention knows it is the causal mask without reading it back (a device sync)."""
+        dim = tensor.size(0)
+        mask = self._future_mask
+        if mask.size(0) < dim or mask.device != tensor.device or mask.dtype != tensor.dtype:
+            self._future_mask = mask = future_mask(dim, tensor)
+        return mask[:dim, :dim]
+
     def build_output_projection(self, cfg, dictionary, embed_tokens):
         if cfg.fixnorm:
             self.output_projection = FixNormOutputProjection(embed_tokens)
@@ -133,6 +144,7 @@ class DeepInitTransformerModel(TransformerModel):
         distributed.check_ddp_backend(args)  # before any model work (fairseq-hydra-train, scripts)
         options.resolve_and_validate(args)
         model = super().build_model(args, task)
+        declare_target_padding(model.decoder, target_padding(task))
         apply_init_scheme(model, TransformerConfig.from_namespace(args))
         logger.info(options.describe(args))
         return model

@@ -162,7 +162,7 @@ def register_feature_options(feature: str, defaults: dict, add_args, validate, d
 def check_norm_eps(eps: float) -> None:
     """``--norm-eps`` must be a finite number > 0.
 
-    Every norm divides by ``sqrt(var + eps)`` (LayerNorm, RMSNorm) or ``max(||x||, eps)`` (ScaleNorm):
+    Every norm divides by ``sqrt(var + eps)`` (LayerNorm, RMSNorm) or ``sqrt(||x||^2 + eps^2)`` (ScaleNorm):
     eps <= 0 can divide by zero, ``inf`` turns every norm's output into 0 (a model that learns
     nothing, with no error), and ``nan`` makes every output NaN (fairseq only notices at the first
     update, with its generic non-finite gradient error).

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..diagnostics.hooks import _N, _QB, _QS, _SB, _SS, ResidualStatistics
 from ..errors import AdminConfigError
+from ..modules.attention import exact_padding_rows
 from .residual import FORMULAS, PROFILE_FORMAT, AdminResidual, admin_residuals, model_shape, stacks_of
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
             m.omega.fill_(1.0)
             m._profiling = True
     try:
-        with stats, torch.no_grad():
+        # the statistics count padding positions, as the released code's: keep fairseq's values there
+        with stats, torch.no_grad(), exact_padding_rows(model):
             encoder = getattr(model, "encoder", None)
             if encoder is None:  # decoder-only language model
                 model.decoder.extract_features(net_input["src_tokens"], encoder_out=None)

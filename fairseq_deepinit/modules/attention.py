@@ -9,8 +9,17 @@ explicit ``bmm -> softmax -> dropout -> bmm``. What it changes, per call site of
   mask, not a per-head ``(B*H, 1, S)`` float mask as in fairseq's call of
   ``F.multi_head_attention_forward``;
 - decoder self-attention in training: fairseq's future mask (``triu(-inf, 1)``) becomes
-  ``is_causal=True`` when the batch has no target padding (the kernel skips the masked half);
-  with padding, one ``(B, 1, T, T)`` mask instead of fairseq's ``(B*H, T, T)``;
+  ``is_causal=True`` (no mask tensor; the kernel skips the masked half, FlashAttention applies) when
+  the batch has no target padding, or when the targets are right-padded (:func:`declare_target_padding`,
+  from the task: fairseq's translation and language-modeling tasks pad on the right unless
+  ``--left-pad-target``). With left padding, one ``(B, 1, T, T)`` mask instead of fairseq's ``(B*H, T, T)``.
+  Right padding makes ``is_causal`` exact for every real query: a real query at ``t`` sees the keys
+  ``<= t``, all real. Only padding query rows change (they also see the padding keys before them);
+  the loss ignores them, and nothing at a real position depends on them, so real outputs, the loss
+  and every gradient are the masked path's (to float round-off). Where padding rows are *read*
+  (Admin's profiling statistics count them), :func:`exact_padding_rows` restores the masked path.
+  Whether a mask is the future mask is known without reading it (:func:`future_mask`,
+  :func:`is_causal_mask`): no device sync, nothing read on the ``meta`` device, no graph break;
 - encoder-decoder attention (always fairseq's explicit path, as it passes ``static_kv``) and
   incremental decoding: the fused kernel, with fairseq's key/value cache in fairseq's own layout
   (``prev_key``/``prev_value`` ``(B, H, S, d_head)``, ``prev_key_padding_mask``), so
@@ -21,8 +30,11 @@ Everything else goes to fairseq's own ``forward``: calls that return attention w
 (``need_weights``: fairseq's decoder asks for the last layer's encoder-decoder weights as its
 alignment, and in eval mode for every layer's unless ``make_generation_fast_`` was called),
 ``before_softmax``, ``add_bias_kv``/``add_zero_attn``, ``--cross-self-attention``, ONNX tracing,
-XLA, xFormers. The class adds no parameter or buffer, so state dicts (checkpoints) are identical
-and interchangeable between ``--attention-impl fairseq`` and ``sdpa``.
+XLA, xFormers. ``skip_embed_dim_check`` (Sub-LN's self-attention, fairseq's head pruning) only
+skips fairseq's query-width assertion here as in fairseq's own forward: the fused path calls
+``out_proj`` as a module, which is all Sub-LN's inner norm needs. The class adds no parameter or
+buffer, so state dicts (checkpoints) are identical and interchangeable between
+``--attention-impl fairseq`` and ``sdpa``.
 
 Numerics: with attention dropout 0 the two paths agree to float round-off (the tests check fp32
 outputs and gradients to 1e-5). Attention dropout (``--attention-dropout``) is the kernel's
@@ -31,13 +43,16 @@ outputs and gradients to 1e-5). Attention dropout (``--attention-dropout``) is t
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Dict, Tuple
+from typing import Dict, Iterator, Tuple
 
 import torch
 import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
-from torch import Tensor
+from fairseq.tasks.language_modeling import LanguageModelingTask
+from fairseq.tasks.translation import TranslationTask
+from torch import Tensor, nn
 
 from ..errors import DeepInitConfigError
 
@@ -51,6 +66,13 @@ class SDPAMultiheadAttention(MultiheadAttention):
     Build it with :func:`use_sdpa` from a freshly built fairseq MultiheadAttention (what the
     layers' ``build_self_attention`` / ``build_encoder_attention`` return).
     """
+
+    #: a plugin decoder's causal self-attention (:func:`declare_target_padding`): the only ``attn_mask``
+    #: it is given is its decoder's future mask (fairseq's ``buffered_future_mask``, or None)
+    causal_self_attention: bool = False
+    #: ... and its key padding marks only the end of each row (right-padded targets): the future mask
+    #: is then ``is_causal`` for every real query
+    causal_right_padded: bool = False
 
     def forward(
         self,
@@ -86,7 +108,7 @@ class SDPAMultiheadAttention(MultiheadAttention):
         self, query: Tensor, incremental_state, need_weights: bool, static_kv: bool, before_softmax: bool
     ) -> bool:
         """Whether this call is one the fused path reproduces (see the module docstring)."""
-        if need_weights or before_softmax or self.onnx_trace or self.use_xformers or self.skip_embed_dim_check:
+        if need_weights or before_softmax or self.onnx_trace or self.use_xformers:
             return False
         if self.bias_k is not None or self.add_zero_attn or query.device.type == "xla":
             return False
@@ -113,7 +135,8 @@ class SDPAMultiheadAttention(MultiheadAttention):
         attn_mask: Tensor | None,
     ) -> Tensor:
         tgt_len, bsz, embed_dim = query.shape
-        assert embed_dim == self.embed_dim, f"query dim {embed_dim} != {self.embed_dim}"
+        if not self.skip_embed_dim_check:  # as fairseq's forward: Sub-LN and head pruning skip it
+            assert embed_dim == self.embed_dim, f"query dim {embed_dim} != {self.embed_dim}"
         saved_state: Dict[str, Tensor | None] | None = None
         if incremental_state is not None:
             saved_state = self._get_input_buffer(incremental_state)
@@ -168,7 +191,15 @@ class SDPAMultiheadAttention(MultiheadAttention):
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None  # fairseq's TorchScript workaround for "no mask"
 
-        mask, is_causal = _kernel_mask(attn_mask, key_padding_mask, tgt_len, src_len, q.dtype)
+        mask, is_causal = _kernel_mask(
+            attn_mask,
+            key_padding_mask,
+            tgt_len,
+            src_len,
+            q.dtype,
+            declared_future=self.causal_self_attention,
+            right_padded=self.causal_right_padded,
+        )
         dropout_p = self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
 
         if kv_bsz != bsz:
@@ -192,15 +223,32 @@ class SDPAMultiheadAttention(MultiheadAttention):
 
 
 def _kernel_mask(
-    attn_mask: Tensor | None, key_padding_mask: Tensor | None, tgt_len: int, src_len: int, dtype: torch.dtype
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    tgt_len: int,
+    src_len: int,
+    dtype: torch.dtype,
+    declared_future: bool = False,
+    right_padded: bool = False,
 ) -> Tuple[Tensor | None, bool]:
     """fairseq's ``attn_mask`` (additive float, or bool/byte with True = masked) and key-padding mask
     (``(B, S)``, nonzero = padding) as one mask for the kernel, or ``is_causal`` where that is exact.
 
+    ``declared_future``: the caller is a decoder's causal self-attention, whose ``attn_mask`` is its
+    decoder's future mask (:func:`is_causal_mask`). ``right_padded``: the key padding marks only the
+    end of each row. Both are the caller's build-time knowledge, never read from the masks (a device
+    sync per call); with a future mask over the same positions, ``is_causal`` is then exact for every
+    query row that is not padding.
+
     Returns ``(mask, is_causal)``: ``mask`` is None, boolean ``True = attend`` or additive float in
     the query's dtype, broadcastable to ``(B, H, T, S)``.
     """
-    if attn_mask is not None and key_padding_mask is None and tgt_len == src_len and is_future_mask(attn_mask):
+    if (
+        attn_mask is not None
+        and tgt_len == src_len
+        and (key_padding_mask is None or right_padded)
+        and is_causal_mask(attn_mask, declared_future)
+    ):
         return None, True
     mask: Tensor | None = None
     if attn_mask is not None:
@@ -216,34 +264,140 @@ def _kernel_mask(
     return mask, False
 
 
-# masks verified to be fairseq's future mask: id(root tensor) -> (weakref(root), root._version, result).
-# fairseq's decoder hands every layer a top-left slice of one buffer (``buffered_future_mask``);
-# checking that buffer once per version keeps a device sync out of every layer call.
+# masks known to be (or not to be) fairseq's future mask, by storage:
+# StorageImpl address -> (weakref(root tensor), root._version, result). fairseq's decoder hands every
+# layer a top-left slice of one buffer (``buffered_future_mask``), and ``--checkpoint-activations``
+# hands the recomputed layer a detached alias of that slice: both share the root's storage (and its
+# version counter), so one entry per buffer version answers every layer call without a device sync.
+# While the root is alive its storage is, so no other storage can have that address.
 _VERIFIED_MASKS: Dict[int, tuple] = {}
 
 
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _lookup(mask: Tensor) -> bool | None:
+    entry = _VERIFIED_MASKS.get(_storage_key(mask))
+    if entry is None:
+        return None
+    root = entry[0]()
+    if (
+        root is None
+        or root._version != entry[1]
+        or mask._version != root._version
+        or mask.storage_offset() != root.storage_offset()
+        or mask.stride() != root.stride()
+        or mask.size(0) > root.size(0)
+        or mask.dtype != root.dtype
+    ):
+        return None
+    return entry[2]  # a top-left square of a future mask is a future mask
+
+
+def _remember(root: Tensor, result: bool) -> None:
+    if len(_VERIFIED_MASKS) > 64:
+        for key in [k for k, e in _VERIFIED_MASKS.items() if e[0]() is None]:
+            del _VERIFIED_MASKS[key]
+    _VERIFIED_MASKS[_storage_key(root)] = (weakref.ref(root), root._version, result)
+
+
 def is_future_mask(mask: Tensor) -> bool:
-    """Whether ``mask`` is exactly fairseq's causal mask ``triu(-inf, 1)`` (so ``is_causal`` is exact)."""
+    """Whether ``mask`` is exactly fairseq's causal mask ``triu(-inf, 1)`` (so ``is_causal`` is exact).
+
+    A mask made by :func:`future_mask` (the plugin's decoders build theirs with it), a slice or an
+    alias of one, is known without reading it; any other is compared once per version (one device
+    sync) and remembered.
+    """
     if mask.dim() != 2 or mask.size(0) != mask.size(1) or not mask.is_floating_point():
         return False
-    root = mask._base if mask._base is not None else mask
-    # a top-left square slice of a future mask is a future mask
-    if root is not mask and not (
-        root.dim() == 2
+    known = _lookup(mask)
+    if known is not None:
+        return known
+    root = mask._base
+    # check (and remember) the whole buffer a top-left slice was cut from: later slices then hit the entry
+    if not (
+        root is not None
+        and root.dim() == 2
         and root.size(0) == root.size(1)
         and mask.storage_offset() == root.storage_offset()
         and mask.stride() == root.stride()
     ):
         root = mask
-    entry = _VERIFIED_MASKS.get(id(root))
-    if entry is not None and entry[0]() is root and entry[1] == root._version:
-        return entry[2]
     result = bool(torch.equal(root, torch.full_like(root, float("-inf")).triu(1)))
-    if len(_VERIFIED_MASKS) > 64:
-        for key in [k for k, e in _VERIFIED_MASKS.items() if e[0]() is None]:
-            del _VERIFIED_MASKS[key]
-    _VERIFIED_MASKS[id(root)] = (weakref.ref(root), root._version, result)
+    _remember(root, result)
     return result
+
+
+def is_causal_mask(mask: Tensor, declared: bool = False) -> bool:
+    """Whether ``mask`` is fairseq's future mask, for the kernel's ``is_causal``.
+
+    ``declared``: the caller's decoder declared its self-attention masks to be its future mask
+    (:func:`declare_target_padding`). Eager PyTorch checks anyway (:func:`is_future_mask`: a lookup,
+    no device read, for the plugin decoders' masks); a graph being compiled cannot look at values
+    and identities, so there the declaration stands for the check (no graph break).
+    """
+    if declared and torch.compiler.is_compiling():
+        return mask.dim() == 2 and mask.is_floating_point()
+    return is_future_mask(mask)
+
+
+def future_mask(size: int, like: Tensor) -> Tensor:
+    """fairseq's decoder future mask ``triu(-inf, 1)`` of ``size x size`` in ``like``'s dtype and device,
+    remembered as such: :func:`is_future_mask` answers for it, its slices and aliases without a
+    device read (on a GPU, no sync; on the ``meta`` device, where nothing can be read, at all)."""
+    mask = torch.full((size, size), float("-inf"), dtype=like.dtype, device=like.device).triu(1)
+    if not torch.compiler.is_compiling():  # a compiled graph relies on the declaration (is_causal_mask)
+        _remember(mask, True)
+    return mask
+
+
+def target_padding(task) -> str:
+    """Where ``task`` pads the decoder's input: ``"right"``, ``"left"`` or ``"unknown"``.
+
+    fairseq's translation task (and its subclasses) pads ``prev_output_tokens`` on the left only
+    under ``--left-pad-target`` (fairseq/tasks/translation.py:204, data/language_pair_dataset.py:98);
+    its language-modeling task always on the right (data/monolingual_dataset.py:25,36; its inference
+    datasets too, tasks/language_modeling.py:303,308). Any other task: unknown.
+    """
+    if isinstance(task, TranslationTask):
+        return "left" if getattr(task.cfg, "left_pad_target", False) else "right"
+    if isinstance(task, LanguageModelingTask):
+        return "right"
+    return "unknown"
+
+
+def declare_target_padding(decoder: nn.Module, side: str) -> None:
+    """Tell a plugin decoder's SDPA self-attentions that they are its causal self-attentions (their
+    ``attn_mask`` is the decoder's future mask, fairseq's ``buffered_future_mask``, or None) and where
+    the targets are padded (:func:`target_padding`).
+
+    ``"right"`` lets a causal self-attention pass ``is_causal`` with target padding (module
+    docstring); anything else keeps the ``(B, 1, T, T)`` mask. Build-time facts of the decoder and
+    the task, so that no forward reads a mask to find out.
+    """
+    for module in decoder.modules():
+        if isinstance(module, SDPAMultiheadAttention) and module.self_attention:
+            module.causal_self_attention = True
+            module.causal_right_padded = side == "right"
+
+
+@contextlib.contextmanager
+def exact_padding_rows(model: nn.Module) -> Iterator[None]:
+    """Within the block, causal self-attentions compute padding query rows as fairseq does (masked).
+
+    For computations that read every position, padding included (Admin's profiling statistics,
+    which the released code takes over the whole padded batch): there, the padding rows must hold
+    fairseq's values, not the ``is_causal`` ones. Real positions are the same either way.
+    """
+    changed = [m for m in model.modules() if isinstance(m, SDPAMultiheadAttention) and m.causal_right_padded]
+    for m in changed:
+        m.causal_right_padded = False
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.causal_right_padded = True
 
 
 def use_sdpa(attn: MultiheadAttention) -> SDPAMultiheadAttention:
@@ -310,7 +464,12 @@ __all__ = [
     "SDPAMultiheadAttention",
     "add_args",
     "build_attention",
+    "declare_target_padding",
+    "exact_padding_rows",
+    "future_mask",
+    "is_causal_mask",
     "is_future_mask",
+    "target_padding",
     "use_sdpa",
     "validate",
 ]

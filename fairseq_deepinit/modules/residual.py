@@ -48,7 +48,19 @@ class Residual(nn.Module):
 
 
 class ConstantResidual(Residual):
-    """``alpha * residual + x`` with a constant (not learned) ``alpha`` (DeepNorm)."""
+    """``alpha * residual + x`` with a constant (not learned) ``alpha`` (DeepNorm).
+
+    One ``torch.add(x, residual, alpha=alpha)``: one kernel forward and one backward (the ``alpha *``
+    of the skip's gradient), where ``x + residual * alpha`` takes two forward (a separate ``mul``) and
+    one backward. Same value up to rounding: the fused add rounds ``x + alpha * residual`` once (an
+    FMA on vectorised CPU paths; in fp32 opmath for fp16/bf16), the two-kernel form rounds the product
+    first; and a kernel may round ``alpha`` itself to a 16-bit operand's dtype (torch's CPU kernel does:
+    a relative change of the skip scale of at most ``u``; in fp32, and with an fp32 operand as under
+    autocast, ``alpha`` is an fp32 number either way). With ``u`` the unit round-off of the dtype, the
+    two forms differ by at most ``2u (|alpha * residual| + |x + alpha * residual|)`` per element to
+    first order (``tests/test_kernels.py`` checks it on every CPU kernel path; the scalar fp32 path,
+    without FMA, is bit-identical).
+    """
 
     def __init__(self, alpha: float) -> None:
         super().__init__()
@@ -56,6 +68,10 @@ class ConstantResidual(Residual):
 
     def skip(self, residual: torch.Tensor) -> torch.Tensor:
         return residual * self.alpha
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # branch first, as Residual.forward: the sum takes x's (contiguous) layout
+        return torch.add(x, residual, alpha=self.alpha)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.6g}"

@@ -19,7 +19,8 @@ cross-attention), gamma by the layer's kind (:mod:`.stacks`; torchscale's ``is_e
 nn.Linear's default; ``--init-scheme fairseq`` is the closest). The inner norms follow ``--norm-type``
 and ``--norm-eps`` (torchscale: LayerNorm, eps 1e-5). fairseq's attention calls its output projection
 as a module only outside its fused ``F.multi_head_attention_forward`` path, so a Sub-LN self-attention
-takes fairseq's explicit path (``--attention-impl sdpa`` falls back to it as well): same values.
+takes fairseq's explicit path under ``--attention-impl fairseq``; ``--attention-impl sdpa``'s fused path
+calls ``out_proj`` as a module too and serves it (same values).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def setup_subln_layer(layer: nn.Module, cfg) -> None:
         return
     embed_dim, ffn_dim = layer.embed_dim, layer.fc1.out_features
     add_inner_norm(layer.self_attn.out_proj, build_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
-    layer.self_attn.skip_embed_dim_check = True  # explicit path: out_proj is called as a module
+    # off fairseq's F.multi_head_attention_forward (which never calls out_proj as a module); the SDPA path serves it
+    layer.self_attn.skip_embed_dim_check = True
     add_inner_norm(layer.fc2, build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export))
 
 
