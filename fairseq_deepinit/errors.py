@@ -74,6 +74,10 @@ class AdminExportError(ValueError):
     """The checkpoint cannot be folded into a plain Post-LN transformer."""
 
 
+class DataConfigError(ValueError):
+    """A data folder that cannot be used as given (an empty split, token ids beyond the dictionary)."""
+
+
 class AutocastConfigError(ValueError):
     """``--autocast-bf16`` combined with something it cannot work with."""
 
