@@ -65,12 +65,13 @@ def _counterpart(arch: str, to_lm: bool) -> str:
 
 
 def check_task_and_arch(args: Any) -> None:
-    """Refuse a decoder-only architecture under a translation task and an encoder-decoder one under a
-    language-modeling task (:class:`DeepInitConfigError`, naming the architecture to use instead)."""
+    """Refuse a decoder-only architecture of the plugin under a translation task and an encoder-decoder
+    one under a language-modeling task (:class:`DeepInitConfigError`, naming the architecture to use
+    instead). Tasks of neither kind, and fairseq's own architectures, are left to fairseq."""
     task, arch = getattr(args, "task", None), getattr(args, "arch", None)
     task_cls, model_cls = TASK_REGISTRY.get(task), ARCH_MODEL_REGISTRY.get(arch)
-    if task_cls is None or model_cls is None:
-        return
+    if task_cls is None or model_cls not in [MODEL_REGISTRY.get(m) for m in PLUGIN_MODELS]:
+        return  # fairseq's own architectures: fairseq's behaviour
     decoder_only = issubclass(model_cls, FairseqLanguageModel)
     if decoder_only and issubclass(task_cls, TranslationTask):
         raise DeepInitConfigError(

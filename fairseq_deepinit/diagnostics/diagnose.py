@@ -404,6 +404,8 @@ def measure_output_change(setup: Setup) -> dict:
 def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
 
     measures = _measures(opts.measure, bool(opts.checkpoint))
+    if "change" in measures:
+        _parse_depths(opts.depths)  # refused before any model is built
     _check_output_dir(opts.output_dir)
     setup = Setup(opts, fairseq_argv)
     n_tokens = sum(int(b["ntokens"]) for b in setup.batches[: opts.num_batches])
