@@ -167,7 +167,7 @@ def check_inject_target(model: nn.Module, p_name: str) -> None:
     if p_name in names:
         return
     close = difflib.get_close_matches(p_name, names, n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}?" if close else f"names look like {', '.join(names[:3])}"
+    hint = f"did you mean {' or '.join(close)}?" if close else f"names look like {', '.join(names[:3])}."
     raise DeepInitConfigError(
         f"--diagnostics-inject-nan: the model has no parameter {p_name!r}; {hint} Give UPDATE:PARAM with a "
         "parameter name of this model (as model.named_parameters() lists them)"
