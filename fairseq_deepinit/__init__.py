@@ -34,9 +34,13 @@ from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smooth
 from .training import adam_foreach, autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizers, lr scheduler)
 from . import lm  # noqa: E402,F401  (decoder-only language models: deepinit_lm, after every family)
 from .training import distributed  # noqa: E402  (last: every architecture is registered by now)
+from . import intercepts  # noqa: E402
 # isort: on
+
+adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
 
 distributed.guard_architectures("deepinit_lm")
 distributed.guard_architectures()  # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py)
+intercepts.install()  # task/architecture mismatch, empty splits, data of another dictionary: one line (intercepts.py)
 
 __version__ = "0.2.0.dev0"

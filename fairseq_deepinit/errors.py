@@ -88,6 +88,10 @@ class AdminExportError(DeepInitError, ValueError):
     """The checkpoint cannot be folded into a plain Post-LN transformer."""
 
 
+class DataConfigError(DeepInitError, ValueError):
+    """A data folder that cannot be used as given (an empty split, token ids beyond the dictionary)."""
+
+
 class AutocastConfigError(DeepInitError, ValueError):
     """``--autocast-bf16`` combined with something it cannot work with."""
 

@@ -210,6 +210,38 @@ def test_output_change_random_by_hand():
     assert got["encoder"] > 0
 
 
+def test_output_change_of_a_language_model_by_hand():
+    """A decoder-only model has one output: its decoder's last hidden states over the right-padded ``src_tokens``."""
+    from fairseq import options, tasks
+
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        ["/nonexistent", "--task", "language_modeling", "--arch", "postln_lm_tiny", *NO_DROPOUT],
+    )
+    d = make_dictionary(40)
+    torch.manual_seed(1)
+    model = tasks.TASK_REGISTRY["language_modeling"](args, d, d).build_model(args)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, len(d), (3, 9), generator=g)
+    src[1, -3:] = d.pad()  # right padding, excluded from the mean
+    net_input = {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}
+    got = diagnostics.output_change(model, [{"net_input": net_input}], "random", 1e-3, seed=5, pad=d.pad())
+    assert set(got) == {"decoder"}
+    moved = __import__("copy").deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            if ".layers." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+    model.eval()
+    moved.eval()
+    with torch.no_grad():
+        a, _ = model.decoder(src, features_only=True)
+        b, _ = moved.decoder(src, features_only=True)
+    want = (a - b).double().pow(2).sum(-1)[src.ne(d.pad())].mean().item()
+    assert got["decoder"] == pytest.approx(want, rel=1e-9) and want > 0
+
+
 def test_fit_growth_closed_forms():
     n = [2, 4, 8, 16]
     lin = diagnostics.fit_growth(n, [3 + 2 * x for x in n])
@@ -434,10 +466,9 @@ def test_diagnose_command_writes_json_and_plots(synthetic_bin, tmp_path):
     assert diagnose.main(["--compare", str(out), str(out), "--output-dir", str(cmp)]) == 0
     _assert_png(cmp / "grad_norm.png")
     _assert_png(cmp / "output_change.png")
-    with pytest.raises(SystemExit):
-        diagnose.main([str(synthetic_bin), "--output-dir", str(out), "--measure", "grad,bogus"])
-    with pytest.raises(SystemExit):
-        diagnose.main([str(tmp_path / "missing"), "--arch", "deepinit_tiny", "--output-dir", str(out)])
+    # bad input: one line, exit status 1 (tests/test_probes.py has the whole table)
+    assert diagnose.main([str(synthetic_bin), "--output-dir", str(out), "--measure", "grad,bogus"]) == 1
+    assert diagnose.main([str(tmp_path / "missing"), "--arch", "deepinit_tiny", "--output-dir", str(out)]) == 1
 
 
 def test_guard_stops_on_injected_nan_and_checkpoint_survives(synthetic_bin, tmp_path):

@@ -33,17 +33,19 @@ built and run on a random batch, and the export fails if their log-probabilities
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
+import os
 import sys
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .. import options
+from .. import errors, options
 from ..checkpoints.integrity import torch_load_checked
-from ..errors import AdminConfigError, AdminExportError
+from ..errors import AdminExportError
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +237,47 @@ def _load(path: str) -> dict:
     return torch_load_checked(path, map_location="cpu")
 
 
+def check_destination(src: str, dst: str) -> None:
+    """Refuse, before the checkpoint is read, an output the export cannot or must not write.
+
+    The output must not be the input (the export would replace the training checkpoint), nor a
+    folder, nor under a path whose existing part is a file. A missing parent folder is created when
+    the export is written (:func:`save_export`), as fairseq-train creates its ``--save-dir``.
+    """
+    if os.path.realpath(dst) == os.path.realpath(src) or (
+        os.path.exists(dst) and os.path.exists(src) and os.path.samefile(dst, src)
+    ):
+        raise AdminExportError(
+            f"the output {dst} is the input checkpoint; the export would replace it. Give another file name, e.g. "
+            f"{os.path.splitext(dst)[0]}.exported.pt"
+        )
+    if os.path.isdir(dst):
+        raise AdminExportError(
+            f"the output {dst} is a folder; give the exported checkpoint's file name, e.g. "
+            f"{os.path.join(dst, 'checkpoint.exported.pt')}"
+        )
+    existing = os.path.dirname(os.path.abspath(dst))
+    while not os.path.exists(existing):  # the deepest folder that exists (the root always does)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise AdminExportError(f"the output {dst} cannot be written: {existing} is a file, not a folder")
+
+
+def save_export(state: dict, dst: str) -> None:
+    """``torch.save`` to a temporary file beside ``dst``, then a rename: ``dst`` is either what it was
+    or the whole export, and a failed write (disk full, no permission) is an :class:`AdminExportError`."""
+    folder = os.path.dirname(os.path.abspath(dst))
+    tmp = os.path.join(folder, f".{os.path.basename(dst)}.{os.getpid()}.tmp")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        torch.save(state, tmp)
+        os.replace(tmp, dst)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise AdminExportError(f"cannot write {dst}: {errors.one_line(e)}") from e
+
+
 def _model_args(state: dict):
     cfg = state.get("cfg") or {}
     args = cfg.get("model") if isinstance(cfg, dict) else None
@@ -286,8 +329,11 @@ def stock_checkpoint(
 
 def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4) -> dict:
     """Fold ``src`` (an Admin checkpoint) into ``dst``; returns a summary (changes, check result)."""
+    check_destination(src, dst)
     state = _load(src)
     args = copy.deepcopy(_model_args(state))
+    if getattr(args, "encoder_layers", None) == 0:
+        raise AdminExportError(f"{src} is a deepinit language model; use deepinit-export-admin-lm for it")
     check_exportable(args)
     check_profiled(state, src, "encoder")
     model_sd, changes = fold_state_dict(state["model"], args)
@@ -296,7 +342,7 @@ def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float =
     summary = {"changes": changes}
     if check:
         summary["max_abs_diff"] = verify(state["model"], args, model_sd, model_args, tolerance)
-    torch.save(out, dst)
+    save_export(out, dst)
     return summary
 
 
@@ -373,14 +419,18 @@ def run_export(
 ) -> int:
     """Parse ``argv``, run ``export(checkpoint, output, check=, tolerance=)``, log its summary.
 
-    A bad checkpoint or option is one line on stderr (``PROG: error: ...``) and exit status 1.
+    A bad checkpoint, output or option is one line on stderr (``PROG: error: ...``) and exit status 1:
+    every plugin error (:func:`fairseq_deepinit.errors.is_plugin_error`) and a missing input file.
     """
     a = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO)
     try:
         summary = export(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance)
-    except (AdminExportError, AdminConfigError, FileNotFoundError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not (errors.is_plugin_error(e) or isinstance(e, FileNotFoundError)):
+            raise
+        message = getattr(e, "message", None) or errors.one_line(e)
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 1
     changes = ", ".join(f"{k}={v}" for k, v in summary["changes"].items()) or "none"
     check = (

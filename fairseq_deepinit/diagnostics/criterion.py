@@ -33,6 +33,7 @@ complete (summed over accumulation steps and ranks, divided by the sample size) 
 decides that they are non-finite.
 """
 
+import difflib
 import logging
 import math
 from collections import OrderedDict
@@ -49,7 +50,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
-from ..errors import DivergenceError
+from ..errors import DeepInitConfigError, DivergenceError
 from ..training.autocast_state import AutocastState
 from . import hooks
 from .stats import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
@@ -150,14 +151,30 @@ def _parse_inject(spec: str) -> tuple | None:
         return None
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not parts[0].isdigit() or int(parts[0]) < 1 or not parts[1]:
-        raise ValueError(
+        raise DeepInitConfigError(
             f"--diagnostics-inject-nan {spec!r}: expected UPDATE:PARAM or UPDATE:PARAM:after with UPDATE >= 1, "
             "e.g. 5:encoder.layers.0.fc1.weight"
         )
     when = parts[2] if len(parts) == 3 else "before"
     if when not in ("before", "after"):
-        raise ValueError(f"--diagnostics-inject-nan {spec!r}: the third field must be 'after' (or absent)")
+        raise DeepInitConfigError(
+            f"--diagnostics-inject-nan {spec!r}: the third field must be 'after' (or absent), e.g. "
+            f"{parts[0]}:{parts[1]}:after"
+        )
     return int(parts[0]), parts[1], when
+
+
+def check_inject_target(model: nn.Module, p_name: str) -> None:
+    """Refuse a ``--diagnostics-inject-nan`` parameter the model does not have, naming close matches."""
+    names = [n for n, _ in unwrap_model(model).named_parameters()]
+    if p_name in names:
+        return
+    close = difflib.get_close_matches(p_name, names, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"names look like {', '.join(names[:3])}."
+    raise DeepInitConfigError(
+        f"--diagnostics-inject-nan: the model has no parameter {p_name!r}; {hint} Give UPDATE:PARAM with a "
+        "parameter name of this model (as model.named_parameters() lists them)"
+    )
 
 
 @register_criterion("label_smoothed_cross_entropy_diagnostics", dataclass=DiagnosticsCriterionConfig)
@@ -178,11 +195,16 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if diagnostics_interval < 0:
-            raise ValueError(f"--diagnostics-interval must be >= 0 (0 turns logging off), got {diagnostics_interval}")
+            raise DeepInitConfigError(
+                f"--diagnostics-interval must be >= 0 (0 turns the statistics off, the guard stays on), "
+                f"got {diagnostics_interval}"
+            )
         stats = tuple(s.strip() for s in str(diagnostics_stats).split(",") if s.strip())
         unknown = sorted(set(stats) - set(STATS))
         if unknown:
-            raise ValueError(f"--diagnostics-stats: unknown {', '.join(unknown)}; choose from {', '.join(STATS)}")
+            raise DeepInitConfigError(
+                f"--diagnostics-stats: unknown {', '.join(unknown)}; give a comma-separated subset of {','.join(STATS)}"
+            )
         self.interval = int(diagnostics_interval)
         self.stats = stats
         self.guard = not no_divergence_guard
@@ -211,6 +233,12 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def after_step(self, update_num: int) -> None:
         self._maybe_inject(update_num, "after")
+
+    def check_model(self, model: nn.Module) -> None:
+        """Options that need the model, checked before the first update (outside fairseq's
+        ``train_step``, whose ``except`` writes ``crash.pt``)."""
+        if self.inject is not None and not self._run.injected:
+            check_inject_target(model, self.inject[1])
 
     def check_before_save(self) -> None:
         """Refuse to let a checkpoint be written from non-finite weights."""
@@ -347,12 +375,8 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         k, p_name, at = self.inject
         if update_num + 1 != k or at != when:
             return
+        check_inject_target(run.model, p_name)  # fairseq-train refused it at begin_epoch; a caller may not call that
         params = dict(run.model.named_parameters())
-        if p_name not in params:
-            examples = ", ".join(list(params)[:3])
-            raise ValueError(
-                f"--diagnostics-inject-nan: the model has no parameter {p_name!r} (names look like {examples})"
-            )
         with torch.no_grad():
             params[p_name].fill_(float("nan"))
         run.injected = True
@@ -431,6 +455,12 @@ class DiagnosticsTaskMixin:
     def optimizer_step(self, optimizer, model, update_num):
         super().optimizer_step(optimizer, model, update_num)
         self._deepinit_criterion.after_step(update_num)
+
+    def begin_epoch(self, epoch, model):
+        # fairseq's Trainer.begin_epoch, before the epoch's first batch: the first point where the
+        # criterion sees the model outside the training step
+        self._deepinit_criterion.check_model(model)
+        super().begin_epoch(epoch, model)
 
     def state_dict(self):
         # fairseq's Trainer.state_dict() asks the task for its state on every checkpoint save

@@ -7,6 +7,10 @@
     deepinit-diagnose DATA --checkpoint checkpoints/checkpoint_best.pt --output-dir diag/trained
     deepinit-diagnose --compare diag/postln18 diag/dsinit18 --output-dir diag/compare
 
+Bad input (an option out of range, a data folder or split that does not exist, an ``--output-dir``
+that cannot be a folder, a split with no sentence short enough for ``--max-tokens``) ends the command
+with one line, ``deepinit-diagnose: error: ...``, and exit status 1 (argparse's own errors: status 2).
+
 Writes ``diagnostics.json`` and PNG plots (matplotlib, Agg backend) into ``--output-dir``:
 
 - ``grad_norm.png``: gradient norm of every encoder and decoder layer (DS-Init, Zhang et al. 2019, Fig. 1);
@@ -19,7 +23,9 @@ Writes ``diagnostics.json`` and PNG plots (matplotlib, Agg backend) into ``--out
   for models with ``--norm-type scalenorm``.
 
 Every option this command does not know is a ``fairseq-train`` option (model, task, criterion), so a
-model is described exactly as for training. Measurements use the first ``--num-batches`` batches of
+model is described exactly as for training. Decoder-only language models (``--task language_modeling
+--arch <family>_lm*``) have one stack: every measurement and plot is then the decoder's, and the
+output-change sweep sets ``--decoder-layers``. Measurements use the first ``--num-batches`` batches of
 ``--subset`` (``--max-tokens`` each), in training mode (dropout as configured) for gradients, and with
 dropout off for the output change.
 """
@@ -30,12 +36,16 @@ import argparse
 import copy
 import json
 import logging
+import math
 import os
 import sys
 from typing import Dict, List, Sequence
 
+import numpy as np
 import torch
 
+from .. import errors
+from ..errors import DeepInitConfigError
 from . import plots
 from .hooks import NormInputStatistics, residual_parameters, scalenorm_gains
 from .stats import GradientFlow, fit_growth, grad_norms_per_layer, output_change, per_type_means, stack_layers
@@ -43,6 +53,27 @@ from .stats import GradientFlow, fit_growth, grad_norms_per_layer, output_change
 logger = logging.getLogger(__name__)
 
 MEASURES = ("grad", "flow", "norm", "change", "scalenorm")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        # 0 would measure no change at all (and fit a flat line with R^2 = 1); nan/inf no number
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,20 +94,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--subset", default="train", help="data split to take batches from (default: train)")
     p.add_argument(
-        "--num-batches", type=int, default=1, help="batches to pool for gradients and statistics (default %(default)s)"
+        "--num-batches",
+        type=_positive_int,
+        default=1,
+        help="batches to pool for gradients and statistics (default %(default)s)",
     )
-    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=4096,
+        help="tokens per batch; longer sentences are skipped, as fairseq-train does (default 4096)",
+    )
     p.add_argument(
         "--seed", type=int, default=1, help="seed of the model initialisation and the batch order (default %(default)s)"
     )
     p.add_argument(
         "--depths", default="2,4,8,16", help="layers per stack for the output-change sweep (default 2,4,8,16)"
     )
-    p.add_argument("--repeats", type=int, default=3, help="initialisations averaged per depth (default 3)")
-    p.add_argument("--perturb-scale", type=float, default=1e-4, help="std of the random perturbation (default 1e-4)")
-    p.add_argument("--adam-lr", type=float, default=1e-5, help="learning rate of the one Adam step (default 1e-5)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="initialisations averaged per depth (default 3)")
     p.add_argument(
-        "--change-batches", type=int, default=1, help="batches the output change is measured on (default %(default)s)"
+        "--perturb-scale", type=_positive_float, default=1e-4, help="std of the random perturbation (default 1e-4)"
+    )
+    p.add_argument(
+        "--adam-lr", type=_positive_float, default=1e-5, help="learning rate of the one Adam step (default 1e-5)"
+    )
+    p.add_argument(
+        "--change-batches",
+        type=_positive_int,
+        default=1,
+        help="batches the output change is measured on (default %(default)s)",
     )
     p.add_argument("--label", help="name of this run in plots and in --compare (default: the model description)")
     p.add_argument(
@@ -94,13 +140,12 @@ def _measures(spec: str | None, checkpoint: bool) -> List[str]:
     chosen = [m.strip() for m in spec.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(MEASURES))
     if unknown:
-        raise SystemExit(
-            f"deepinit-diagnose: unknown --measure {', '.join(unknown)}; choose from {', '.join(MEASURES)}"
-        )
+        raise DeepInitConfigError(f"unknown --measure {', '.join(unknown)}; choose from {', '.join(MEASURES)}")
+    if not chosen:
+        raise DeepInitConfigError(f"--measure {spec!r} names nothing to measure; choose from {', '.join(MEASURES)}")
     if checkpoint and "change" in chosen:
-        raise SystemExit(
-            "deepinit-diagnose: --measure change sweeps depths from freshly built models; it cannot use "
-            "--checkpoint. Drop one of them."
+        raise DeepInitConfigError(
+            "--measure change sweeps depths from freshly built models; it cannot use --checkpoint. Drop one of them."
         )
     return chosen
 
@@ -109,10 +154,35 @@ def _parse_depths(spec: str) -> List[int]:
     try:
         depths = sorted({int(d) for d in spec.split(",") if d.strip()})
     except ValueError:
-        raise SystemExit(f"deepinit-diagnose: --depths must be comma-separated integers, got {spec!r}") from None
+        raise DeepInitConfigError(f"--depths must be comma-separated integers, got {spec!r}") from None
     if len(depths) < 2 or depths[0] < 1:
-        raise SystemExit("deepinit-diagnose: --depths needs at least two depths >= 1 to fit a slope")
+        raise DeepInitConfigError(f"--depths needs at least two different depths >= 1 to fit a slope, got {spec!r}")
     return depths
+
+
+def _check_output_dir(path: str) -> None:
+    """Refuse, before any work, an ``--output-dir`` that cannot be a folder (it is created at the end)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DeepInitConfigError(f"--output-dir {path} is a file; give a folder (created if missing)")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the deepest part that exists (the root always does)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DeepInitConfigError(f"--output-dir {path} cannot be created: {existing} is a file; give another folder")
+
+
+def _make_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise DeepInitConfigError(
+            f"--output-dir {path} cannot be created ({e.strerror or e}); give another folder"
+        ) from e
+
+
+def _splits(data: str) -> List[str]:
+    """The binarised splits in a fairseq-preprocess folder (``train``, ``valid``, ...)."""
+    return sorted({f.split(".", 1)[0] for f in os.listdir(data) if f.endswith(".idx")})
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,16 +198,14 @@ class Setup:
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
         if not opts.data or not os.path.isdir(opts.data):
-            raise SystemExit(
-                f"deepinit-diagnose: data folder {opts.data!r} not found (the output of fairseq-preprocess)"
-            )
+            raise DeepInitConfigError(f"data folder {opts.data!r} not found (give the output of fairseq-preprocess)")
         self.opts = opts
         if opts.checkpoint:
             if not os.path.isfile(opts.checkpoint):
-                raise SystemExit(f"deepinit-diagnose: checkpoint {opts.checkpoint!r} not found")
+                raise DeepInitConfigError(f"checkpoint {opts.checkpoint!r} not found")
             if [a for a in fairseq_argv if a.startswith("--")]:
-                raise SystemExit(
-                    "deepinit-diagnose: with --checkpoint the model comes from the checkpoint; drop the model "
+                raise DeepInitConfigError(
+                    "with --checkpoint the model comes from the checkpoint; drop the model "
                     f"options {' '.join(a for a in fairseq_argv if a.startswith('--'))}"
                 )
             models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
@@ -155,7 +223,13 @@ class Setup:
             self.task = tasks.setup_task(cfg.task)
             self.criterion = self.task.build_criterion(cfg.criterion)
             self.model = None
-        self.task.load_dataset(opts.subset, combine=False, epoch=1)
+        try:
+            self.task.load_dataset(opts.subset, combine=False, epoch=1)
+        except FileNotFoundError as e:  # fairseq's tasks: "Dataset not found: <split> (<folder>)"
+            raise DeepInitConfigError(
+                f"--subset {opts.subset}: no such split in {opts.data} ({errors.one_line(e)}); the splits there: "
+                f"{', '.join(_splits(opts.data)) or 'none'}"
+            ) from e
         self.batches = self._batches(max(opts.num_batches, opts.change_batches))
         if self.model is None:
             self.model = self.build(None, opts.seed)
@@ -167,7 +241,8 @@ class Setup:
         itr = self.task.get_batch_iterator(
             dataset=dataset,
             max_tokens=self.opts.max_tokens,
-            max_positions=utils.resolve_max_positions(self.task.max_positions(), (1024, 1024)),
+            # as fairseq-train (Trainer.get_train_iterator): no sentence longer than --max-tokens
+            max_positions=utils.resolve_max_positions(self.task.max_positions(), (1024, 1024), self.opts.max_tokens),
             ignore_invalid_inputs=True,
             seed=self.opts.seed,
             num_workers=0,
@@ -179,18 +254,39 @@ class Setup:
             if len(batches) == count:
                 break
         if not batches:
-            raise SystemExit(f"deepinit-diagnose: no batch in subset {self.opts.subset!r} of {self.opts.data}")
+            # a sentence pair is kept when both sides fit (translation: sizes has a column per side)
+            sizes = np.asarray(dataset.sizes)
+            shortest = int((sizes.max(axis=1) if sizes.ndim == 2 else sizes).min()) if len(dataset) else None
+            why = (
+                f"the shortest of its {len(dataset)} sentences has {shortest} tokens, more than --max-tokens "
+                f"{self.opts.max_tokens}; raise --max-tokens"
+                if shortest is not None and shortest > self.opts.max_tokens
+                else "every sentence is skipped; raise --max-tokens or give another --subset"
+            )
+            raise DeepInitConfigError(f"no batch in subset {self.opts.subset!r} of {self.opts.data}: {why}")
         return batches
 
     def build(self, layers: int | None, seed: int):
         """A freshly initialised model (``layers`` per stack if given), Admin omega profiled when needed."""
         args = copy.deepcopy(self.args)
         if layers is not None:
-            args.encoder_layers = args.decoder_layers = layers
+            args.decoder_layers = layers
+            if not self.decoder_only:
+                args.encoder_layers = layers
         torch.manual_seed(seed)
         model = self.task.build_model(args)
         _profile_admin(model, args, self.batches[0])
         return model
+
+    @property
+    def decoder_only(self) -> bool:
+        """A language model (one stack, the decoder), from the architecture or the built model."""
+        from fairseq.models import ARCH_MODEL_REGISTRY, FairseqLanguageModel
+
+        if getattr(self, "model", None) is not None:
+            return isinstance(self.model, FairseqLanguageModel)
+        model_cls = ARCH_MODEL_REGISTRY.get(getattr(self.args, "arch", None))
+        return model_cls is not None and issubclass(model_cls, FairseqLanguageModel)
 
     def loss(self, model, batch: dict, total_sample_size: float) -> torch.Tensor:
         loss, _, _ = self.criterion(model, batch)
@@ -276,10 +372,11 @@ def measure_output_change(setup: Setup) -> dict:
     total = setup.sample_size(batches)
     pad = setup.task.source_dictionary.pad()
     result: dict = {"depths": depths, "repeats": opts.repeats, "positions": "non-padding target/source positions"}
+    stacks = ("decoder",) if setup.decoder_only else ("encoder", "decoder")
     for kind, scale in (("random", opts.perturb_scale), ("adam", opts.adam_lr)):
-        curves: Dict[str, List[float]] = {"encoder": [], "decoder": []}
+        curves: Dict[str, List[float]] = {k: [] for k in stacks}
         for n in depths:
-            acc = {"encoder": 0.0, "decoder": 0.0}
+            acc = dict.fromkeys(stacks, 0.0)
             for r in range(opts.repeats):
                 model = setup.build(n, opts.seed + r)
                 change = output_change(
@@ -295,7 +392,7 @@ def measure_output_change(setup: Setup) -> dict:
                     acc[k] += change[k] / opts.repeats
             for k in acc:
                 curves[k].append(acc[k])
-            logger.info(f"output change ({kind}) N={n}: encoder {acc['encoder']:.4g}, decoder {acc['decoder']:.4g}")
+            logger.info(f"output change ({kind}) N={n}: " + ", ".join(f"{k} {v:.4g}" for k, v in acc.items()))
         result[kind] = {
             "scale": scale,
             **curves,
@@ -307,7 +404,9 @@ def measure_output_change(setup: Setup) -> dict:
 def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
 
     measures = _measures(opts.measure, bool(opts.checkpoint))
-    os.makedirs(opts.output_dir, exist_ok=True)
+    if "change" in measures:
+        _parse_depths(opts.depths)  # refused before any model is built
+    _check_output_dir(opts.output_dir)
     setup = Setup(opts, fairseq_argv)
     n_tokens = sum(int(b["ntokens"]) for b in setup.batches[: opts.num_batches])
     result: dict = {
@@ -334,6 +433,7 @@ def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
     if "change" in measures:
         result["output_change"] = measure_output_change(setup)
     out = opts.output_dir
+    _make_output_dir(out)
     if "grad_norm" in result:
         result["plots"].append(plots.plot_grad_norm([result], os.path.join(out, "grad_norm.png")))
     if "gradient_flow" in result:
@@ -356,10 +456,11 @@ def compare(opts: argparse.Namespace) -> List[str]:
     for d in opts.compare:
         path = os.path.join(d, "diagnostics.json") if os.path.isdir(d) else d
         if not os.path.isfile(path):
-            raise SystemExit(f"deepinit-diagnose --compare: {path} not found (run deepinit-diagnose first)")
+            raise DeepInitConfigError(f"--compare: {path} not found (run deepinit-diagnose first)")
         with open(path) as f:
             runs.append(json.load(f))
-    os.makedirs(opts.output_dir, exist_ok=True)
+    _check_output_dir(opts.output_dir)
+    _make_output_dir(opts.output_dir)
     written = []
     with_grad = [r for r in runs if "grad_norm" in r]
     if with_grad:
@@ -368,7 +469,7 @@ def compare(opts: argparse.Namespace) -> List[str]:
     if with_change:
         written.append(plots.plot_output_change(with_change, os.path.join(opts.output_dir, "output_change.png")))
     if not written:
-        raise SystemExit("deepinit-diagnose --compare: none of the runs has gradient norms or output changes")
+        raise DeepInitConfigError("--compare: none of the runs has gradient norms or output changes")
     for p in written:
         print(p)
     return written
@@ -388,8 +489,7 @@ def summary(result: dict) -> str:
     if "output_change" in result:
         oc = result["output_change"]
         for kind in ("random", "adam"):
-            for stack in ("encoder", "decoder"):
-                fit = oc[kind]["fit"][stack]
+            for stack, fit in oc[kind]["fit"].items():
                 lines.append(
                     f"  output change {kind:<6} {stack}: slope {fit['slope']:.3g}/layer, relative slope "
                     f"{fit['relative_slope']:.3g}, exponent {fit['exponent']:.2f} (R2 linear {fit['r2_linear']:.2f},"
@@ -412,16 +512,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
     parser = build_parser()
     opts, rest = parser.parse_known_args(list(argv))
-    if opts.compare:
-        if rest or opts.data:
-            parser.error("--compare takes run folders only; drop the data folder and the model options")
-        compare(opts)
-        return 0
-    if opts.num_batches < 1 or opts.change_batches < 1 or opts.repeats < 1:
-        parser.error("--num-batches, --change-batches and --repeats must be >= 1")
-    if not opts.data:
+    if opts.compare and (rest or opts.data):
+        parser.error("--compare takes run folders only; drop the data folder and the model options")
+    if not opts.compare and not opts.data:
         parser.error("the data folder is required (the output of fairseq-preprocess)")
-    run(opts, rest)
+    try:
+        if opts.compare:
+            compare(opts)
+        else:
+            run(opts, rest)
+    except Exception as e:
+        if not errors.is_plugin_error(e):
+            raise
+        print(f"{parser.prog}: error: {getattr(e, 'message', None) or errors.one_line(e)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -32,19 +32,26 @@ def _save(fig, path: str) -> str:
     return path
 
 
+def _stacks(runs: List[dict], present) -> List[str]:
+    """``encoder``/``decoder`` in that order, those that some run has (a language model: the decoder)."""
+    return [s for s in ("encoder", "decoder") if any(present(run, s) for run in runs)] or ["decoder"]
+
+
 def plot_grad_norm(runs: List[dict], path: str) -> str:
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, stack in zip(axes, ("encoder", "decoder"), strict=True):
-        for run in runs:
-            values = run["grad_norm"][stack]
-            ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=run["label"])
+    stacks = _stacks(runs, lambda run, s: bool(run["grad_norm"].get(s)))
+    fig, axes = plt.subplots(1, len(stacks), figsize=(4 * len(stacks), 3.2), squeeze=False)
+    axes = axes[0]
+    for ax, stack in zip(axes, stacks, strict=True):
+        for i, run in enumerate(runs):  # one colour per run in every panel
+            values = run["grad_norm"].get(stack) or []
+            ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, label=run["label"], color=f"C{i}")
         ax.set_yscale("log")
         ax.set_xlabel(f"{stack} layer")
         ax.set_ylabel("gradient norm")
         ax.set_title(f"{stack} (DS-Init Fig. 1)", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    axes[-1].legend(fontsize=7)
     return _save(fig, path)
 
 
@@ -100,15 +107,18 @@ def _sweep_label(run: dict) -> str:
 
 def plot_output_change(runs: List[dict], path: str) -> str:
     plt = _plt()
-    fig, axes = plt.subplots(2, 2, figsize=(8, 5.6))
+    stacks = _stacks(runs, lambda run, s: s in run["output_change"]["random"]["fit"])
+    fig, axes = plt.subplots(2, len(stacks), figsize=(4 * len(stacks), 5.6), squeeze=False)
     for row, kind in enumerate(("random", "adam")):
-        for col, stack in enumerate(("encoder", "decoder")):
+        for col, stack in enumerate(stacks):
             ax = axes[row][col]
-            for run in runs:
+            for i, run in enumerate(runs):  # one colour per run in every panel
                 oc = run["output_change"]
+                if stack not in oc[kind]["fit"]:  # a language model among translation models
+                    continue
                 depths, values, fit = oc["depths"], oc[kind][stack], oc[kind]["fit"][stack]
                 label = f"{_sweep_label(run)} (N^{fit['exponent']:.2f})"
-                line = ax.plot(depths, values, marker="o", ms=3, label=label)
+                line = ax.plot(depths, values, marker="o", ms=3, label=label, color=f"C{i}")
                 xs = [min(depths), max(depths)]
                 ax.plot(xs, [fit["intercept"] + fit["slope"] * x for x in xs], ls=":", color=line[0].get_color())
             what = "random delta" if kind == "random" else "one Adam step"

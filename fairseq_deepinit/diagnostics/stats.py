@@ -223,10 +223,21 @@ def per_type_means(per_sublayer: Dict[str, Dict[str, float]], keys: Sequence[str
 
 
 def encoder_decoder_features(model: nn.Module, net_input: dict) -> Dict[str, torch.Tensor]:
-    """The encoder output (T x B x C) and the decoder's last hidden states (B x T x C) of ``model``."""
+    """The encoder output (T x B x C) and the decoder's last hidden states (B x T x C) of ``model``;
+    a decoder-only model (fairseq's ``FairseqLanguageModel``, its input in ``src_tokens``) has only the latter."""
+    if "prev_output_tokens" not in net_input:
+        dec, _ = model.decoder(net_input["src_tokens"], features_only=True)
+        return {"decoder": dec}
     enc = model.encoder(net_input["src_tokens"], src_lengths=net_input["src_lengths"])
     dec, _ = model.decoder(net_input["prev_output_tokens"], encoder_out=enc, features_only=True)
     return {"encoder": enc["encoder_out"][0], "decoder": dec}
+
+
+def _kept_positions(net_input: dict, pad: int) -> Dict[str, torch.Tensor]:
+    """Non-padding positions, shaped like :func:`encoder_decoder_features`' outputs."""
+    if "prev_output_tokens" not in net_input:  # a language model reads and predicts src_tokens
+        return {"decoder": net_input["src_tokens"].ne(pad)}
+    return {"encoder": net_input["src_tokens"].ne(pad).t(), "decoder": net_input["prev_output_tokens"].ne(pad)}
 
 
 def perturbed_parameters(model: nn.Module) -> List[nn.Parameter]:
@@ -243,7 +254,8 @@ def output_change(
     loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
     pad: int = 1,
 ) -> Dict[str, float]:
-    """``mean over positions of ||F(x, W) - F(x, W + delta)||_2^2`` for the encoder and decoder output.
+    """``mean over positions of ||F(x, W) - F(x, W + delta)||_2^2`` for the encoder and decoder output
+    (the decoder's only, for a decoder-only model).
 
     ``kind="random"``: delta ~ N(0, scale^2) on every layer parameter (Admin Fig. 4 left);
     ``kind="adam"``: delta is one Adam step (lr ``scale``, betas 0.9/0.98) on the summed loss of
@@ -271,19 +283,17 @@ def output_change(
         opt = torch.optim.Adam(params, lr=scale, betas=(0.9, 0.98), eps=1e-8)
         opt.step()
         moved.zero_grad()
-    sums = {"encoder": 0.0, "decoder": 0.0}
-    counts = {"encoder": 0, "decoder": 0}
+    sums: Dict[str, float] = {}
+    counts: Dict[str, int] = {}
     with torch.no_grad():
         for batch in batches:
             net_input = batch["net_input"]
             a = encoder_decoder_features(model, net_input)
             b = encoder_decoder_features(moved, net_input)
-            enc_keep = net_input["src_tokens"].ne(pad).t()  # T x B like the encoder output
-            dec_keep = net_input["prev_output_tokens"].ne(pad)  # B x T like the decoder output
-            for key, keep in (("encoder", enc_keep), ("decoder", dec_keep)):
+            for key, keep in _kept_positions(net_input, pad).items():
                 d = (a[key].double() - b[key].double()).pow(2).sum(-1)
-                sums[key] += d[keep].sum().item()
-                counts[key] += int(keep.sum().item())
+                sums[key] = sums.get(key, 0.0) + d[keep].sum().item()
+                counts[key] = counts.get(key, 0) + int(keep.sum().item())
     model.train(was_training)
     return {k: sums[k] / counts[k] if counts[k] else float("nan") for k in sums}
 

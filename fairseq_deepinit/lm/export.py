@@ -34,11 +34,13 @@ from ..admin.export import (
     _load,
     _model_args,
     _primitive,
+    check_destination,
     check_exportable,
     check_profiled,
     export_parser,
     fold_state_dict,
     run_export,
+    save_export,
     stock_checkpoint,
 )
 from ..errors import AdminExportError
@@ -95,6 +97,7 @@ def verify_lm(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float
 
 def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4) -> dict:
     """Fold ``src`` (an Admin ``deepinit_lm`` checkpoint) into ``dst``; returns a summary."""
+    check_destination(src, dst)
     state = _load(src)
     args = copy.deepcopy(_model_args(state))
     if getattr(args, "encoder_layers", None) != 0:
@@ -108,7 +111,7 @@ def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: floa
     summary = {"changes": changes}
     if check:
         summary["max_abs_diff"] = verify_lm(state["model"], args, model_sd, model_args, tolerance)
-    torch.save(out, dst)
+    save_export(out, dst)
     return summary
 
 

@@ -13,24 +13,77 @@ This optimizer computes exactly fairseq's rule (fairseq 0.12 ``fairseq/optim/ada
 operations over every parameter of a group that share a step count, so the number of kernel
 launches no longer grows with the number of tensors. The options are ``adam``'s (``--adam-betas``,
 ``--adam-eps``, ``--weight-decay``) and so is the layout of the optimizer state (``exp_avg``,
-``exp_avg_sq``, ``step`` per parameter; fairseq-train resumes only with the optimizer class it saved,
-unless given ``--reset-optimizer``). Gradient clipping (and the norm
+``exp_avg_sq``, ``step`` per parameter), so a run trained with ``adam`` resumes with ``adam_foreach``
+and the other way round (:func:`accept_adam_state`, installed by :func:`install`). Gradient clipping (and the norm
 fairseq logs as ``gnorm``) is taken the same way, with one ``_foreach_norm`` instead of a norm per
 tensor (:meth:`FairseqAdamForeach.clip_grad_norm`).
+
+``--adam-betas`` is read as a Python literal (:func:`parse_adam_betas`), not with the ``eval()`` of
+fairseq's ``FairseqAdam.optimizer_config`` (``fairseq/optim/adam.py``; with the plugin loaded,
+``--optimizer adam`` reads it the same way, :func:`install`), and must be two finite
+numbers in [0, 1): at beta1 = 1 the bias correction ``1 - beta1^t`` is 0 (a division by zero), at
+beta2 = 1 ``sqrt(1 - beta2^t)`` is 0, so the step size is 0 and the model never trains, above 1 the
+moving averages put a negative weight on the new gradient (and ``1 - beta2^t < 0`` has no square
+root), below 0 they alternate in sign; ``torch.optim.Adam`` refuses the same range.
 """
 
+import ast
+import logging
 import math
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from collections.abc import Collection
+from typing import Any, Dict, List, Tuple
 
 import torch
 from fairseq.optim import register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
+from fairseq.trainer import Trainer
+from omegaconf import OmegaConf
 
 from ..errors import DeepInitConfigError
 
+logger = logging.getLogger(__name__)
+
 _HALF = (torch.float16, torch.bfloat16)
+# fairseq's optimizer names (``Trainer.state_dict``: ``self.optimizer.__class__.__name__``) whose
+# optimizer state has one layout: ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq``), ``step``
+SAME_ADAM_STATE = frozenset({"FairseqAdam", "FairseqAdamForeach"})
+
+
+def parse_adam_betas(value: Any) -> Tuple[float, float]:
+    """``--adam-betas`` as two floats, each finite and in [0, 1) (module docstring), or a one-line error.
+
+    A string is read with :func:`ast.literal_eval` (a tuple or list literal such as ``(0.9, 0.98)``
+    or ``0.9,0.98``): nothing in it is executed. A list from a YAML config is taken as it is.
+    """
+    parsed: Any = None
+    if isinstance(value, str):
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            parsed = None
+    elif OmegaConf.is_config(value):
+        parsed = OmegaConf.to_container(value)
+    else:
+        parsed = value
+    numbers = (
+        isinstance(parsed, (tuple, list))
+        and len(parsed) == 2
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in parsed)
+    )
+    if not numbers:
+        raise DeepInitConfigError(
+            f"--adam-betas {value!r} is not a pair of numbers; give beta1 and beta2 as a literal, e.g. "
+            "--adam-betas '(0.9, 0.98)'"
+        )
+    betas = (float(parsed[0]), float(parsed[1]))
+    if not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in betas):
+        raise DeepInitConfigError(
+            f"--adam-betas {value!r}: each beta must be >= 0 and < 1 (at beta1 = 1 Adam divides by 1 - beta1^t = 0, "
+            "at beta2 = 1 its step size lr * sqrt(1 - beta2^t) / (1 - beta1^t) is 0); e.g. --adam-betas '(0.9, 0.98)'"
+        )
+    return betas
 
 
 class AdamForeach(torch.optim.Optimizer):
@@ -47,7 +100,7 @@ class AdamForeach(torch.optim.Optimizer):
     def supports_flat_params(self) -> bool:
         return True
 
-    def _state(self, p: torch.Tensor, p32: torch.Tensor, amsgrad: bool) -> dict:
+    def _state(self, p: torch.Tensor, p32: torch.Tensor, group: dict, amsgrad: bool) -> dict:
         state = self.state[p]
         keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
         if len(state) == 0:
@@ -57,6 +110,8 @@ class AdamForeach(torch.optim.Optimizer):
         else:  # a loaded state may sit on another device or in another dtype, as fairseq's Adam allows
             for k in keys:
                 state[k] = state[k].to(p32)
+            if "step" not in state:  # apex's FusedAdam keeps the step per group (fairseq/optim/fused_adam.py:213)
+                state["step"] = int(group.get("step", 0))
         return state
 
     @torch.no_grad()
@@ -74,7 +129,7 @@ class AdamForeach(torch.optim.Optimizer):
                     raise RuntimeError("adam_foreach does not support sparse gradients")
                 grad = p.grad.float() if p.grad.dtype in _HALF else p.grad
                 p32 = p.float() if p.dtype in _HALF else p
-                state = self._state(p, p32, amsgrad)
+                state = self._state(p, p32, group, amsgrad)
                 state["step"] += 1
                 buckets[state["step"]].append((p, p32, grad, state))
             for step, items in buckets.items():
@@ -115,6 +170,17 @@ class FairseqAdamForeach(FairseqAdam):
             )
         self._optimizer = AdamForeach(params, **self.optimizer_config)
 
+    @property
+    def optimizer_config(self) -> Dict[str, Any]:
+        """``FairseqAdam.optimizer_config`` with ``--adam-betas`` read by :func:`parse_adam_betas` (no ``eval``)."""
+        lr = self.cfg.lr
+        return {
+            "lr": lr[0] if isinstance(lr, Collection) else lr,
+            "betas": parse_adam_betas(self.cfg.adam_betas),
+            "eps": self.cfg.adam_eps,
+            "weight_decay": self.cfg.weight_decay,
+        }
+
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         """fairseq's ``utils.clip_grad_norm_`` with the per-tensor norms taken by one ``_foreach_norm``.
 
@@ -133,3 +199,50 @@ class FairseqAdamForeach(FairseqAdam):
             clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
             torch._foreach_mul_(grads, clip_coef)
         return total_norm
+
+
+def accept_adam_state(trainer: Trainer) -> None:
+    """Let a run resume ``adam``'s optimizer state with ``adam_foreach`` (or the other way round).
+
+    fairseq's ``Trainer.load_checkpoint`` (fairseq 0.12.3 ``trainer.py``, lines 604-615) rebuilds
+    the optimizer and then asserts that the class name saved in the checkpoint's last
+    ``optimizer_history`` entry equals the new optimizer's. ``FairseqAdam`` and
+    ``FairseqAdamForeach`` keep the same state and apply the same update, so for this pair the entry
+    is replaced by a copy naming the new optimizer (the saved name is kept under
+    ``resumed_from_optimizer``), and fairseq then loads the state as usual. Any other pair keeps
+    fairseq's check. Under ``--fp16`` / ``--amp`` both are wrapped by the same fairseq class, whose
+    name already matches.
+    """
+    history = getattr(trainer, "_optim_history", None)
+    optimizer = getattr(trainer, "_optimizer", None)
+    if not history or optimizer is None or not isinstance(history[-1], dict):
+        return
+    saved, current = history[-1].get("optimizer_name"), type(optimizer).__name__
+    if saved != current and {saved, current} <= SAME_ADAM_STATE:
+        logger.info(f"resuming the optimizer state of {saved} with {current}: the same state and update rule")
+        entry = {**history[-1], "optimizer_name": current, "resumed_from_optimizer": saved}
+        trainer._optim_history = [*history[:-1], entry]
+
+
+def install() -> None:
+    """Two extensions of fairseq's ``adam`` for every run with the plugin loaded (idempotent).
+
+    - :func:`accept_adam_state` runs each time fairseq's ``Trainer`` builds its optimizer:
+      ``Trainer._build_optimizer`` is the one step between reading the checkpoint's optimizer
+      history and fairseq's class-name check.
+    - ``--optimizer adam`` reads ``--adam-betas`` as ``adam_foreach`` does (:func:`parse_adam_betas`:
+      a literal, no ``eval()``, each beta in [0, 1)): ``FairseqAdam.optimizer_config`` becomes
+      :attr:`FairseqAdamForeach.optimizer_config`, which returns the same dict for every valid value.
+    """
+    FairseqAdam.optimizer_config = FairseqAdamForeach.optimizer_config
+    build = Trainer._build_optimizer
+    if getattr(build, "_deepinit_adam_state", False):
+        return
+
+    def _build_optimizer(self, *args, **kwargs):
+        out = build(self, *args, **kwargs)
+        accept_adam_state(self)
+        return out
+
+    _build_optimizer._deepinit_adam_state = True
+    Trainer._build_optimizer = _build_optimizer

@@ -2,7 +2,9 @@
 ``lr_t = lr * sqrt(P / (P + t))`` with decay period P (4000 in the paper), t the update number.
 
 ``--lr-scheduler tfixup [--decay-period P]``. The rate is a closed form of the update number, so a
-resumed run continues exactly (fairseq restores the update count); it takes no warmup flags.
+resumed run continues exactly (fairseq restores the update count); it takes no warmup flags. A
+period <= 0, a list of rates or a rate that is not a finite number > 0 is refused when the scheduler
+is built, before the first update (:class:`~fairseq_deepinit.errors.DeepInitConfigError`).
 """
 
 import math
@@ -13,6 +15,8 @@ from typing import List
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim.lr_scheduler import FairseqLRScheduler, register_lr_scheduler
 from omegaconf import II
+
+from ..errors import DeepInitConfigError
 
 
 @dataclass
@@ -34,12 +38,17 @@ class TFixupSchedule(FairseqLRScheduler):
         super().__init__(cfg, optimizer)
         lrs = list(cfg.lr) if isinstance(cfg.lr, Sequence) and not isinstance(cfg.lr, str) else [cfg.lr]
         if len(lrs) != 1:
-            raise ValueError(
+            raise DeepInitConfigError(
                 f"--lr-scheduler tfixup takes one --lr value, not a list (got --lr {','.join(map(str, lrs))}); "
                 "give the starting rate only, e.g. --lr 5e-4"
             )
+        if not (math.isfinite(float(lrs[0])) and float(lrs[0]) > 0):
+            raise DeepInitConfigError(
+                f"--lr-scheduler tfixup: --lr must be a finite number > 0 (the rate at update 0), got {lrs[0]}; "
+                "T-Fixup's IWSLT recipe uses --lr 5e-4"
+            )
         if cfg.decay_period <= 0:
-            raise ValueError(
+            raise DeepInitConfigError(
                 f"--decay-period must be positive, got {cfg.decay_period} (P in lr * sqrt(P / (P + t)); "
                 "T-Fixup uses 4000)"
             )
