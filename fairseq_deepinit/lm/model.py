@@ -38,6 +38,7 @@ from ..checkpoints import config_check
 from ..errors import DeepInitConfigError
 from ..model import DeepInitDecoder
 from ..modules.fixnorm import FixNormEmbedding
+from ..modules.padding import target_padding
 from ..schemes import apply_init_scheme
 from ..training import distributed
 
@@ -120,6 +121,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
                     "softmax, and --decoder-input-dim equal to --decoder-output-dim"
                 )
         model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
+        model.decoder.target_padding = target_padding(task)
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
         apply_init_scheme(model, TransformerConfig.from_namespace(args))
         logger.info(options.describe(args))
