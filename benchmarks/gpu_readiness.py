@@ -27,8 +27,8 @@ Columns, each with its target (``ok`` / ``FAIL``; ``-`` where it does not apply)
 - ``fp32 mm``: matrix products (forward and backward) not in bf16 under
   ``torch.autocast("cpu", torch.bfloat16)``, without / with ``--checkpoint-activations``. Target: 0;
 - ``breaks``: ``torch._dynamo.explain`` of the training-mode forward under ``--attention-impl
-  sdpa`` (the fast path): graph breaks by the origin of the line that caused them, plugin /
-  fairseq. Target: no break from the plugin's code.
+  fairseq`` (the default) and ``sdpa`` (the fast path): graph breaks by the origin of the line that
+  caused them, plugin / fairseq. Target: no break from the plugin's code.
 
 A second table counts the kernels of one norm (forward and backward, fp16 and fp32): RMSNorm at most
 LayerNorm's + 2, ScaleNorm at most + 3. Usage::
@@ -339,8 +339,11 @@ class Measure:
         return audit.other()
 
     def breaks(self, fam: Family) -> dict:
-        """Graph breaks of the training-mode forward under ``--attention-impl sdpa``, by origin."""
-        b = build(fam.kind, fam.arch, self.shape, "--attention-impl", "sdpa", task=fam.task)
+        """Graph breaks of the training-mode forward, by origin: ``--attention-impl fairseq`` and ``sdpa``."""
+        return {impl: self._breaks(fam, impl) for impl in ("fairseq", "sdpa")}
+
+    def _breaks(self, fam: Family, impl: str) -> dict:
+        b = build(fam.kind, fam.arch, self.shape, "--attention-impl", impl, task=fam.task)
         sample = batch(fam.kind)
         if fam.task:  # Admin: profile first (the forward refuses to train an unprofiled omega)
             update(b, sample, 0)
@@ -352,11 +355,8 @@ class Measure:
         by: Dict[str, int] = {}
         for br in found:
             by[br.origin] = by.get(br.origin, 0) + 1
-        return {
-            "graphs": graphs,
-            "by_origin": by,
-            "plugin": sorted({f"{br.where}: {br.reason[:120]}" for br in found if br.origin == "plugin"}),
-        }
+        plugin = sorted({f"{br.where}: {br.reason[:120]}" for br in found if br.origin == "plugin"})
+        return {"graphs": graphs, "by_origin": by, "plugin": plugin}
 
     # --- the special rows ----------------------------------------------------------------------
 
@@ -525,17 +525,23 @@ def row_cells(row: dict) -> List[str]:
     br = row.get("breaks")
     if br is None:
         cells.append("-")
-    elif "error" in br:
-        cells.append(f"? ({br['error']})")
     else:
-        by = br["by_origin"]
-        cells.append(f"{by.get('plugin', 0)} / {by.get('fairseq', 0)} {verdict(by.get('plugin', 0) == 0)}")
+        parts, ok = [], True
+        for impl in ("fairseq", "sdpa"):
+            if "error" in br[impl]:
+                parts.append(f"? ({br[impl]['error']})")
+                ok = False
+                continue
+            by = br[impl]["by_origin"]
+            parts.append(f"{by.get('plugin', 0)}/{by.get('fairseq', 0)}")
+            ok = ok and by.get("plugin", 0) == 0
+        cells.append(f"{'; '.join(parts)} {verdict(ok)}")
     return cells
 
 
 HEADER = ["family", "meta (no plugin read)", "reads/step meta / cpu (stock) <= 1",
           f"ops plugin / stock (init-only <= {OP_TARGET})", "causal, no TxT (sdpa)", "self-attn on SDPA",
-          "fp32 mm bf16 plain / ckpt = 0", "breaks plugin / fairseq (plugin 0)"]  # fmt: skip
+          "fp32 mm bf16 plain / ckpt = 0", "breaks plugin/fairseq: fairseq; sdpa attn (plugin 0)"]  # fmt: skip
 
 
 def special_cells(row: dict) -> List[str]:
@@ -567,13 +573,21 @@ def special_cells(row: dict) -> List[str]:
     ]
 
 
+def cells(row: dict) -> List[str]:
+    if "error" in row:
+        return [row["row"], f"does not build: {row['error']}", "-", "-", "-", "-", "-", "-"]
+    return special_cells(row) if row["kind"] == "special" else row_cells(row)
+
+
 def markdown(rows: List[dict], norms: List[dict], meta: dict) -> str:
-    body = [special_cells(r) if r["kind"] == "special" else row_cells(r) for r in rows]
+    body = [cells(r) for r in rows]
     lines = [harness.provenance(meta), "", harness.markdown_table(HEADER, body), ""]
     norm_rows = [[n["norm"], n["dtype"], n["kernels"], "-" if n["limit"] is None else f"<= {n['limit']}",
                   verdict(n["ok"])] for n in norms]  # fmt: skip
     lines += [harness.markdown_table(["norm", "dtype", "kernels fwd+bwd", "target", ""], norm_rows, right=(2,)), ""]
-    notes = sorted({line for r in rows for line in r.get("breaks", {}).get("plugin", [])})
+    notes = sorted(
+        {f"{impl}: {line}" for r in rows for impl, br in r.get("breaks", {}).items() for line in br.get("plugin", [])}
+    )
     if notes:
         lines += ["Graph breaks in the plugin's code:", ""] + [f"- `{n}`" for n in notes] + [""]
     return "\n".join(lines)
@@ -617,16 +631,19 @@ def main(argv: List[str] | None = None) -> int:
     m = Measure(shape, explain=not (opts.no_explain or opts.quick))
     rows = []
     for fam in fams:
-        row = m.family(fam)
+        try:
+            row = m.family(fam)
+        except Exception as e:  # noqa: BLE001  (a family that does not build: recorded, the others run)
+            row = {"row": fam.label, "kind": fam.kind, "arch": fam.arch, "error": one_line(e)}
         rows.append(row)
-        print(" | ".join(row_cells(row)), flush=True)
+        print(" | ".join(cells(row)), flush=True)
     if not opts.no_special:
         specials = [m.matt_decoding(), m.admin_profiling(), m.diagnostics()]
         if not opts.quick:
             specials.append(m.diagnostics("rezero"))
         for row in specials:
             rows.append(row)
-            print(" | ".join(special_cells(row)), flush=True)
+            print(" | ".join(cells(row)), flush=True)
     norms = norm_kernels()
     meta = harness.environment("cpu", "gpu_readiness.py", argv)
     meta["shape"] = str(shape)
