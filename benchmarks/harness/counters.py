@@ -5,14 +5,17 @@ graph breaks; each measured without a GPU, each reusable in tests and in ``bench
   (``.item()`` / ``bool()`` / ``float()`` -> ``_local_scalar_dense``, ``torch.equal``, ``nonzero``,
   boolean-mask indexing, ``unique``, a device-to-host copy ...), with the line of Python that asked
   for it and whose code that line is (:func:`origin`: ``plugin``, ``fairseq``, ``torch``, ``other``).
-  On the CPU every tensor stands for a device tensor; on the ``meta`` device (which, like CUDA,
-  refuses ``.item()`` and a non-scalar CPU operand) ``stand_in=True`` answers each read with ones
-  instead of failing, so one run lists every read, copies to the host included (a CPU tensor's
-  ``.cpu()`` / ``.tolist()`` is not an op and cannot be seen on the CPU);
-- :class:`KernelCount`: aten ops that launch a kernel (views and aliases excluded), the unit of a
-  GPU's per-op overhead; a fused call that the CPU decomposes (``F.rms_norm``) counts once forward
-  and once backward, as CUDA runs it;
-- :class:`MatmulDtypeAudit`: matrix products of a forward and backward by result dtype (under
+  On the CPU every tensor but those the host made itself stands for a device tensor; on the
+  ``meta`` device (which, like CUDA, refuses ``.item()`` and a non-scalar CPU operand)
+  ``stand_in=True`` answers each read with ones instead of failing, so one run lists every read,
+  copies to the host included (a CPU tensor's ``.cpu()`` / ``.tolist()`` is not an op: the CPU
+  cannot see those);
+- :func:`counting` / :class:`KernelCount`: aten ops that launch a kernel (views and aliases
+  excluded), the unit of a GPU's per-op overhead; a call that the CPU decomposes and CUDA runs fused
+  (``F.rms_norm``, ``F.scaled_dot_product_attention``: :data:`FUSED_FUNCTIONS`) counts once forward
+  and once backward;
+- :func:`auditing_matmuls` / :class:`MatmulDtypeAudit`: matrix products of a forward and backward by
+  result dtype, fused attention as one product in its inputs' dtype (under
   ``torch.autocast("cpu", torch.bfloat16)`` every one should be bf16);
 - :class:`AttentionPaths`: per call of a fairseq ``MultiheadAttention`` module, whether it reached
   the plugin's ``F.scaled_dot_product_attention`` call (``--attention-impl sdpa``), with ``is_causal``

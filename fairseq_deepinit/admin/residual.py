@@ -88,38 +88,39 @@ class AdminResidual(Residual):
         super().__init__()
         self.omega = nn.Parameter(torch.ones(dim), requires_grad=trainable)
         self.register_buffer("profiled", torch.zeros((), dtype=torch.uint8))
-        self._host_flag = (False, self.profiled._version)  # (flag, the buffer's version it describes)
+        self._remember(False)
         self._in_fairseq_training = False
         self._profiling = False
 
+    def _remember(self, flag: bool) -> None:
+        self.host_profiled = flag  # the host's copy of ``profiled`` ...
+        self._host_version = self.profiled._version  # ... taken at this version of the buffer
+
     def is_profiled(self) -> bool:
         """The ``profiled`` flag, from the host's copy while it is current (otherwise read once)."""
-        flag, version = self._host_flag
-        if version != self.profiled._version:
-            flag = bool(self.profiled)
-            self._host_flag = (flag, self.profiled._version)
-        return flag
+        if self._host_version != self.profiled._version:
+            self._remember(bool(self.profiled))
+        return self.host_profiled
 
     def mark_profiled(self) -> None:
         """Record that omega is set (by profiling, a profile file or the closed form)."""
         with torch.no_grad():
             self.profiled.fill_(1)
-        self._host_flag = (True, self.profiled._version)
+        self._remember(True)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # a checkpoint's flag (fairseq loads checkpoints on the CPU: reading it waits for no device)
         flag = state_dict.get(prefix + "profiled")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if flag is not None:
-            self._host_flag = (bool(flag), self.profiled._version)
+            self._remember(bool(flag))
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .to_empty() make a new buffer (a new version counter): the flag is the same
-        flag, version = self._host_flag
-        current = version == self.profiled._version
+        current = self._host_version == self.profiled._version
         out = super()._apply(fn, *args, **kwargs)
         if current:
-            self._host_flag = (flag, self.profiled._version)
+            self._remember(self.host_profiled)
         return out
 
     def skip(self, residual: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,12 @@ class AdminResidual(Residual):
         self._in_fairseq_training = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.training and self._in_fairseq_training and not (self._profiling or self.is_profiled()):
+        # a plain attribute first: once profiled, the check reads no tensor state (nor does torch.compile)
+        if (
+            self.training
+            and self._in_fairseq_training
+            and not (self._profiling or self.host_profiled or self.is_profiled())
+        ):
             raise AdminNotProfiledError(
                 "Admin's omega was never profiled, so this would train plain Post-LN with omega = 1. "
                 "Train with --task translation_admin (language_modeling_admin for a language model; it "
