@@ -16,8 +16,9 @@ Columns, each with its target (``ok`` / ``FAIL``; ``-`` where it does not apply)
   to read: it must run, with no host read by the plugin (reads are answered with stand-in values
   and counted, harness/counters.py ``HostReads``);
 - ``reads/step``: host reads of device data per non-diagnostic update, after one warm-up update,
-  on ``meta`` (which sees copies to the host too) and, literally as on a GPU, ``.item()``-like reads
-  on the CPU; stock fairseq's in brackets. Target: <= 1;
+  on ``meta`` (which sees copies to the host too) and with the CPU standing in for the device
+  (``.item()``-like reads; a copy of a CPU tensor to the host is no op there); stock fairseq's in
+  brackets. Target: <= 1;
 - ``ops``: aten ops that launch a kernel per update, plugin / stock (fused calls counted once, as
   CUDA runs them). Target for the init-only families (same modules as stock): <= 1.02;
 - ``causal``: under ``--attention-impl sdpa``, decoder self-attention calls that pass ``is_causal``

@@ -213,7 +213,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         run.metrics_dirty |= run.collect
         if optimizer is not None and run.optimizer is not optimizer:
             run.optimizer = optimizer
-            self._wrap_clip(optimizer)
+            self._wrap_optimizer(optimizer)
         self._maybe_inject(update_num, "before")
 
     def after_step(self, update_num: int) -> None:
@@ -226,10 +226,11 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
         fairseq's trainer checks ``torch.isfinite(grad_norm)`` after ``clip_grad_norm`` on every update
         (trainer.py:963-970; one host read that stock training makes too). When it fails outside AMP,
-        it raises ``FloatingPointError``, saves ``crash.pt`` (asking the task for its state) and
-        replays the update (calling ``task.train_step``) before re-raising; both calls land here
-        first, so the guard reads the norm only on that path, never on a healthy update. Under AMP
-        the trainer takes the (skipped) optimizer step and retries the batch, which closes the update.
+        it raises ``FloatingPointError``, saves ``crash.pt`` (the saving rank asks the task for its
+        state), zeroes the gradients (every rank) and replays the update under its NanDetector before
+        re-raising; the first of those calls lands here, so the guard reads the norm only on that path,
+        never on a healthy update. Under AMP the trainer takes the (skipped) optimizer step and retries
+        the batch, which closes the update.
         """
         run = self._run
         if not run.step_open:
@@ -329,13 +330,19 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     # ---- gradients: per-layer norms and the guard ---------------------------------------------
 
-    def _wrap_clip(self, optimizer) -> None:
-        original = optimizer.clip_grad_norm
+    def _wrap_optimizer(self, optimizer) -> None:
+        original_clip, original_zero_grad = optimizer.clip_grad_norm, optimizer.zero_grad
 
         def clip_grad_norm(max_norm, aggregate_norm_fn=None):
-            return self._clip(original, max_norm, aggregate_norm_fn)
+            return self._clip(original_clip, max_norm, aggregate_norm_fn)
 
-        optimizer.clip_grad_norm = clip_grad_norm
+        def zero_grad():
+            # fairseq's trainer discards an update that failed its finiteness check here, on every rank,
+            # before its NanDetector replay (whose hooks a replay of the guard's cannot run under)
+            self.check_unfinished_update()
+            return original_zero_grad()
+
+        optimizer.clip_grad_norm, optimizer.zero_grad = clip_grad_norm, zero_grad
 
     def _clip(self, original, max_norm, aggregate_norm_fn):
         run = self._run
