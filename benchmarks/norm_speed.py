@@ -7,7 +7,7 @@ fixed cotangent, ``--calls`` calls per trial, ``--rounds`` interleaved rounds (t
 per-round ratio to LayerNorm (> 1: faster than LayerNorm), on the wall clock and on this process's
 CPU time; and the aten operators of one forward + backward as CUDA would launch them (counted on the
 ``meta`` device, where the modules take their non-CPU path; a fused ``F.rms_norm`` counts once each
-way: ``benchmarks/harness/counters.py``). No target is asserted: this prints ratios.
+way: ``benchmarks/harness/op_counters.py``). No target is asserted: this prints ratios.
 
 Cases: ``layernorm`` (fairseq's LayerNorm), ``scalenorm`` and ``rmsnorm`` (the plugin's modules as
 they run on ``--device``: on the CPU ScaleNorm takes its hand-written autograd function), and
@@ -32,7 +32,7 @@ for _p in (str(REPO), str(HERE)):  # this checkout's package and the harness, ne
         sys.path.insert(0, _p)
 
 import harness  # noqa: E402
-from harness.counters import OpCounter  # noqa: E402
+from harness.op_counters import OpCounter  # noqa: E402
 
 DTYPES = ("fp32", "fp16", "bf16")
 

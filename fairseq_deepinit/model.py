@@ -8,13 +8,26 @@
 
 Everything is wired through fairseq's extension points (``build_embedding``,
 ``build_encoder``/``build_decoder``, ``build_*_layer``, ``build_output_projection``,
-``residual_connection``); the forward passes are fairseq's own.
+``residual_connection``); the forward passes are fairseq's own, except for one step in each stack,
+where fairseq makes the host read device data (a GPU sync) on every call:
+
+- the encoder's ``forward_scriptable`` re-reads ``has_pads`` (a device tensor) once per layer
+  (fairseq ``transformer_encoder.py:205-216, 229-232``): :meth:`DeepInitEncoder.forward_scriptable`
+  gives every layer the padding mask instead, as fairseq itself does on XLA for the same reason;
+- the decoder's ``extract_features_scriptable`` reads ``prev_output_tokens.eq(pad).any()`` on every
+  call (``transformer_decoder.py:327-329``): :meth:`DeepInitDecoder.extract_features_scriptable`
+  decides from the padding side of the targets, a build-time property (:mod:`.modules.padding`).
+
+Each replacement is fairseq's method with only those lines changed; the values every real (non-pad)
+position gets, the loss and the gradients are fairseq's.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Dict, List
 
+import torch
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model
 from fairseq.models.transformer import (
@@ -23,13 +36,15 @@ from fairseq.models.transformer import (
     TransformerEncoderBase,
     TransformerModel,
 )
+from torch import Tensor
 
 from . import options
 from .checkpoints import config_check
-from .modules.attention import declare_target_padding, future_mask, target_padding
+from .modules.attention import declare_target_padding, future_mask
 from .modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
 from .modules.layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
 from .modules.norms import build_optional_norm
+from .modules.padding import target_padding
 from .schemes import apply_init_scheme
 from .training import distributed
 from .training.activation_checkpoint import checkpoint_wrapper
@@ -80,8 +95,74 @@ class DeepInitEncoder(TransformerEncoderBase):
         _keep_version(self, state_dict, name)
         return super().upgrade_state_dict_named(state_dict, name)
 
+    def forward_scriptable(
+        self,
+        src_tokens: Tensor,
+        src_lengths: Tensor | None = None,
+        return_all_hiddens: bool = False,
+        token_embeddings: Tensor | None = None,
+    ) -> Dict[str, List[Tensor]]:
+        """fairseq's ``TransformerEncoderBase.forward_scriptable`` (transformer_encoder.py:173-266) with
+        the padding mask given to every layer, without reading ``has_pads`` on the host.
+
+        fairseq computes ``has_pads = encoder_padding_mask.any()`` (lines 205-210), multiplies the
+        embeddings by ``1 - mask * has_pads`` (214-217) and passes ``mask if has_pads else None`` to
+        each layer (229-232): a device-to-host read per layer, which also cuts ``torch.compile``'s
+        graph at every layer. Here every layer gets the mask, as fairseq does on XLA (its
+        ``has_pads`` is forced true there, line 206). An all-false mask changes no value: attention
+        masks nothing, and ``x * (1 - mask)`` multiplies by one.
+        """
+        encoder_padding_mask = src_tokens.eq(self.padding_idx)
+        x, encoder_embedding = self.forward_embedding(src_tokens, token_embeddings)
+        # account for padding while computing the representation
+        x = x * (1 - encoder_padding_mask.unsqueeze(-1).type_as(x))
+        x = x.transpose(0, 1)  # B x T x C -> T x B x C
+
+        encoder_states: List[Tensor] = []
+        fc_results: List[Tensor | None] = []
+        if return_all_hiddens:
+            encoder_states.append(x)
+        for layer in self.layers:
+            lr = layer(x, encoder_padding_mask=encoder_padding_mask)
+            if isinstance(lr, tuple) and len(lr) == 2:
+                x, fc_result = lr
+            else:
+                x, fc_result = lr, None
+            if return_all_hiddens:
+                encoder_states.append(x)
+                fc_results.append(fc_result)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+
+        src_lengths = src_tokens.ne(self.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
+        return {
+            "encoder_out": [x],  # T x B x C
+            "encoder_padding_mask": [encoder_padding_mask],  # B x T
+            "encoder_embedding": [encoder_embedding],  # B x T x C
+            "encoder_states": encoder_states,  # List[T x B x C]
+            "fc_results": fc_results,  # List[T x B x C]
+            "src_tokens": [],
+            "src_lengths": [src_lengths],
+        }
+
 
 class DeepInitDecoder(TransformerDecoderBase):
+    """fairseq's decoder with the plugin's layers, norms and output projection.
+
+    ``target_padding``: where the task pads the decoder's input (``right``, ``left``, ``unknown``;
+    :func:`~fairseq_deepinit.modules.padding.target_padding`, set by the model's ``build_model``):
+    right-padded, its causal self-attention needs no key padding mask (:meth:`self_attn_padding_mask`)
+    and its SDPA self-attentions pass ``is_causal``
+    (:func:`~fairseq_deepinit.modules.attention.declare_target_padding`).
+    """
+
+    target_padding = "unknown"
+
+    def set_target_padding(self, side: str) -> None:
+        """Record where the task pads the decoder's input (a build-time fact: no forward reads the tokens)."""
+        self.target_padding = side
+        declare_target_padding(self, side)
+
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn: bool = False, output_projection=None) -> None:
         self._built_layers = 0
         super().__init__(
@@ -103,6 +184,131 @@ class DeepInitDecoder(TransformerDecoderBase):
         if mask.size(0) < dim or mask.device != tensor.device or mask.dtype != tensor.dtype:
             self._future_mask = mask = future_mask(dim, tensor)
         return mask[:dim, :dim]
+
+    def self_attn_padding_mask(self, prev_output_tokens: Tensor, causal: bool, mask_padding: bool) -> Tensor | None:
+        """The key padding mask of the self-attention, decided without reading the tokens on the host.
+
+        fairseq (transformer_decoder.py:327-329) passes ``prev_output_tokens.eq(pad)`` when
+        ``.any()`` of it is true (a device-to-host read on every call) or under
+        ``--cross-self-attention``. Under causal self-attention with right-padded targets no real
+        position can see a padded one (every pad comes after it), so no mask is needed: the values
+        of real positions, the loss and the gradients are fairseq's; only padded positions, which
+        nothing reads, attend to earlier pads too. Otherwise (left padding, full-context
+        alignment, cross-self attention, ``mask_padding``) the mask is always passed: an all-false
+        one changes no value.
+        """
+        if self.cross_self_attention or mask_padding or not (causal and self.target_padding == "right"):
+            return prev_output_tokens.eq(self.padding_idx)
+        return None
+
+    def extract_features(
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out: Dict[str, List[Tensor]] | None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None = None,
+        full_context_alignment: bool = False,
+        alignment_layer: int | None = None,
+        alignment_heads: int | None = None,
+        mask_padding: bool = False,
+    ):
+        """fairseq's ``extract_features``; ``mask_padding``: mask padded targets in the self-attention
+        even where real positions never see them (so that padded positions get fairseq's values too:
+        Admin profiling takes statistics over every position, padding included, as its released code)."""
+        return self.extract_features_scriptable(
+            prev_output_tokens,
+            encoder_out,
+            incremental_state,
+            full_context_alignment,
+            alignment_layer,
+            alignment_heads,
+            mask_padding,
+        )
+
+    def extract_features_scriptable(
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out: Dict[str, List[Tensor]] | None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None = None,
+        full_context_alignment: bool = False,
+        alignment_layer: int | None = None,
+        alignment_heads: int | None = None,
+        mask_padding: bool = False,
+    ):
+        """fairseq's ``TransformerDecoderBase.extract_features_scriptable`` (transformer_decoder.py:254-370)
+        with its self-attention padding mask from :meth:`self_attn_padding_mask` (lines 327-329 read it
+        on the host on every call). Returns ``(features (B x T x C), {"attn": [...], "inner_states": [...]})``.
+        """
+        if alignment_layer is None:
+            alignment_layer = self.num_layers - 1
+
+        enc: Tensor | None = None
+        padding_mask: Tensor | None = None
+        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
+            enc = encoder_out["encoder_out"][0]
+        if encoder_out is not None and len(encoder_out["encoder_padding_mask"]) > 0:
+            padding_mask = encoder_out["encoder_padding_mask"][0]
+
+        # embed positions
+        positions = None
+        if self.embed_positions is not None:
+            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
+        if incremental_state is not None:
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            if positions is not None:
+                positions = positions[:, -1:]
+
+        # Prevent torchscript exporting issue for dynamic quant embedding
+        prev_output_tokens = prev_output_tokens.contiguous()
+        # embed tokens and positions
+        x = self.embed_scale * self.embed_tokens(prev_output_tokens)
+        if self.quant_noise is not None:
+            x = self.quant_noise(x)
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
+        if positions is not None:
+            x += positions
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x)
+        x = x.transpose(0, 1)  # B x T x C -> T x B x C
+
+        # incremental decoding is causal too (each step sees the steps before it)
+        causal = incremental_state is not None or not full_context_alignment
+        self_attn_padding_mask = self.self_attn_padding_mask(prev_output_tokens, causal, mask_padding)
+
+        # decoder layers
+        attn: Tensor | None = None
+        inner_states: List[Tensor | None] = [x]
+        for idx, layer in enumerate(self.layers):
+            if incremental_state is None and not full_context_alignment:
+                self_attn_mask = self.buffered_future_mask(x)
+            else:
+                self_attn_mask = None
+            x, layer_attn, _ = layer(
+                x,
+                enc,
+                padding_mask,
+                incremental_state,
+                self_attn_mask=self_attn_mask,
+                self_attn_padding_mask=self_attn_padding_mask,
+                need_attn=bool(idx == alignment_layer),
+                need_head_weights=bool(idx == alignment_layer),
+            )
+            inner_states.append(x)
+            if layer_attn is not None and idx == alignment_layer:
+                attn = layer_attn.float().to(x)
+
+        if attn is not None:
+            if alignment_heads is not None:
+                attn = attn[:alignment_heads]
+            # average probabilities over heads
+            attn = attn.mean(dim=0)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)  # T x B x C -> B x T x C
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x, {"attn": [attn], "inner_states": inner_states}
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
         if cfg.fixnorm:
@@ -144,7 +350,7 @@ class DeepInitTransformerModel(TransformerModel):
         distributed.check_ddp_backend(args)  # before any model work (fairseq-hydra-train, scripts)
         options.resolve_and_validate(args)
         model = super().build_model(args, task)
-        declare_target_padding(model.decoder, target_padding(task))
+        model.decoder.set_target_padding(target_padding(task))  # the task that batches the data
         apply_init_scheme(model, TransformerConfig.from_namespace(args))
         logger.info(options.describe(args))
         return model

@@ -28,6 +28,7 @@ SCRIPTS = (
     "gpu_profile.py",
     "gpu_smoke.py",
     "gpu_results.py",
+    "gpu_readiness.py",
 )
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the scripts import it
 
@@ -299,6 +300,30 @@ def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
     assert fig["target_tokens_per_step"] > 0
     text = (tmp_path / "p.txt").read_text()
     assert "aten::" in text and "Self CPU" in text  # the profiler's operator table
+
+
+def test_gpu_readiness_quick_fills_every_column(tmp_path):
+    """benchmarks/gpu_readiness.py on one family (2 layers) and its special rows: every figure is there,
+    stock's reads beside the plugin's, and the markdown carries the command it came from."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_readiness.py"), "--quick", "--json", str(tmp_path / "r.json"),
+           "--markdown", str(tmp_path / "r.md")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["row"]: r for r in doc["rows"]}
+    assert list(rows) == ["postln", "matt decoding", "admin profiling", "diagnostics (twt)"]
+    post = rows["postln"]
+    assert (post["cpu_reads"], post["meta"]["reads"], post["meta"]["plugin_reads"]) == (0, 0, 0)
+    assert post["stock"] == {"cpu_reads": 3, "meta_reads": 3, "ops": post["stock"]["ops"]}  # 2 encoder layers + decoder
+    assert post["op_ratio"] == post["ops"] / post["stock"]["ops"] <= 1.02 and post["init_only"]
+    assert post["causal"] == [2, 2] and post["sdpa"] == [4, 4]  # 2 decoder layers; 2 + 2 self-attentions
+    assert post["fp32_mm"]["plain"] == 0 and isinstance(post["fp32_mm"]["checkpoint"], int)
+    assert rows["admin profiling"]["meta"]["plugin_reads"] == 2
+    assert rows["diagnostics (twt)"]["meta"]["diagnostic_reads"] == 1
+    assert {n["norm"] for n in doc["norms"]} == {"layernorm", "rmsnorm", "scalenorm"}
+    md = (tmp_path / "r.md").read_text()
+    assert doc["meta"]["command"] in md and "| postln | ok | 0 / 0 (3 / 3) ok |" in md
 
 
 def test_gpu_matrix_rows_and_compile_guard(monkeypatch):

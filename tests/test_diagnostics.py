@@ -344,11 +344,20 @@ def test_per_layer_grad_norms_are_rescaled_to_fairseqs_total():
             p.grad.mul_(64.0)
     crit._run.model = model
     crit._run.collect = True
+    # the task hands the update's per-layer norms to reduce_metrics with its logging outputs
+    crit._run.grad_stats = crit._grad_norm_statistics(torch.tensor(total, dtype=torch.float64), sharded=False)
     with metrics.aggregate() as agg:
-        crit._log_grad_norms(total, sharded=False)
+        task.reduce_metrics([{"loss": torch.tensor(1.0), "sample_size": 1, "ntokens": 1, "nsentences": 1}], crit)
     values = agg.get_smoothed_values()
     for key, v in by_hand.items():
         assert values[f"diag_gnorm/{key}"] == pytest.approx(v, rel=1e-9)
+    assert crit.take_grad_statistics() is None  # handed over once
+
+    # a non-finite total (an AMP update fairseq skipped) logs no per-layer norms
+    crit._run.grad_stats = crit._grad_norm_statistics(torch.tensor(float("inf")), sharded=False)
+    with metrics.aggregate() as agg:
+        task.reduce_metrics([{"loss": torch.tensor(1.0), "sample_size": 1, "ntokens": 1, "nsentences": 1}], crit)
+    assert not any(k.startswith("diag_gnorm/") for k in agg.get_smoothed_values())
 
 
 def test_criterion_rejects_bad_options():

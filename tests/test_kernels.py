@@ -10,7 +10,7 @@
 - DeepNorm's residual as one ``torch.add(..., alpha=)``: its rounding bound and op count.
 - aten ops per training step against stock fairseq at equal dimensions.
 
-Counters: ``benchmarks/harness/counters.py`` (aten ops after autograd as CUDA would launch them, a fused
+Counters: ``benchmarks/harness/op_counters.py`` (aten ops after autograd as CUDA would launch them, a fused
 ``F.rms_norm`` counted once each way; the path and mask of every attention call).
 """
 
@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 
 from conftest import REPO, build_model, make_dictionary
-from fairseq_deepinit.modules import attention
+from fairseq_deepinit.modules import padding
 from fairseq_deepinit.modules.attention import SDPAMultiheadAttention, future_mask, is_future_mask, use_sdpa
 from fairseq_deepinit.modules.norms import RMSNorm, ScaleNorm, _ScaleNormFunction, build_norm, scalenorm_as_rms_norm
 from fairseq_deepinit.modules.residual import ConstantResidual
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
-from harness.counters import AttentionCalls, OpCounter  # noqa: E402
+from harness.op_counters import AttentionCalls, OpCounter  # noqa: E402
 
 PAD = 1
 # fairseq's MultiheadAttention vs the fused kernel: same function, different reduction order, each
@@ -166,11 +166,11 @@ def test_target_padding_comes_from_the_task():
     from fairseq.tasks.translation import TranslationTask
 
     d = make_dictionary()
-    assert attention.target_padding(TranslationTask(SimpleNamespace(left_pad_target=False), d, d)) == "right"
-    assert attention.target_padding(TranslationTask(SimpleNamespace(left_pad_target=True), d, d)) == "left"
+    assert padding.target_padding(TranslationTask(SimpleNamespace(left_pad_target=False), d, d)) == "right"
+    assert padding.target_padding(TranslationTask(SimpleNamespace(left_pad_target=True), d, d)) == "left"
     lm = LanguageModelingTask.__new__(LanguageModelingTask)
-    assert attention.target_padding(lm) == "right"
-    assert attention.target_padding(None) == "unknown" and attention.target_padding(object()) == "unknown"
+    assert padding.target_padding(lm) == "right"
+    assert padding.target_padding(None) == "unknown" and padding.target_padding(object()) == "unknown"
     # what the model builder declares: right unless --left-pad-target
     for flags, want in (((), True), (("--left-pad-target",), False)):
         model, _ = build_model("deepinit_tiny", "--attention-impl", "sdpa", *flags)  # noqa: B023

@@ -7,6 +7,8 @@
 - ``report``: :func:`environment` (device, date, command, versions), :func:`markdown_table`,
   :func:`write_json`, :func:`write_markdown`, :func:`provenance`.
 - ``cli``: :class:`Parser` (every default in --help; one-line errors, exit 1).
+- ``counters``: CPU stand-ins for a GPU (host reads, kernel launches, matmul dtypes, SDPA use, graph
+  breaks, the meta device), imported as ``harness.counters``;
 - ``flops``: model FLOPs of a training step and MFU; ``multi30k``: the data; ``fairseq_tools`` and
   ``fairseq_train``: fairseq as a child process or in-process.
 """

@@ -182,5 +182,4 @@ def apply_profile(model: nn.Module, profile: dict, formula: str, path: str = "pr
     with torch.no_grad():
         for m, w in zip(residuals.values(), values, strict=True):
             m.omega.fill_(w)
-            m.profiled.fill_(1)
-            m._checked = False
+            m.mark_profiled()

@@ -1,6 +1,10 @@
 """Profiling Admin's omega on the first batch(es): the variances of every residual branch and skip
 path, summed over ranks, turned into omega by the ``code`` or ``paper`` formula (see :mod:`.residual`);
 and refreshing fp16 master weights after omega changed.
+
+The recurrence runs on the device (omega is filled from device scalars as the forward goes); the
+profile's numbers (variances, element counts, omegas, for the log and the profile file) are read to
+the host once, at the end.
 """
 
 from __future__ import annotations
@@ -27,21 +31,25 @@ def code_ratio(var_skip: float, var_branch: float) -> float:
     return math.sqrt(var_skip + var_branch)
 
 
-def paper_omegas(var_branches: List[float]) -> List[float]:
-    """Paper sec. 4.3: omega_i = sqrt(sum_{j<i} Var[f_j]) for i >= 2 and omega_1 = 1, for one stack."""
+def paper_omegas(var_branches: List) -> List:
+    """Paper sec. 4.3: omega_i = sqrt(sum_{j<i} Var[f_j]) for i >= 2 and omega_1 = 1, for one stack
+    (numbers, or device scalars: then device scalars, with no host read)."""
     out, total = [], 0.0
     for i, v in enumerate(var_branches):
-        out.append(1.0 if i == 0 else math.sqrt(total))
-        total += v
+        if torch.is_tensor(v):
+            out.append(torch.ones_like(v) if i == 0 else torch.sqrt(total))
+        else:
+            out.append(1.0 if i == 0 else math.sqrt(total))
+        total = total + v
     return out
 
 
 def _variance(moments: torch.Tensor) -> tuple:
-    n = moments[_N].item()
-    if n == 0:
-        return float("nan"), float("nan")
-    branch = (moments[_QB] / n - (moments[_SB] / n) ** 2).item()
-    skip = (moments[_QS] / n - (moments[_SS] / n) ** 2).item()
+    """``(Var(skip), Var(branch))`` as device scalars (NaN without elements) from raw moments."""
+    n = moments[_N]
+    n = torch.where(n > 0, n, torch.full_like(n, float("nan")))
+    branch = moments[_QB] / n - (moments[_SB] / n) ** 2
+    skip = moments[_QS] / n - (moments[_SS] / n) ** 2
     return skip, branch
 
 
@@ -73,7 +81,7 @@ class _ProgressiveOmega:
         self.group = group
         self.reduce = _world_size(group) > 1
         self.reduced: set = set()
-        self.ratios: Dict[str, float] = {}
+        self.ratios: Dict[str, torch.Tensor | float] = {}
         self.previous: Dict[str, str | None] = {}
         for names in stacks_of(residuals).values():
             for i, name in enumerate(names):
@@ -97,7 +105,8 @@ class _ProgressiveOmega:
             else:
                 if prev not in self.stats.moments:
                     raise RuntimeError(f"Admin profiling: {prev} did not run before {name}")
-                ratio = code_ratio(*_variance(self.reduce_moments(prev)))
+                var_skip, var_branch = _variance(self.reduce_moments(prev))
+                ratio = torch.sqrt(var_skip + var_branch)  # code_ratio, on the device
             self.ratios[name] = ratio
             with torch.no_grad():
                 module.omega.fill_(ratio)
@@ -141,11 +150,14 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
         # the statistics count padding positions, as the released code's: keep fairseq's values there
         with stats, torch.no_grad(), exact_padding_rows(model):
             encoder = getattr(model, "encoder", None)
+            # padded target positions are in the statistics (released code), computed as there: masked
             if encoder is None:  # decoder-only language model
-                model.decoder.extract_features(net_input["src_tokens"], encoder_out=None)
+                model.decoder.extract_features(net_input["src_tokens"], encoder_out=None, mask_padding=True)
             else:
                 encoder_out = encoder(net_input["src_tokens"], src_lengths=net_input.get("src_lengths"))
-                model.decoder.extract_features(net_input["prev_output_tokens"], encoder_out=encoder_out)
+                model.decoder.extract_features(
+                    net_input["prev_output_tokens"], encoder_out=encoder_out, mask_padding=True
+                )
     finally:
         for m in residuals.values():
             m._profiling = False
@@ -168,13 +180,22 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
         stats.all_reduce(group)
 
     variances = {name: _variance(stats.moments[name]) for name in residuals}
-    omegas: Dict[str, float] = {}
+    omegas: Dict[str, torch.Tensor | float] = {}
     if formula == "code":
         omegas = {name: progressive.ratios[name] for name in residuals}
     else:
         for names in stacks_of(residuals).values():
             omegas.update(zip(names, paper_omegas([variances[n][1] for n in names]), strict=True))
-    bad = {n: w for n, w in omegas.items() if not (math.isfinite(w) and w > 0)}
+    # the one read of the profile: per sub-layer Var(skip), Var(branch), elements, omega
+    device = stats.moments[next(iter(residuals))].device
+
+    def row(n: str) -> torch.Tensor:
+        omega = torch.as_tensor(omegas[n], dtype=torch.float64, device=device)
+        return torch.stack([*variances[n], stats.moments[n][_N], omega])
+
+    rows = torch.stack([row(n) for n in residuals]).tolist()
+    read = dict(zip(residuals, rows, strict=True))
+    bad = [n for n, r in read.items() if not (math.isfinite(r[3]) and r[3] > 0)]
     if bad:
         raise FloatingPointError(
             f"Admin profiling gave a non-positive or non-finite omega for {', '.join(bad)}: the profiling batch "
@@ -183,8 +204,7 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
     with torch.no_grad():
         for name, m in residuals.items():
             m.omega.fill_(omegas[name])
-            m.profiled.fill_(1)
-            m._checked = False
+            m.mark_profiled()
 
     src = net_input["src_tokens"]
     profile = {
@@ -197,14 +217,8 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
         "target_shape": list(net_input.get("prev_output_tokens", src).shape),
         "seconds": round(time.perf_counter() - start, 4),
         "sublayers": [
-            {
-                "name": name,
-                "var_branch": variances[name][1],
-                "var_skip": variances[name][0],
-                "elements": int(stats.moments[name][_N].item()),
-                "omega": omegas[name],
-            }
-            for name in residuals
+            {"name": name, "var_branch": r[1], "var_skip": r[0], "elements": int(r[2]), "omega": r[3]}
+            for name, r in read.items()
         ],
     }
     return profile

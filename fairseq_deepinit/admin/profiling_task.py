@@ -35,11 +35,17 @@ from .residual import admin_residuals, is_profiled, omega_parameters, unwrap_mod
 logger = logging.getLogger(__name__)
 
 
-def rows_within(lengths: torch.Tensor, max_tokens: int) -> int:
+def rows_within(max_tokens: int, *lengths: torch.Tensor) -> Tuple[int, List[int]]:
     """How many leading rows keep ``rows * longest row`` (the padded size fairseq's ``--max-tokens``
-    bounds) within ``max_tokens``; at least one. ``lengths``: each row's (longest side's) length."""
-    padded = torch.cummax(lengths, 0).values * torch.arange(1, lengths.size(0) + 1, device=lengths.device)
-    return max(1, int((padded <= max_tokens).sum()))  # padded size never decreases with more rows
+    bounds) within ``max_tokens`` (at least one), and the longest of each of ``lengths`` over those
+    rows; ``lengths``: one length per row for each side (source, target). One read from the device."""
+    longest = torch.stack(lengths).amax(0)
+    padded = torch.cummax(longest, 0).values * torch.arange(1, longest.size(0) + 1, device=longest.device)
+    keep = (padded <= max_tokens).sum().clamp(min=1)  # padded size never decreases with more rows
+    last = (keep - 1).view(1)  # an index tensor, not a Python int: no read yet
+    widths = [torch.cummax(side, 0).values.index_select(0, last).squeeze(0) for side in lengths]
+    values = torch.stack([keep, *widths]).tolist()
+    return int(values[0]), [int(w) for w in values[1:]]
 
 
 def _distributed() -> bool:

@@ -78,15 +78,51 @@ class AdminResidual(Residual):
     or from a profile file. fairseq's training step calls ``set_num_updates`` on every module before
     its forward; a training-mode forward after that with omega never profiled is an error (the model
     would silently train as Post-LN with omega = 1, e.g. under ``--task translation``).
+
+    The host keeps a copy of the flag (:meth:`is_profiled`), so that no training step reads the
+    buffer back from the device: set by :meth:`mark_profiled` and by loading a state dict, kept
+    across ``.to()``, and valid while the buffer's version counter (bumped by any in-place write)
+    is the one it was taken at; after any other write the buffer is read once.
     """
 
     def __init__(self, dim: int, trainable: bool = True) -> None:
         super().__init__()
         self.omega = nn.Parameter(torch.ones(dim), requires_grad=trainable)
         self.register_buffer("profiled", torch.zeros((), dtype=torch.uint8))
+        self._remember(False)
         self._in_fairseq_training = False
-        self._checked = False
         self._profiling = False
+
+    def _remember(self, flag: bool) -> None:
+        self.host_profiled = flag  # the host's copy of ``profiled`` ...
+        self._host_version = self.profiled._version  # ... taken at this version of the buffer
+
+    def is_profiled(self) -> bool:
+        """The ``profiled`` flag, from the host's copy while it is current (otherwise read once)."""
+        if self._host_version != self.profiled._version:
+            self._remember(bool(self.profiled))
+        return self.host_profiled
+
+    def mark_profiled(self) -> None:
+        """Record that omega is set (by profiling, a profile file or the closed form)."""
+        with torch.no_grad():
+            self.profiled.fill_(1)
+        self._remember(True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # a checkpoint's flag (fairseq loads checkpoints on the CPU: reading it waits for no device)
+        flag = state_dict.get(prefix + "profiled")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if flag is not None:
+            self._remember(bool(flag))
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .to_empty() make a new buffer (a new version counter): the flag is the same
+        current = self._host_version == self.profiled._version
+        out = super()._apply(fn, *args, **kwargs)
+        if current:
+            self._remember(self.host_profiled)
+        return out
 
     def skip(self, residual: torch.Tensor) -> torch.Tensor:
         return residual * self.omega
@@ -95,14 +131,17 @@ class AdminResidual(Residual):
         self._in_fairseq_training = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.training and self._in_fairseq_training and not (self._checked or self._profiling):
-            if not bool(self.profiled):
-                raise AdminNotProfiledError(
-                    "Admin's omega was never profiled, so this would train plain Post-LN with omega = 1. "
-                    "Train with --task translation_admin (language_modeling_admin for a language model; it "
-                    "profiles before the first update), or load a profile with --admin-profile-path under that task."
-                )
-            self._checked = True
+        # a plain attribute first: once profiled, the check reads no tensor state (nor does torch.compile)
+        if (
+            self.training
+            and self._in_fairseq_training
+            and not (self._profiling or self.host_profiled or self.is_profiled())
+        ):
+            raise AdminNotProfiledError(
+                "Admin's omega was never profiled, so this would train plain Post-LN with omega = 1. "
+                "Train with --task translation_admin (language_modeling_admin for a language model; it "
+                "profiles before the first update), or load a profile with --admin-profile-path under that task."
+            )
         return super().forward(x, residual)
 
     def extra_repr(self) -> str:
@@ -131,7 +170,7 @@ def set_closed_form_omega(model: nn.Module, cfg) -> None:
         omega = closed_form_omega(len(modules), cfg.admin_output_change)
         for res in modules:
             res.omega.fill_(omega)
-            res.profiled.fill_(1)
+            res.mark_profiled()
 
 
 register_residual("admin", _build_admin_residual)
@@ -172,7 +211,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def is_profiled(model: nn.Module) -> bool:
     """True when every Admin residual module's omega was profiled (or loaded from a profile)."""
-    flags = [bool(m.profiled) for m in admin_residuals(model).values()]
+    flags = [m.is_profiled() for m in admin_residuals(model).values()]
     if flags and any(flags) != all(flags):
         raise AdminConfigError("some Admin sub-layers are profiled and others are not; this checkpoint is corrupt")
     return bool(flags) and all(flags)

@@ -48,11 +48,11 @@ def merge_and_cap(
     prev = torch.cat([_pad_to(n["prev_output_tokens"], tgt_w, pad, left_pad_target) for n in net_inputs])
     src_len = src.ne(pad).sum(1)
     tgt_len = prev.ne(pad).sum(1)
-    keep = rows_within(torch.maximum(src_len, tgt_len), max_tokens)
+    keep, (src_w, tgt_w) = rows_within(max_tokens, src_len, tgt_len)
     total = src.size(0)
-    src, prev, src_len, tgt_len = src[:keep], prev[:keep], src_len[:keep], tgt_len[:keep]
-    src = _trim(src, int(src_len.max()), left_pad_source)
-    prev = _trim(prev, int(tgt_len.max()), left_pad_target)
+    src, prev, src_len = src[:keep], prev[:keep], src_len[:keep]
+    src = _trim(src, src_w, left_pad_source)
+    prev = _trim(prev, tgt_w, left_pad_target)
     return {"src_tokens": src, "src_lengths": src_len, "prev_output_tokens": prev}, total - keep
 
 

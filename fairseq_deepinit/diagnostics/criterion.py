@@ -17,6 +17,8 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
 
    Moments travel in the logging outputs and are combined in :meth:`reduce_metrics`, so gradient
    accumulation and data parallelism give exact statistics. On other updates nothing is computed.
+   Everything stays on the device until :meth:`reduce_metrics` reads all of an update's statistics,
+   the per-layer gradient norms included, in one device-to-host copy.
 
 2. a divergence guard: when the loss or the gradients go non-finite in a way fairseq's fp16/AMP loss
    scaling does not absorb (fp32 training, or the minimum loss scale reached), training stops with a
@@ -25,6 +27,10 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
    update's forward ran in, so that a bf16- or fp16-only overflow overflows again; ``--fp16`` weights
    are half already), the non-finite weights, and the first layer with non-finite gradients. A
    checkpoint save of a non-finite model is refused, so ``checkpoint_last.pt`` keeps the last good state.
+   The guard reads nothing from the device on a
+   healthy update: fairseq's trainer itself checks the gradient norm after clipping
+   (``trainer.py:963-970``) and, when it is not finite and no loss scaler absorbs it, saves
+   ``crash.pt`` and replays the update; the guard steps in there (:meth:`DiagnosticsCriterion.check_unfinished_update`).
 
 Gradients exist only after the backward pass, which fairseq's task runs; the criterion therefore
 gives the task a small mixin (:class:`DiagnosticsTaskMixin`) that tells it the update number, and
@@ -104,6 +110,9 @@ class _RunState:
         self.optimizer = None
         self.last_loss: torch.Tensor | None = None
         self.precision: AutocastState | None = None  # autocast state of the update's forward, for the replay
+        self.grad_norm: torch.Tensor | float | None = None  # the last clip's total norm, on the device
+        self.step_open = False  # clipped, optimizer step not yet taken
+        self.grad_stats: Dict[str, torch.Tensor] | None = None  # this update's per-layer norms (device)
         self.diverged = False
         self.injected = False
         self.warned_sharded = False
@@ -216,6 +225,8 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def begin_update(self, update_num: int, model: nn.Module, optimizer, sample: dict) -> None:
         run = self._run
+        self.check_unfinished_update()  # fairseq's trainer replays an update whose gradients were not finite
+        run.grad_stats = None
         if update_num != run.update_num:
             run.update_num = update_num
             run.samples = []
@@ -228,10 +239,11 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         run.metrics_dirty |= run.collect
         if optimizer is not None and run.optimizer is not optimizer:
             run.optimizer = optimizer
-            self._wrap_clip(optimizer)
+            self._wrap_optimizer(optimizer)
         self._maybe_inject(update_num, "before")
 
     def after_step(self, update_num: int) -> None:
+        self._run.step_open = False
         self._maybe_inject(update_num, "after")
 
     def check_model(self, model: nn.Module) -> None:
@@ -240,9 +252,34 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         if self.inject is not None and not self._run.injected:
             check_inject_target(model, self.inject[1])
 
+    def check_unfinished_update(self) -> None:
+        """Stop with the guard's report if the last clipped update never reached its optimizer step
+        because its gradient norm is not finite.
+
+        fairseq's trainer checks ``torch.isfinite(grad_norm)`` after ``clip_grad_norm`` on every update
+        (trainer.py:963-970; one host read that stock training makes too). When it fails outside AMP,
+        it raises ``FloatingPointError``, saves ``crash.pt`` (the saving rank asks the task for its
+        state), zeroes the gradients (every rank) and replays the update under its NanDetector before
+        re-raising; the first of those calls lands here, so the guard reads the norm only on that path,
+        never on a healthy update. Under AMP the trainer takes the (skipped) optimizer step and retries
+        the batch, which closes the update.
+        """
+        run = self._run
+        if not run.step_open:
+            return
+        run.step_open = False
+        norm = run.grad_norm
+        finite = bool(torch.isfinite(norm).all()) if torch.is_tensor(norm) else math.isfinite(norm)
+        absorbed = getattr(run.optimizer, "scaler", None) is not None  # --fp16: fairseq lowers the scale
+        if finite or not self.guard or absorbed or run.diverged:
+            return
+        loss = "" if run.last_loss is None else f", last loss {float(run.last_loss.float().sum()):.6g}"
+        self._diverge(f"the gradient norm is {float(norm)}{loss}", replay=True)
+
     def check_before_save(self) -> None:
         """Refuse to let a checkpoint be written from non-finite weights."""
         run = self._run
+        self.check_unfinished_update()  # fairseq saves crash.pt first when the gradients are not finite
         if not self.guard or run.diverged or run.model is None:
             return
         if nonfinite_parameters(run.model):
@@ -276,21 +313,22 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         return loss, sample_size, logging_output
 
     def _statistics(self, net: nn.Module, res, nrm) -> Dict[str, torch.Tensor]:
+        """The update's raw moments as logging outputs, left on the device (read in :meth:`reduce_metrics`)."""
         out: Dict[str, torch.Tensor] = {}
         if res is not None:
             for name in res.order:
-                out[f"{_KEY}var|{name}"] = res.moments[name].detach().cpu()
+                out[f"{_KEY}var|{name}"] = res.moments[name].detach()
         if nrm is not None:
             for name in nrm.order:
-                out[f"{_KEY}norm|{name}"] = nrm.moments[name].detach().cpu()
+                out[f"{_KEY}norm|{name}"] = nrm.moments[name].detach()
+        # learned scalars as (count, sum) pairs, which sum over logging outputs like the moments
         if "residual" in self.stats:
             for sub, params in hooks.residual_parameters(net).items():
                 for p_name, p in params.items():
-                    value = p.detach().double().mean().item()
-                    out[f"{_KEY}param|{p_name}|{sub}"] = torch.tensor([1.0, value], dtype=torch.float64)
+                    out[f"{_KEY}param|{p_name}|{sub}"] = _count_and_value(p.detach().double().mean())
         if "scalenorm" in self.stats:
-            for name, g in hooks.scalenorm_gains(net).items():
-                out[f"{_KEY}g|{name}"] = torch.tensor([1.0, g], dtype=torch.float64)
+            for name, g in hooks.scalenorm_gain_tensors(net).items():
+                out[f"{_KEY}g|{name}"] = _count_and_value(g.detach().double())
         return out
 
     @classmethod
@@ -299,9 +337,11 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         keys: List[str] = []
         for log in logging_outputs:
             keys += [k for k in log if k.startswith(_KEY) and k not in keys]
-        for key in keys:
-            total = sum(log[key] for log in logging_outputs if key in log)
-            total = total.double().cpu() if torch.is_tensor(total) else torch.as_tensor(total, dtype=torch.float64)
+        if not keys:
+            return
+        totals = _read_all([sum(log[key] for log in logging_outputs if key in log) for key in keys])
+        grad_norm_finite = True
+        for key, total in zip(keys, totals, strict=True):
             _, kind, rest = key.split("|", 2)
             if kind == "var":
                 name, value = f"diag_var/{rest}", hooks.residual_variances(total)["branch"]
@@ -312,19 +352,32 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
                 name, value = f"diag_{p_name}/{sub}", (total[1] / total[0]).item()
             elif kind == "g":
                 name, value = f"diag_scalenorm_g/{rest}", (total[1] / total[0]).item()
+            elif kind == "gnorm_total":
+                grad_norm_finite = math.isfinite(total.item())
+                continue
+            elif kind == "gnorm":
+                if not grad_norm_finite:  # an AMP update fairseq skipped: no per-layer norms (nor gnorm)
+                    continue
+                name, value = f"diag_gnorm/{rest}", total.item()
             else:
                 continue
             metrics.log_scalar(name, value, priority=PRIORITY, round=None)
 
     # ---- gradients: per-layer norms and the guard ---------------------------------------------
 
-    def _wrap_clip(self, optimizer) -> None:
-        original = optimizer.clip_grad_norm
+    def _wrap_optimizer(self, optimizer) -> None:
+        original_clip, original_zero_grad = optimizer.clip_grad_norm, optimizer.zero_grad
 
         def clip_grad_norm(max_norm, aggregate_norm_fn=None):
-            return self._clip(original, max_norm, aggregate_norm_fn)
+            return self._clip(original_clip, max_norm, aggregate_norm_fn)
 
-        optimizer.clip_grad_norm = clip_grad_norm
+        def zero_grad():
+            # fairseq's trainer discards an update that failed its finiteness check here, on every rank,
+            # before its NanDetector replay (whose hooks a replay of the guard's cannot run under)
+            self.check_unfinished_update()
+            return original_zero_grad()
+
+        optimizer.clip_grad_norm, optimizer.zero_grad = clip_grad_norm, zero_grad
 
     def _clip(self, original, max_norm, aggregate_norm_fn):
         run = self._run
@@ -334,37 +387,38 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
             if self.guard and not run.diverged:
                 self._diverge(f"fairseq's loss scaling gave up ({e})", replay=True)
             raise
-        if not (self.guard or run.collect):
-            return grad_norm
-        finite = bool(torch.isfinite(grad_norm).all()) if torch.is_tensor(grad_norm) else math.isfinite(grad_norm)
-        if not finite:
-            # with a loss scaler (--fp16, --amp) fairseq skips the update and lowers the scale
-            absorbed = getattr(run.optimizer, "scaler", None) is not None
-            if self.guard and not absorbed and not run.diverged:
-                loss = "" if run.last_loss is None else f", last loss {float(run.last_loss.float().sum()):.6g}"
-                self._diverge(f"the gradient norm is {float(grad_norm)}{loss}", replay=True)
-            return grad_norm
+        # no host read here: fairseq's trainer checks the norm next (see check_unfinished_update)
+        run.grad_norm, run.step_open = grad_norm, True
         if run.collect and "grad" in self.stats:
-            self._log_grad_norms(float(grad_norm), sharded=aggregate_norm_fn is not None)
+            run.grad_stats = self._grad_norm_statistics(grad_norm, sharded=aggregate_norm_fn is not None)
         return grad_norm
 
-    def _log_grad_norms(self, grad_norm: float, sharded: bool) -> None:
+    def _grad_norm_statistics(self, grad_norm, sharded: bool) -> Dict[str, torch.Tensor] | None:
+        """Per-layer gradient norms as a logging output, on the device (the task reduces them with the
+        update's other statistics, :meth:`DiagnosticsTaskMixin.reduce_metrics`)."""
         run = self._run
         if sharded:  # FSDP: each rank holds a shard of every gradient
             if not run.warned_sharded:
                 logger.warning("diagnostics: per-layer gradient norms are not available with sharded gradients (FSDP)")
                 run.warned_sharded = True
-            return
+            return None
         sq = _grad_squares(run.model)
         if not sq:
-            return
+            return None
         values = torch.stack(list(sq.values()))
         total = values.sum().sqrt()
+        norm = grad_norm.to(values) if torch.is_tensor(grad_norm) else torch.full_like(total, grad_norm)
         # the gradients here may still carry a uniform factor (fp16 loss scale, clipping, lazy
         # division by the sample size); fairseq's grad_norm is the true total before clipping
-        scale = grad_norm / total.item() if total.item() > 0 else 0.0
-        for key, value in zip(sq.keys(), (values.sqrt() * scale).tolist(), strict=True):
-            metrics.log_scalar(f"diag_gnorm/{key}", value, priority=PRIORITY, round=None)
+        scale = torch.where(total > 0, norm / total, torch.zeros_like(total))
+        out = {f"{_KEY}gnorm_total|": norm}  # first: a non-finite total (AMP, skipped) drops the rest
+        out.update({f"{_KEY}gnorm|{key}": v for key, v in zip(sq.keys(), values.sqrt() * scale, strict=True)})
+        return out
+
+    def take_grad_statistics(self) -> Dict[str, torch.Tensor] | None:
+        """This update's per-layer gradient norms (once), for the task's ``reduce_metrics``."""
+        stats, self._run.grad_stats = self._run.grad_stats, None
+        return stats
 
     # ---- divergence ---------------------------------------------------------------------------
 
@@ -442,9 +496,27 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         raise DivergenceError(msg)
 
 
+def _count_and_value(value: torch.Tensor) -> torch.Tensor:
+    """``[1, value]`` on ``value``'s device (a statistic that sums over logging outputs as a mean)."""
+    return torch.stack([torch.ones_like(value), value])
+
+
+def _read_all(totals: List) -> List[torch.Tensor]:
+    """The summed statistics as float64 CPU tensors, read from the device in one copy."""
+    flat = [torch.as_tensor(t).reshape(-1) for t in totals]
+    device = next((t.device for t in flat if t.device.type != "cpu"), torch.device("cpu"))
+    values = torch.cat([t.to(device=device, dtype=torch.float64) for t in flat]).tolist()
+    out, start = [], 0
+    for t in flat:
+        out.append(torch.tensor(values[start : start + t.numel()], dtype=torch.float64))
+        start += t.numel()
+    return out
+
+
 class DiagnosticsTaskMixin:
     """Put in front of the task's class by :func:`install_task_mixin`: reports the update number to
-    the criterion before fairseq's forward/backward, and lets it veto checkpoints of a diverged model."""
+    the criterion before fairseq's forward/backward, hands it the update's gradient statistics in
+    ``reduce_metrics``, and lets it veto checkpoints of a diverged model."""
 
     _deepinit_criterion: DiagnosticsCriterion
 
@@ -461,6 +533,14 @@ class DiagnosticsTaskMixin:
         # criterion sees the model outside the training step
         self._deepinit_criterion.check_model(model)
         super().begin_epoch(epoch, model)
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        # fairseq's trainer reduces an update's logging outputs after its optimizer step: the
+        # per-layer gradient norms join them there, so one device read serves all statistics
+        grad_stats = self._deepinit_criterion.take_grad_statistics()
+        if grad_stats:
+            logging_outputs = [*logging_outputs, grad_stats]
+        return super().reduce_metrics(logging_outputs, criterion)
 
     def state_dict(self):
         # fairseq's Trainer.state_dict() asks the task for its state on every checkpoint save

@@ -106,8 +106,9 @@ class ResidualStatistics(_ForwardHookStatistics):
             with torch.no_grad():
                 b = x.detach().double()
                 s = module.skip(residual.detach()).double()
+                # the count is filled on the device: a host tensor would be copied in on every call
                 row = torch.stack(
-                    [torch.tensor(float(b.numel()), dtype=torch.float64, device=b.device),
+                    [torch.full((), float(b.numel()), dtype=torch.float64, device=b.device),
                      b.sum(), b.pow(2).sum(), s.sum(), s.pow(2).sum()]
                 )  # fmt: skip
             if name not in self.moments:
@@ -216,8 +217,8 @@ class NormInputStatistics(_ForwardHookStatistics):
                 x = inputs[0].detach().double()
                 norms = x.norm(dim=-1)
                 row = torch.stack(
-                    [torch.tensor(float(norms.numel()), dtype=torch.float64, device=x.device), norms.sum(),
-                     x.pow(2).sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum()]
+                    [torch.full((), float(norms.numel()), dtype=torch.float64, device=x.device), norms.sum(),
+                     x.pow(2).sum(), torch.full((), float(x.numel()), dtype=torch.float64, device=x.device), x.sum()]
                 )  # fmt: skip
             if name not in self.moments:
                 self.moments[name] = torch.zeros(5, dtype=torch.float64, device=x.device)
@@ -288,10 +289,16 @@ def residual_parameters(model: nn.Module) -> OrderedDict[str, Dict[str, torch.Te
     return out
 
 
+def scalenorm_gain_tensors(model: nn.Module) -> OrderedDict[str, torch.Tensor]:
+    """The learned scale ``g`` of every ScaleNorm (Nguyen & Salazar 2019, eq. 3; their Fig. 3), by norm
+    name, as the (scalar) parameters themselves."""
+    return OrderedDict((clean_name(n), m.g) for n, m in model.named_modules() if isinstance(m, ScaleNorm))
+
+
 def scalenorm_gains(model: nn.Module) -> OrderedDict[str, float]:
-    """The learned scale ``g`` of every ScaleNorm (Nguyen & Salazar 2019, eq. 3; their Fig. 3), by norm name."""
-    return OrderedDict(
-        (clean_name(n), float(m.g.detach().float().item()))
-        for n, m in model.named_modules()
-        if isinstance(m, ScaleNorm)
-    )
+    """:func:`scalenorm_gain_tensors` as numbers (read from the device in one copy)."""
+    gains = scalenorm_gain_tensors(model)
+    if not gains:
+        return OrderedDict()
+    values = torch.stack([g.detach().float().reshape(()) for g in gains.values()]).tolist()
+    return OrderedDict(zip(gains.keys(), values, strict=True))

@@ -38,8 +38,8 @@ from .. import options
 from ..checkpoints import config_check
 from ..errors import DeepInitConfigError
 from ..model import DeepInitDecoder
-from ..modules.attention import declare_target_padding, target_padding
 from ..modules.fixnorm import FixNormEmbedding
+from ..modules.padding import target_padding
 from ..schemes import apply_init_scheme
 from ..training import distributed
 
@@ -122,7 +122,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
                     "softmax, and --decoder-input-dim equal to --decoder-output-dim"
                 )
         model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
-        declare_target_padding(model.decoder, target_padding(task))
+        model.decoder.set_target_padding(target_padding(task))
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
         apply_init_scheme(model, TransformerConfig.from_namespace(args))
         logger.info(options.describe(args))

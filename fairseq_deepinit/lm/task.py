@@ -44,10 +44,10 @@ def merge_and_cap_lm(net_inputs: List[dict], pad: int, max_tokens: int) -> Tuple
         rows.append(tokens)
     src = torch.cat(rows)
     lengths = src.ne(pad).sum(1)
-    keep = rows_within(lengths, max_tokens)
+    keep, (width,) = rows_within(max_tokens, lengths)
     total = src.size(0)
     src, lengths = src[:keep], lengths[:keep]
-    return {"src_tokens": src[:, : int(lengths.max())], "src_lengths": lengths}, total - keep
+    return {"src_tokens": src[:, :width], "src_lengths": lengths}, total - keep
 
 
 @dataclass

@@ -50,8 +50,6 @@ from typing import Dict, Iterator, Tuple
 import torch
 import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
-from fairseq.tasks.language_modeling import LanguageModelingTask
-from fairseq.tasks.translation import TranslationTask
 from torch import Tensor, nn
 
 from ..errors import DeepInitConfigError
@@ -352,25 +350,10 @@ def future_mask(size: int, like: Tensor) -> Tensor:
     return mask
 
 
-def target_padding(task) -> str:
-    """Where ``task`` pads the decoder's input: ``"right"``, ``"left"`` or ``"unknown"``.
-
-    fairseq's translation task (and its subclasses) pads ``prev_output_tokens`` on the left only
-    under ``--left-pad-target`` (fairseq/tasks/translation.py:204, data/language_pair_dataset.py:98);
-    its language-modeling task always on the right (data/monolingual_dataset.py:25,36; its inference
-    datasets too, tasks/language_modeling.py:303,308). Any other task: unknown.
-    """
-    if isinstance(task, TranslationTask):
-        return "left" if getattr(task.cfg, "left_pad_target", False) else "right"
-    if isinstance(task, LanguageModelingTask):
-        return "right"
-    return "unknown"
-
-
 def declare_target_padding(decoder: nn.Module, side: str) -> None:
     """Tell a plugin decoder's SDPA self-attentions that they are its causal self-attentions (their
     ``attn_mask`` is the decoder's future mask, fairseq's ``buffered_future_mask``, or None) and where
-    the targets are padded (:func:`target_padding`).
+    the targets are padded (:func:`fairseq_deepinit.modules.padding.target_padding`).
 
     ``"right"`` lets a causal self-attention pass ``is_causal`` with target padding (module
     docstring); anything else keeps the ``(B, 1, T, T)`` mask. Build-time facts of the decoder and
@@ -469,7 +452,6 @@ __all__ = [
     "future_mask",
     "is_causal_mask",
     "is_future_mask",
-    "target_padding",
     "use_sdpa",
     "validate",
 ]
