@@ -179,6 +179,12 @@ def bounds(kind: str, module: nn.Module, x: torch.Tensor, dy: torch.Tensor, dtyp
     return out
 
 
+def tolerance(kind: str, module: nn.Module, x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The bound in ``dtype`` plus the port's own fp64 error."""
+    ours, ports = bounds(kind, module, x, dy, dtype), bounds(kind, module, x, dy, F64)
+    return {k: v + ports[k] for k, v in ours.items()}
+
+
 def assert_within(got: dict, ref: dict, tol: dict) -> None:
     assert set(got) == set(ref) == set(tol)
     for name in ref:
@@ -256,7 +262,7 @@ def test_equals_port(kind, dtype, layout):
     module, x, dy = case(kind, dtype, layout)
     got = run(module, x, dy)
     ref = reference(kind, module, x, dy)
-    tol = {k: v + bounds(kind, module, x, dy, F64)[k] for k, v in bounds(kind, module, x, dy, dtype).items()}
+    tol = tolerance(kind, module, x, dy, dtype)
     assert_within(got, ref, tol)
     assert got["y"].dtype == dtype and got["y"].is_contiguous() and got["x"].dtype == dtype
     if dtype == torch.float32:  # the bounds are not vacuous: fp32 output within 1e-6 of its scale
@@ -298,10 +304,7 @@ def test_compiles_without_graph_breaks():
         module, x, dy = case(kind, torch.float32, "transposed")
         compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
         traced = run(compiled, x, dy)
-        tol = {
-            k: v + bounds(kind, module, x, dy, F64)[k] for k, v in bounds(kind, module, x, dy, torch.float32).items()
-        }
-        assert_within(traced, reference(kind, module, x, dy), tol)
+        assert_within(traced, reference(kind, module, x, dy), tolerance(kind, module, x, dy, torch.float32))
     torch._dynamo.reset()
 
 
