@@ -24,12 +24,16 @@ does, no casts. Under fairseq's ``--fp16`` (model in fp16) that is fp16, as in t
 patch (``other_tasks/wav2vec2/dynamic-tanh.patch``, ``fp16: true``) and the LLaMA runs (FSDP
 ``bfSixteen``: bf16 parameters, ``fms_fsdp/policies/mixed_precision.py``); under autocast with fp32
 parameters the one-element fp32 ``alpha`` promotes a 16-bit input to fp32 (tanh and erf are on no
-autocast list), as in the released ViT AMP runs and as LayerNorm's fp32 output under autocast. There
-is no reduction, no division and no cancellation to guard: each of the (at most three) roundings adds
-at most one unit roundoff u relative to ``|weight| |t| + |bias|`` (tanh's relative condition number
-``2z / sinh(2z)`` is at most 1), so a 16-bit result is within about 4u of the exact one
-(``tests/test_dyt.py`` derives the bound per element and checks it); computing in fp32 instead would cost
-a cast each way and double the saved activations.
+autocast list), as in the released ViT AMP runs and as LayerNorm under CUDA autocast (``layer_norm``
+is on its fp32 list). There is no reduction and no division in the forward: each of its three or four
+roundings adds at most one unit roundoff u relative to ``|weight| |t| + |bias|`` (tanh's relative
+condition number ``2z / sinh(2z)`` is at most 1; Derf's ``alpha x + shift`` errs by at most
+``2u (|alpha x| + |shift|)`` and erf's slope is at most 1.13), so a 16-bit output is within about 4u
+of the exact one (``tests/test_dyt.py`` derives the bound per element and checks it); computing in fp32
+instead would cost a cast each way and double the saved activations. One fp16 caveat, the released
+code's too: alpha's (and shift's) gradient sums over every element of the batch, ``d`` times more terms
+than a LayerNorm weight's per-channel sum, so under ``--fp16`` it can overflow at a loss scale where
+those still fit (fairseq's dynamic loss scaler then skips the update and lowers the scale).
 
 Kernels: an autograd function each, with the backward written out, so that a forward + backward is
 10 aten operators for DyT (9 without bias) and 14 for Derf, where autograd through the released
@@ -39,9 +43,14 @@ formula runs 12 (10) and 18, and LayerNorm runs 2 (one fused kernel each way): f
 contiguous or differ in dtype) and one row ``sum`` each for ``weight`` and ``bias`` (counted on the
 ``meta`` device by ``tests/test_dyt.py``). The first forward kernel writes into a contiguous buffer, so
 the output is contiguous like LayerNorm's even for fairseq's transposed ``(T, B, C)`` input, and the next
-Linear runs as one ``addmm`` rather than copy + mm + add. Every kernel is elementwise or a reduction: on
-a GPU the cost is memory traffic, about 3x LayerNorm's in eager mode (the paper's speed figures use
-``torch.compile``, which fuses them).
+Linear runs as one ``addmm`` rather than copy + mm + add. Every kernel is elementwise or a reduction, so
+on a GPU the cost is launches and memory traffic: about 20 reads or writes per element against about 7
+for a fused LayerNorm (an estimate from the kernels, not a measurement). DyT is not cheaper than a fused
+norm in eager mode: the released latency benchmark (``other_tasks/Efficiency/benchmark.py``) compares
+it with transformers' ``LlamaRMSNorm``, which runs unfused (in bf16 eight kernels forward: two casts, pow,
+mean, add, rsqrt, two multiplies); ``torch.compile`` fuses these functions (both trace without a graph
+break). On the CPU (``benchmarks/norm_speed.py``) torch's fp32 tanh alone takes about four LayerNorm
+forwards.
 """
 
 from __future__ import annotations
