@@ -119,8 +119,9 @@ def _contiguous_like(x: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
 
 
 def _full_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a * b)`` over every element: one ``dot`` where both flatten without a copy."""
-    if a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous():
+    """``sum(a * b)`` over every element: one ``dot`` where both flatten without a copy (cuBLAS ``dotEx``
+    accumulates 16-bit input in fp32, as ``sum`` does; its length is an int32)."""
+    if a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous() and a.numel() < 2**31:
         return torch.dot(a.view(-1), b.view(-1))
     return torch.sum(a * b)
 
