@@ -196,7 +196,7 @@ def group_kinds(model: nn.Module) -> Dict[str, str]:
 
     def put(p: torch.Tensor, group: str) -> None:
         old = assigned.setdefault(id(p), group)
-        if old != group and (old, group) != ("embedding", "output"):  # a tied output projection
+        if old != group and {old, group} != {"embedding", "output"}:  # a tied output projection
             raise DeepInitConfigError(f"parameter {names.get(id(p))} is shared by groups {old} and {group}")
 
     for stack_name, stack in stacks(model).items():
