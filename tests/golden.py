@@ -182,7 +182,7 @@ def measure(kind: str, arch: str, flags: list) -> dict:
     grads = [p.grad for _, p in params]
     out["train_logits"] = _digest([logits])
     out["grads"] = _digest(grads)
-    out["loss"] = float(loss).hex()
+    out["loss"] = loss.item().hex()
     out["grad_norm"] = float(torch.stack([g.norm() for g in grads if g is not None]).norm()).hex()
     model.eval()
     with torch.no_grad():

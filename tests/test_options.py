@@ -11,9 +11,9 @@ import pickle
 import pytest
 
 from conftest import USER_DIR, build_model, run_cli
+from fairseq_deepinit.methods import INIT_SCHEMES as SCHEMES
 from fairseq_deepinit.modules.norms import NORM_TYPES
 from fairseq_deepinit.options import DeepInitConfigError, resolve_and_validate
-from fairseq_deepinit.schemes import SCHEMES
 
 
 def parse(*cli: str, arch: str = "deepinit_tiny") -> argparse.Namespace:
