@@ -184,7 +184,7 @@ class DeepInitDecoder(TransformerDecoderBase):
 
     def buffered_future_mask(self, tensor):
         """fairseq's cached ``triu(-inf, 1)`` (transformer_decoder.py, ``buffered_future_mask``), built by
-        :func:`~fairseq_deepinit.modules.attention.future_mask` in ``tensor``'s dtype and device, so that
+        :func:`~fairseq_deepinit.modules.masks.future_mask` in ``tensor``'s dtype and device, so that
         the SDPA attention knows it is the causal mask without reading it back (a device sync)."""
         dim = tensor.size(0)
         mask = self._future_mask

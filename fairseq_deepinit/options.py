@@ -47,19 +47,11 @@ ARCH_BOOL_FLAGS = ("encoder_normalize_before", "decoder_normalize_before", "shar
 
 def all_options() -> List[Tuple[Option, Method]]:
     """Every option of the model, in method order, with the selectors' choices filled in from the records."""
-    choices = {
-        "init_scheme": tuple(sorted(INIT_SCHEMES)),
-        "residual_scale": ("auto",) + tuple(sorted(RESIDUAL_SCALES)),
-        "decoder_layer_type": tuple(sorted(LAYER_TYPES)),
-    }
     out = []
     for option, method in method_options().values():
-        if option.name in choices:
-            extra = {"choices": choices[option.name]}
-            if option.name == "init_scheme":
-                names = ", ".join(choices["init_scheme"])
-                extra["help"] = option.help.replace("initialisation scheme", f"initialisation scheme; one of: {names}")
-            option = dataclasses.replace(option, **extra)
+        if option.name == "init_scheme":
+            names = ", ".join(option.choices)
+            option = dataclasses.replace(option, help=option.help.replace("scheme (", f"scheme; one of: {names} ("))
         out.append((option, method))
     return out
 

@@ -169,7 +169,7 @@ class ResidualStatistics(_ForwardHookStatistics):
 def _fused_layernorm_classes() -> tuple:
     """apex's FusedLayerNorm, which fairseq's ``LayerNorm()`` returns on GPU when apex is installed.
 
-    It derives from ``nn.Module``, not ``nn.LayerNorm``, so :func:`fairseq_deepinit.norms.is_norm`
+    It derives from ``nn.Module``, not ``nn.LayerNorm``, so :func:`fairseq_deepinit.modules.norms.is_norm`
     alone would miss every sub-layer norm of a model built on such a machine.
     """
     from fairseq.modules import layer_norm

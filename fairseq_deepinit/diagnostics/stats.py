@@ -9,11 +9,11 @@
   step (Admin, Fig. 4 and Theorem 2: O(N) growth with depth N under Post-LN, O(log N) under Pre-LN),
   and :func:`fit_growth` to turn several depths into fitted slopes;
 - :func:`first_nonfinite_output`, :func:`nonfinite_parameters`: where a diverged model first went
-  non-finite (the divergence guard of :mod:`fairseq_deepinit.diagnostics_criterion`).
+  non-finite (the divergence guard of :mod:`fairseq_deepinit.diagnostics.criterion`).
 
 Definitions used for DS-Init's Table 1 (the paper describes, in words, the gradient passing back
 through the layer normalisation and then the residual connection of each sub-layer). For a
-sub-layer with input ``x`` (the ``residual`` argument of its :class:`~fairseq_deepinit.residual.Residual`),
+sub-layer with input ``x`` (the ``residual`` argument of its :class:`~fairseq_deepinit.modules.residual.Residual`),
 residual output ``r = skip(x) + f(x)`` and sub-layer output ``y`` (``y = LN(r)`` under Post-LN,
 ``y = r`` under Pre-LN or without norms)::
 

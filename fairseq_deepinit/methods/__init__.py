@@ -10,6 +10,7 @@ module here plus its line in :data:`METHODS` (docs/architecture.md walks through
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict
 
 from . import admin, b2t, baseline, core, deepnorm, dsinit, lipschitz, matt, normformer, rezero, subln, tfixup, twt
@@ -50,15 +51,36 @@ RESIDUAL_SCALES: Dict[str, ResidualScale] = _by_name("residual_scales")
 LAYER_TYPES: Dict[str, LayerType] = _by_name("layer_types")
 
 
+def selector_choices() -> Dict[str, tuple]:
+    """The values of the three selectors the records add (``auto`` resolves ``--residual-scale`` from the scheme)."""
+    return {
+        "init_scheme": tuple(sorted(INIT_SCHEMES)),
+        "residual_scale": ("auto",) + tuple(sorted(RESIDUAL_SCALES)),
+        "decoder_layer_type": tuple(sorted(LAYER_TYPES)),
+    }
+
+
 def method_options() -> Dict[str, tuple]:
-    """``{option name: (Option, Method)}`` over every record, in method order."""
+    """``{option name: (Option, Method)}`` over every record, in method order; the selectors' choices filled in."""
+    choices = selector_choices()
     out: Dict[str, tuple] = {}
     for method in METHODS.values():
         for option in method.options:
+            if option.name in choices:
+                option = dataclasses.replace(option, choices=choices[option.name])
             if option.name in out:
                 raise ValueError(f"option {option.name!r} is defined by {out[option.name][1].name} and {method.name}")
             out[option.name] = (option, method)
     return out
 
 
-__all__ = ["INIT_SCHEMES", "LAYER_TYPES", "METHODS", "RESIDUAL_SCALES", "Method", "Option", "method_options"]
+__all__ = [
+    "INIT_SCHEMES",
+    "LAYER_TYPES",
+    "METHODS",
+    "RESIDUAL_SCALES",
+    "Method",
+    "Option",
+    "method_options",
+    "selector_choices",
+]

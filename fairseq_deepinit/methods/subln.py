@@ -9,7 +9,8 @@ Layer order, as in torchscale's released code (microsoft/torchscale @ 4d1e0e8)::
 the inner norm of the FFN over its hidden width; cross-attention gets none (multihead_attention.py:51,
 ``subln and self.self_attention``). Init: every weight and bias of fc1, fc2, out_proj and v_proj is
 multiplied by gamma (architecture/encoder.py:254-270, decoder.py:300-314, the decoder skipping its
-cross-attention), gamma by the layer's kind (:mod:`.stacks`; torchscale's ``is_encoder_decoder``)::
+cross-attention), gamma by the layer's kind (:mod:`~fairseq_deepinit.modules.stacks`; torchscale's
+``is_encoder_decoder``)::
 
     encoder (encoder-decoder):            gamma = sqrt(ln(3M) ln(2N) / 3)     encoder.py:255-260
     decoder with cross-attention:         gamma = sqrt(ln(3M))                decoder.py:301-302

@@ -127,7 +127,7 @@ def is_causal_mask(mask: Tensor, declared: bool = False) -> bool:
     """Whether ``mask`` is fairseq's future mask, for the kernel's ``is_causal``.
 
     ``declared``: the caller's decoder declared its self-attention masks to be its future mask
-    (:func:`declare_target_padding`). Eager PyTorch checks anyway (:func:`is_future_mask`: a lookup,
+    (:func:`.attention.declare_target_padding`). Eager PyTorch checks anyway (:func:`is_future_mask`: a lookup,
     no device read, for the plugin decoders' masks); a graph being compiled cannot look at values
     and identities, so there the declaration stands for the check (no graph break).
     """
