@@ -33,8 +33,10 @@ from .training import adam_foreach, autocast, distributed, radam, tfixup_schedul
 
 adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
 
-distributed.guard_architectures("deepinit_lm")  # after every architecture is registered (above)
-distributed.guard_architectures()  # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py)
+# refuse --ddp-backend fully_sharded right after parsing (training/distributed.py); after every
+# architecture is registered (above)
+distributed.guard_architectures(lm.model.MODEL_NAME)
+distributed.guard_architectures(model.MODEL_NAME)
 intercepts.install()  # task/architecture mismatch, empty splits, data of another dictionary: one line (intercepts.py)
 
 __version__ = "0.2.0.dev0"

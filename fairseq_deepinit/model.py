@@ -56,6 +56,8 @@ from .training.activation_checkpoint import checkpoint_wrapper
 
 logger = logging.getLogger(__name__)
 
+MODEL_NAME = config_check.TRANSLATION_MODEL
+
 
 def _wrap_layer(cfg, layer):
     """fairseq's activation-checkpoint / FSDP wrapping of a freshly built layer (fairseq's
@@ -343,7 +345,7 @@ class DeepInitDecoder(TransformerDecoderBase):
         return state_dict
 
 
-@register_model(config_check.TRANSLATION_MODEL)
+@register_model(MODEL_NAME)
 class DeepInitTransformerModel(TransformerModel):
     """fairseq's ``transformer`` with composable deep-Transformer schemes (see the README)."""
 

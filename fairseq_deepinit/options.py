@@ -58,8 +58,9 @@ def all_options() -> List[Tuple[Option, Method]]:
 
 def option_table() -> List[Dict[str, Any]]:
     """One row per option, enough to generate a config dataclass: name, type, default, help, choices, the
-    owning selector value (None: the option applies to every configuration), the method, and whether a
-    resumed run must keep it."""
+    flag of a bool option's ``store_false`` twin, the owning ``(selector, value)`` (None: the option
+    applies to every configuration; an owned option is None under other values), the method, and whether
+    a resumed run must keep it."""
     return [
         {
             "name": o.name,
@@ -67,6 +68,7 @@ def option_table() -> List[Dict[str, Any]]:
             "default": o.default,
             "help": o.help,
             "choices": o.choices,
+            "negative": o.negative,
             "owner": m.owner,
             "method": m.name,
             "resume": o.resume,
