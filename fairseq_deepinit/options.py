@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .errors import DeepInitConfigError
 from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALES, method_options
-from .methods.record import Method, Option, has_encoder
+from .methods.record import Method, Option, flag, has_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         option.add_to(g)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _resolve_owned(args, selector: str) -> None:
     """Give the options owned by a value of ``selector`` their default under that value, refuse them
     (given) under another, store None otherwise; then check the values they got."""
@@ -102,8 +98,8 @@ def _resolve_owned(args, selector: str) -> None:
                 setattr(args, option.name, option.default if value is None else value)
             elif value is not None and value is not False:
                 raise DeepInitConfigError(
-                    f"{option.flag} only applies to {_flag(selector)} {owner}, not {chosen}; "
-                    f"drop it or use {_flag(selector)} {owner}"
+                    f"{option.flag} only applies to {flag(selector)} {owner}, not {chosen}; "
+                    f"drop it or use {flag(selector)} {owner}"
                 )
             else:
                 setattr(args, option.name, None)
@@ -120,7 +116,7 @@ def _check_values(args, method: Method) -> None:
 
 
 def _unknown(selector: str, value, known) -> DeepInitConfigError:
-    return DeepInitConfigError(f"unknown {_flag(selector)} {value!r}; choose from {', '.join(sorted(known))}")
+    return DeepInitConfigError(f"unknown {flag(selector)} {value!r}; choose from {', '.join(sorted(known))}")
 
 
 def resolve_and_validate(args) -> None:

@@ -148,8 +148,8 @@ class Method:
     - ``post_init(model, cfg)``: after the init scheme, in method order (it checks ``cfg`` for itself);
     - ``placement(cfg, kind, index)``: the norm placement of a layer, where the method decides it
       (None: the stack's ``--*-normalize-before``);
-    - ``embedding(cfg, dictionary, dim)`` / ``output_projection(cfg, embed_tokens)``: a module that
-      replaces the word embedding / output layer, or None;
+    - ``embedding(args, dictionary, dim, path)`` / ``output_projection(cfg, embed_tokens)``: a module
+      that replaces the word embedding / output layer, or None (fairseq's);
     - ``families``: named architecture families ``<family>_<size>`` -> axes (the language-model
       families are derived from them); ``architectures``: single named architectures ->
       ``(fairseq size, axes and dims)``;
@@ -171,7 +171,7 @@ class Method:
     layer_setup: Callable[[nn.Module, object], None] | None = None
     post_init: Callable[[nn.Module, object], None] | None = None
     placement: Callable[[object, StackKind, int], str | None] | None = None
-    embedding: Callable[[object, Any, int], nn.Module | None] | None = None
+    embedding: Callable[[object, Any, int, Any], nn.Module | None] | None = None
     output_projection: Callable[[object, nn.Module], nn.Module | None] | None = None
     families: Mapping[str, dict] = field(default_factory=dict)
     architectures: Mapping[str, Tuple[str, dict]] = field(default_factory=dict)
