@@ -176,11 +176,31 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 # models): scripts/test.sh runs them a second time on another CPU kernel path (ATEN_CPU_CAPABILITY,
 # MKL_ENABLE_INSTRUCTIONS), so that a tolerance tuned to one machine's kernels fails in CI.
 NUMERIC_MODULES = {
-    "test_adam_foreach", "test_admin", "test_admin_distributed", "test_autocast", "test_cli", "test_compat_v010",
-    "test_deep", "test_diagnostics", "test_hooks", "test_kernels", "test_lm", "test_matt", "test_norms", "test_radam",
-    "test_schedule", "test_schemes", "test_sdpa", "test_successors", "test_very_deep",
-    "test_precision", "test_ports", "test_dyt", "test_depth_mup",
-}  # fmt: skip
+    "test_adam_foreach",
+    "test_admin",
+    "test_admin_distributed",
+    "test_autocast",
+    "test_cli",
+    "test_compat_v010",
+    "test_deep",
+    "test_depth_mup",
+    "test_diagnostics",
+    "test_dyt",
+    "test_golden",
+    "test_hooks",
+    "test_kernels",
+    "test_lm",
+    "test_matt",
+    "test_norms",
+    "test_ports",
+    "test_precision",
+    "test_radam",
+    "test_schedule",
+    "test_schemes",
+    "test_sdpa",
+    "test_successors",
+    "test_very_deep",
+}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

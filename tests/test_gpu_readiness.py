@@ -37,8 +37,6 @@ from fairseq_deepinit.architectures import FAMILIES  # noqa: E402
 from fairseq_deepinit.lm.architectures import LM_FAMILIES  # noqa: E402
 
 SHAPE = Shape(2, 16, 32, 2)
-# --arch subln_lm_*: this base's Sub-LN check asks a decoder-only model for --encoder-normalize-before
-# (fixed on branch h21-succ, modules/subln.py): remove the mark when that is merged
 CASES = [pytest.param("mt", f, id=f"mt-{f}") for f in FAMILIES] + [
     pytest.param("lm", f, id=f"lm-{f}") for f in LM_FAMILIES
 ]

@@ -30,7 +30,8 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 
 from conftest import REPO, build_model, make_dictionary
 from fairseq_deepinit.modules import padding
-from fairseq_deepinit.modules.attention import SDPAMultiheadAttention, future_mask, is_future_mask, use_sdpa
+from fairseq_deepinit.modules.attention import SDPAMultiheadAttention
+from fairseq_deepinit.modules.masks import future_mask, is_future_mask
 from fairseq_deepinit.modules.norms import RMSNorm, ScaleNorm, _ScaleNormFunction, build_norm, scalenorm_as_rms_norm
 from fairseq_deepinit.modules.residual import ConstantResidual
 
@@ -143,7 +144,7 @@ def test_op_counter_rules():
 
 
 def test_attention_calls_record_path_and_mask():
-    attn = use_sdpa(MultiheadAttention(16, 2, self_attention=True))
+    attn = SDPAMultiheadAttention(16, 2, self_attention=True)
     ref = MultiheadAttention(16, 2, self_attention=True)
     model = nn.ModuleDict({"decoder": nn.ModuleDict({"self_attn": attn, "other": ref})})
     x = torch.randn(5, 2, 16)
@@ -191,7 +192,7 @@ def test_causal_module_call_with_padding(side):
         for name, p in ref.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.2)
-    fast = use_sdpa(MultiheadAttention(16, 2, self_attention=True))
+    fast = SDPAMultiheadAttention(16, 2, self_attention=True)
     fast.load_state_dict(ref.state_dict())
     fast.causal_self_attention, fast.causal_right_padded = True, side == "right"  # as the decoder declares
     t, lengths = 6, [6, 4, 1]
@@ -341,7 +342,7 @@ def test_future_mask_is_known_without_a_read():
     x = torch.zeros(8, 2, 4, device="meta")
     mask = model.decoder.buffered_future_mask(x)
     assert mask.device.type == "meta" and is_future_mask(mask) and is_future_mask(mask[:5, :5].detach())
-    fast = use_sdpa(MultiheadAttention(16, 2, self_attention=True)).to("meta")
+    fast = SDPAMultiheadAttention(16, 2, self_attention=True).to("meta")
     fast.causal_right_padded = True
     q = torch.zeros(8, 2, 16, device="meta")
     kpm = torch.zeros(2, 8, dtype=torch.bool, device="meta")
@@ -363,7 +364,7 @@ def test_declared_causal_attention_compiles_without_a_graph_break(padded):
     """Under torch.compile the declaration stands for the mask check (is_causal_mask): no graph break
     in the decoder's self-attention, and the compiled call computes what the eager one does."""
     torch.manual_seed(0)
-    fast = use_sdpa(MultiheadAttention(16, 2, self_attention=True))
+    fast = SDPAMultiheadAttention(16, 2, self_attention=True)
     fast.causal_self_attention = fast.causal_right_padded = True
     x = torch.randn(6, 2, 16)
     kpm = torch.zeros(2, 6, dtype=torch.bool)

@@ -744,3 +744,24 @@ def test_config_differences_cover_every_axis():
         other = build_model(ARCH, *TINY_DIMS, *flags)[1]
         names = [d[0] for d in config_check.config_differences(base, other)]
         assert option in names, (flags, names)
+
+
+def test_config_check_covers_every_method_option_by_construction():
+    """Every option of every method record that a resume must keep is checked, without a hand-kept list;
+    those the issue found missing are among them, and a change of one stops the resume."""
+    from conftest import build_model
+    from fairseq_deepinit import options
+
+    kept = {o.name for o, _m in options.all_options() if o.resume}
+    assert kept <= set(config_check.CHECKED_OPTIONS)
+    for name in ("deepnorm_variant", "subln", "scale_attn", "scale_fc", "scale_heads", "scale_resids",
+                 "admin_formula", "admin_output_change", "b2t_init_rescale", "matt_share_v", "fixnorm"):  # fmt: skip
+        assert name in config_check.CHECKED_OPTIONS, name
+    # settings that do not change the model may change on resume
+    assert not {"attention_impl", "admin_profile_path", "force_norm_with_scheme"} & set(config_check.CHECKED_OPTIONS)
+    _, paper = build_model("deepnorm_iwslt_de_en", *TINY_DIMS)
+    _, released = build_model("deepnorm_iwslt_de_en", *TINY_DIMS, "--deepnorm-variant", "torchscale")
+    assert [d[0] for d in config_check.config_differences(paper, released)] == ["deepnorm_variant"]
+    _, pre = build_model("preln_iwslt_de_en", *TINY_DIMS)
+    _, normformer = build_model("preln_iwslt_de_en", *TINY_DIMS, "--scale-attn")
+    assert [d[0] for d in config_check.config_differences(pre, normformer)] == ["scale_attn"]
