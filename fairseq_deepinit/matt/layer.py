@@ -281,7 +281,7 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
 
         # merged attention: W_o (self branch + cross-attention)
         skip = x
-        h = sublayer_input(self.placement, x, self.matt_layer_norm)
+        h = sublayer_input(self.placement, x, self.matt_layer_norm, self.input_scale)
         if self.self_branch_type == "self-attn":
             # W_o (heads) without bias: the tied out_proj of the self-attention
             branch, _ = self.self_branch(

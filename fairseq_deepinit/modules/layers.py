@@ -71,6 +71,7 @@ class DeepInitLayer:
     placement: str
     residuals: nn.ModuleDict
     NORMS: Tuple[str, ...] = ()  # attributes holding the sub-layer norms fairseq built
+    input_scale: float = 1.0  # times each Pre-LN norm's output (a method's set-up: LayerNorm Scaling's 1/sqrt(l))
     _attention_impl: str = DEFAULT_IMPL
 
     @property
@@ -120,7 +121,7 @@ class DeepInitLayer:
         ``(output, fc2's output before dropout)``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
         ``w_resid`` on the skip path."""
         skip = x
-        h = sublayer_input(self.placement, x, self.final_layer_norm)
+        h = sublayer_input(self.placement, x, self.final_layer_norm, self.input_scale)
         h = self.activation_fn(self.fc1(h))
         h = self.activation_dropout_module(h)
         if self.ffn_layernorm is not None:
@@ -172,7 +173,7 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
         layer_input = x
 
         skip = x
-        h = sublayer_input(self.placement, x, self.self_attn_layer_norm)
+        h = sublayer_input(self.placement, x, self.self_attn_layer_norm, self.input_scale)
         h, _ = self.self_attn(
             query=h, key=h, value=h, key_padding_mask=encoder_padding_mask, need_weights=False, attn_mask=attn_mask
         )
@@ -247,7 +248,7 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
 
         # self-attention (fairseq lines 407-473)
         skip = x
-        h = sublayer_input(self.placement, x, self.self_attn_layer_norm)
+        h = sublayer_input(self.placement, x, self.self_attn_layer_norm, self.input_scale)
         if prev_self_attn_state is not None:
             self.self_attn._set_input_buffer(incremental_state, _saved_state(prev_self_attn_state))
         kv, self_attn_mask, self_attn_padding_mask = self._self_attention_keys(
@@ -271,7 +272,7 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
         # cross-attention (fairseq lines 475-503), skipped without an encoder output
         if self.encoder_attn is not None and encoder_out is not None:
             skip = x
-            h = sublayer_input(self.placement, x, self.encoder_attn_layer_norm)
+            h = sublayer_input(self.placement, x, self.encoder_attn_layer_norm, self.input_scale)
             if prev_attn_state is not None:
                 self.encoder_attn._set_input_buffer(incremental_state, _saved_state(prev_attn_state))
             h, attn = self.encoder_attn(

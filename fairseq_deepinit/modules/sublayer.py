@@ -31,9 +31,16 @@ def check_placement(placement: str) -> str:
     return placement
 
 
-def sublayer_input(placement: str, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """What the branch reads: ``norm(x)`` under Pre-LN, ``x`` itself under Post-LN."""
-    return norm(x) if placement == "pre" else x
+def sublayer_input(placement: str, x: torch.Tensor, norm: nn.Module, scale: float = 1.0) -> torch.Tensor:
+    """What the branch reads: ``norm(x)`` under Pre-LN, ``x`` itself under Post-LN.
+
+    ``scale`` multiplies the Pre-LN norm's output (the layer's ``input_scale``, a plain float: LayerNorm
+    Scaling's ``1/sqrt(l)``); at 1.0 no multiplication is computed (``h * 1.0`` is ``h`` bit for bit).
+    """
+    if placement != "pre":
+        return x
+    h = norm(x)
+    return h if scale == 1.0 else h * scale
 
 
 def sublayer_output(
