@@ -223,19 +223,25 @@ def test_host_reads_counts_device_reads_and_not_host_made_tensors():
     assert [e.op for e in hr.events] == ["_local_scalar_dense", "_to_copy"]
 
 
-def test_kernel_count_takes_fused_calls_once_and_matmul_audit_their_input_dtype():
-    x = torch.randn(3, 8, requires_grad=True)
-    w = torch.ones(8, requires_grad=True)
-    with counters.counting() as k:
-        torch.nn.functional.rms_norm(x, (8,), w).sum().backward()
-    assert k.counts["rms_norm"] == 1 and k.counts["rms_norm_backward"] == 1 and "rsqrt" not in k.counts
-    torch.testing.assert_close(x.grad, torch.autograd.grad(torch.nn.functional.rms_norm(x, (8,), w).sum(), x)[0])
+def test_matmul_audit_takes_attention_in_its_input_dtype():
+    """SDPA counts as one product each way in its inputs' dtype (the CPU's math fallback, which dropout
+    takes, upcasts to fp32 inside), also when forward and backward are audited apart; an SDPA call on
+    fp32 inputs and a plain fp32 product are found, with the line that asked."""
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), counters.auditing_matmuls() as audit:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.autocast("cpu", dtype=torch.bfloat16), counters.MatmulDtypeAudit() as fwd:
         out = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), dropout_p=0.5)
         (q @ q.transpose(-1, -2)).sum()  # bf16 under autocast
-    out.float().sum().backward()
-    assert audit.other() == 0 and audit.counts[("scaled_dot_product_attention", torch.bfloat16)] == 1
-    with counters.auditing_matmuls() as audit:
-        q @ q.transpose(-1, -2)  # fp32 outside autocast
-    assert audit.other() == 1 and list(audit.off) == [next(iter(audit.off))]
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # restored
+    with counters.MatmulDtypeAudit() as bwd:
+        out.float().sum().backward()
+    assert fwd.other() == bwd.other() == 0
+    assert fwd.counts[("scaled_dot_product_attention", torch.bfloat16)] == 1
+    assert dict(bwd.counts) == {("scaled_dot_product_attention_backward", torch.bfloat16): 1}, bwd.summary()
+    with counters.MatmulDtypeAudit() as audit:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)  # fp32 (outside autocast)
+    with counters.MatmulDtypeAudit() as plain:
+        q @ q.transpose(-1, -2)
+    assert audit.other() == plain.other() == 1
+    ((line, n),) = plain.off.items()
+    assert n == 1 and line.startswith("other bmm tests/test_gpu_readiness.py:"), line
