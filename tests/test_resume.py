@@ -58,13 +58,14 @@ def loaded_updates(log: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit status 1, no traceback, exactly one error line, the last one, naming ``needles``."""
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, prefix: str = errors.PREFIX) -> str:
+    """Exit status 1, no traceback, exactly one error line, the last one, naming ``needles``; ``prefix``:
+    ``fairseq-deepinit: error: `` (fairseq's commands) or the plugin's own command's (docs/usage.md)."""
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith(errors.PREFIX), proc.stdout[-3000:]  # "fairseq-deepinit: error: "
-    assert [ln for ln in proc.stdout.splitlines() if errors.PREFIX in ln] == [last], proc.stdout[-3000:]
+    assert last.startswith(prefix), proc.stdout[-3000:]
+    assert [ln for ln in proc.stdout.splitlines() if ": error: " in ln] == [last], proc.stdout[-3000:]
     for n in needles:
         assert n in last, last
     return last
@@ -536,6 +537,11 @@ TOOL_MODULES = {
 }
 
 
+def error_prefix(cmd: str) -> str:
+    """The one-line error's start: the plugin's own commands name themselves, fairseq's the plugin."""
+    return f"deepinit-{cmd.replace('_', '-')}: error: " if cmd in TOOL_MODULES else errors.PREFIX
+
+
 def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
     """The plugin's console script ``tool``: its ``main`` as the entry point calls it (``sys.exit(main())``)."""
     code = f"import sys; from {TOOL_MODULES[tool]} import main; sys.exit(main())"
@@ -590,8 +596,8 @@ def test_hostile_checkpoint_is_one_line_everywhere(unreadable_runs, cmd):
     path, proc = unreadable_runs[(cmd, "hostile")]
     if cmd == "train":
         path = Path(proc.args[proc.args.index("--save-dir") + 1]) / "checkpoint_last.pt"
-    line = assert_one_line_error(proc)
-    assert_refusal(line[len(errors.PREFIX) :], path, "posix.system")
+    line = assert_one_line_error(proc, prefix=error_prefix(cmd))
+    assert_refusal(line[len(error_prefix(cmd)) :], path, "posix.system")
     if cmd == "train":
         assert "Move it out of --save-dir" in line
     assert "weights_only" not in proc.stdout.replace("torch.load(weights_only=True)", "")  # no hint of torch's
@@ -601,7 +607,8 @@ def test_hostile_checkpoint_is_one_line_everywhere(unreadable_runs, cmd):
 @pytest.mark.parametrize("cmd", sorted(TOOL_MODULES))
 def test_plugin_tools_with_damaged_checkpoint(unreadable_runs, cmd):
     path, proc = unreadable_runs[(cmd, "damaged")]
-    assert_one_line_error(proc, f"checkpoint {path} is not a torch checkpoint", "Use an intact checkpoint")
+    needles = (f"checkpoint {path} is not a torch checkpoint", "Use an intact checkpoint")
+    assert_one_line_error(proc, *needles, prefix=error_prefix(cmd))
 
 
 # --------------------------------------------------------------------------------------------
