@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,12 +48,19 @@ tp = load_script()
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def work_dir(tmp_path_factory) -> Path:
+    """One --work-dir for every script run here: the quick runs' Multi30k is binarised once (the
+    scripts reuse a binarisation whose STAMP.json matches)."""
+    return tmp_path_factory.mktemp("bench-data")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, work_dir):
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     out = tmp_path_factory.mktemp("bench")
     cmd = [
-        sys.executable, str(SCRIPT), "--quick", "--multi30k", str(MULTI30K), "--work-dir", str(out / "data"),
+        sys.executable, str(SCRIPT), "--quick", "--multi30k", str(MULTI30K), "--work-dir", str(work_dir),
         "--json", str(out / "result.json"), "--markdown", str(out / "result.md"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -219,13 +227,13 @@ def test_residual_sum_is_contiguous_on_fairseqs_transposed_stream():
 
 
 @pytest.fixture(scope="module")
-def matrix_run(tmp_path_factory):
+def matrix_run(tmp_path_factory, work_dir):
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     out = tmp_path_factory.mktemp("matrix")
     cmd = [
         sys.executable, str(SCRIPT), "--gpu-matrix", "--quick", "--multi30k", str(MULTI30K), "--work-dir",
-        str(out / "data"), "--json", str(out / "gpu.json"), "--markdown", str(out / "gpu.md"),
+        str(work_dir), "--json", str(out / "gpu.json"), "--markdown", str(out / "gpu.md"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
@@ -255,14 +263,14 @@ def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped
     assert doc["command"] in md and "| stock | 1 | fp32 |" in md
 
 
-def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline(tmp_path):
+def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline(tmp_path, work_dir):
     """The device's first pass (``--layers 6 --no-compile``; quick: 1 layer) under a deadline already
     passed: one timing round, the loss check skipped and said so, the pass's own file under --out-dir."""
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     cmd = [
         sys.executable, str(SCRIPT), "--gpu-matrix", "--quick", "--layers", "1", "--no-compile", "--repeats", "3",
-        "--deadline-min", "0.001", "--multi30k", str(MULTI30K), "--work-dir", str(tmp_path / "data"),
+        "--deadline-min", "0.001", "--multi30k", str(MULTI30K), "--work-dir", str(work_dir),
         "--out-dir", str(tmp_path / "out"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -277,13 +285,13 @@ def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline
     assert timed and all(d["rounds"] == 1 and len(d["rates"]) == 1 for d in timed)
 
 
-def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
+def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path, work_dir):
     """benchmarks/gpu_profile.py on the CPU: the CUDA-only rows are left out, the bf16 SDPA row is profiled."""
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "gpu_profile.py"), "--quick", "--no-compile", "--multi30k",
-        str(MULTI30K), "--work-dir", str(tmp_path / "data"), "--json", str(tmp_path / "p.json"), "--text",
+        str(MULTI30K), "--work-dir", str(work_dir), "--json", str(tmp_path / "p.json"), "--text",
         str(tmp_path / "p.txt"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
