@@ -7,13 +7,12 @@ The CUDA run (fp16, sync debug mode, flash / efficient kernels) needs a GPU (doc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_script
 
 SCRIPT = REPO / "benchmarks" / "gpu_smoke.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -43,10 +42,9 @@ def test_every_family_is_an_architecture_of_the_smoke_test():
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--only", ",".join(SUBSET), *TINY, "--out-dir", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    proc = run_script(
+        str(SCRIPT), "--device", "cpu", "--only", ",".join(SUBSET), *TINY, "--out-dir", str(out), timeout=300
+    )  # fmt: skip
     return json.loads((out / "smoke.json").read_text()), (out / "smoke.md").read_text(), proc.stdout
 
 
