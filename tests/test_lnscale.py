@@ -110,8 +110,8 @@ def port_translation(model, batch):
 
 
 def test_factor_of_every_layer_is_the_released_one():
-    for l in range(1, 49):
-        assert lns_factor(l) == port.lns_factor(l - 1)
+    for depth in range(1, 49):
+        assert lns_factor(depth) == port.lns_factor(depth - 1)
     model, _ = build_model("deepinit_tiny", *dims(), "--layernorm-scaling", *PRE)
     for stack in (model.encoder, model.decoder):
         assert [layer.input_scale for layer in stack.layers] == [port.lns_factor(i) for i in range(L)]
