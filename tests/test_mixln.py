@@ -1,0 +1,237 @@
+"""Mix-LN (``fairseq_deepinit/methods/mixln.py``) against the independent port of its released code
+(``tests/ports/mix_ln.py``: pixeli99/MixLN modeling_llama.py:325-333, 565-601).
+
+- the per-layer placement pattern: k = floor(0.25 L) Post-LN layers per stack at the released depths and
+  this project's (``port.num_post_layers``, ``port.layer_kinds``), ``--mixln-ratio`` and
+  ``--mixln-post-layers``;
+- the models' outputs with identical weights (a translation model, the split in both stacks, and a
+  decoder-only LM, both with the stack's final norm as released), LayerNorm and RMSNorm, float64 and
+  float32;
+- the refusals (one line); aten ops of a training update within 2 % of stock fairseq's Pre-LN;
+- fairseq-train for translation (saved, reloaded by fairseq's loader) and for an LM.
+
+Tolerances as in tests/test_lnscale.py (same layers, same float path): float64 1e-6 for translation
+(fairseq's cross-attention softmax runs in float32, ``fairseq/utils.py:518``), 1e-12 for the LM;
+float32 against the float64 port ``4 L sum(n) u``. A layer given the other placement, or a missing final
+norm, moves the outputs by O(1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ports import mix_ln as port
+from ports.common import AttnWeights, FFNWeights, NormSpec
+
+from conftest import REPO, USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
+from fairseq_deepinit.errors import DeepInitConfigError
+from fairseq_deepinit.methods.mixln import num_post_layers
+from fairseq_deepinit.modules.stacks import DECODER, DECODER_ONLY, ENCODER
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
+
+D, FF, H, L, K = 16, 32, 2, 4, 2
+U32 = 2.0**-24
+TOL32 = 4 * L * (3 * D + D // H + 7 + D + D + FF) * U32
+
+
+def dims(layers=(L, L), d: int = D) -> list:
+    return [
+        "--encoder-embed-dim", str(d), "--decoder-embed-dim", str(d),
+        "--encoder-ffn-embed-dim", str(FF), "--decoder-ffn-embed-dim", str(FF),
+        "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
+        "--encoder-layers", str(layers[0]), "--decoder-layers", str(layers[1]), "--dropout", "0",
+    ]  # fmt: skip
+
+
+def build_lm(*cli: str):
+    from fairseq import options, tasks
+
+    import fairseq_deepinit  # noqa: F401
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(
+        parser, ["/nonexistent", "--task", "language_modeling", "--arch", "mixln_lm_tiny", *cli]
+    )
+    d = make_dictionary(50)
+    task = tasks.TASK_REGISTRY["language_modeling"](args, d, d)
+    torch.manual_seed(1)
+    return task.build_model(args), args
+
+
+@torch.no_grad()
+def perturb_norms(model: torch.nn.Module, seed: int = 5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            base = 1.0 if name.endswith("weight") else 0.0
+            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def decoder_embedding(decoder, tokens):
+    return decoder.embed_scale * decoder.embed_tokens(tokens) + decoder.embed_positions(tokens)
+
+
+@pytest.mark.parametrize("layers", [6, 12, 18, 24, 48])
+def test_post_layers_at_the_released_ratio(layers):
+    """floor(0.25 L): 3 of 12 and 6 of 24 (the released scripts), 1 of 6, 4 of 18, 12 of 48; per stack and
+    for a decoder-only stack; ``--mixln-post-layers`` overrides the ratio."""
+    cfg = SimpleNamespace(mix_ln=True, mixln_ratio=0.25, mixln_post_layers=None,
+                          encoder=SimpleNamespace(layers=layers), decoder=SimpleNamespace(layers=layers))  # fmt: skip
+    from fairseq_deepinit.methods.mixln import mixln_placement
+
+    assert num_post_layers(cfg, layers) == port.num_post_layers(layers)
+    for kind in (ENCODER, DECODER, DECODER_ONLY):
+        got = [mixln_placement(cfg, kind, i) for i in range(1, layers + 1)]
+        assert got == port.layer_kinds(layers, port.num_post_layers(layers))
+    cfg.mixln_post_layers = 2
+    assert [mixln_placement(cfg, ENCODER, i) for i in range(1, layers + 1)] == port.layer_kinds(layers, 2)
+
+
+def test_built_models_place_the_norms_per_layer():
+    model, _ = build_model("mixln_iwslt_de_en", *dims((8, 4)))
+    assert [lay.placement for lay in model.encoder.layers] == port.layer_kinds(8, 2)
+    assert [lay.placement for lay in model.decoder.layers] == port.layer_kinds(4, 1)
+    assert model.encoder.layer_norm is not None and model.decoder.layer_norm is not None  # as released
+    model, _ = build_model("mixln_iwslt_de_en", *dims((8, 4)), "--mixln-ratio", "0.5")
+    assert [lay.placement for lay in model.decoder.layers] == port.layer_kinds(4, 2)
+    lm, _ = build_lm("--decoder-layers", "12")
+    assert [lay.placement for lay in lm.decoder.layers] == port.layer_kinds(12, 3)
+    assert lm.decoder.layer_norm is not None
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_translation_model_equals_the_port(norm, dtype):
+    model, _ = build_model("mixln_iwslt_de_en", *dims(), "--mixln-post-layers", str(K), "--norm-type", norm)
+    model = model.to(dtype).eval()
+    perturb_norms(model)
+    b = tiny_batch()
+    with torch.no_grad():
+        enc = model.encoder(b["src_tokens"], src_lengths=b["src_lengths"])
+        got = (enc["encoder_out"][0].transpose(0, 1), model.decoder(b["prev_output_tokens"], encoder_out=enc,
+                                                                    features_only=True)[0])  # fmt: skip
+        m = model.double()
+        n = NormSpec.from_module
+        kinds = port.layer_kinds(L, K)
+        x = m.encoder.forward_embedding(b["src_tokens"])[0]
+        for kind, lay in zip(kinds, m.encoder.layers, strict=True):
+            norms = {"attn": n(lay.self_attn_layer_norm), "ffn": n(lay.final_layer_norm)}
+            x = port.translation_layer(x, kind, None, AttnWeights.from_module(lay.self_attn), None,
+                                       FFNWeights.from_module(lay), norms, H, causal=False)  # fmt: skip
+        memory = n(m.encoder.layer_norm)(x)
+        y = decoder_embedding(m.decoder, b["prev_output_tokens"])
+        for kind, lay in zip(kinds, m.decoder.layers, strict=True):
+            norms = {"attn": n(lay.self_attn_layer_norm), "cross": n(lay.encoder_attn_layer_norm),
+                     "ffn": n(lay.final_layer_norm)}  # fmt: skip
+            y = port.translation_layer(y, kind, memory, AttnWeights.from_module(lay.self_attn),
+                                       AttnWeights.from_module(lay.encoder_attn), FFNWeights.from_module(lay),
+                                       norms, H, causal=True)  # fmt: skip
+        want = (memory, n(m.decoder.layer_norm)(y))
+    tol = 1e-6 if dtype == torch.float64 else TOL32
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_language_model_equals_the_port(dtype):
+    model, _ = build_lm("--decoder-layers", str(L), "--decoder-embed-dim", str(D), "--decoder-ffn-embed-dim",
+                        str(FF), "--decoder-attention-heads", str(H), "--dropout", "0", "--mixln-post-layers",
+                        str(K))  # fmt: skip
+    model = model.to(dtype).eval()
+    perturb_norms(model)
+    tokens = tiny_batch()["prev_output_tokens"]
+    with torch.no_grad():
+        got, _ = model.decoder(tokens, features_only=True)
+        dec = model.double().decoder
+        n = NormSpec.from_module
+        layers = [
+            {"attn_w": AttnWeights.from_module(lay.self_attn), "ffn_w": FFNWeights.from_module(lay),
+             "n_attn": n(lay.self_attn_layer_norm), "n_ffn": n(lay.final_layer_norm)}
+            for lay in dec.layers
+        ]  # fmt: skip
+        want = port.lm_stack(decoder_embedding(dec, tokens), layers, K, H, n(dec.layer_norm))
+    tol = 1e-12 if dtype == torch.float64 else TOL32
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+BAD = [
+    (("deepinit_tiny", "--mix-ln"), "--encoder-normalize-before --decoder-normalize-before"),
+    (("mixln_iwslt_de_en", "--norm-type", "none"), "--norm-type none"),
+    (("mixln_iwslt_de_en", "--mixln-post-layers", "3"), "more than the decoder's 2 layers"),
+    (("mixln_iwslt_de_en", "--mixln-ratio", "1.5"), "--mixln-ratio must be in [0, 1]"),
+    (("mixln_iwslt_de_en", "--mixln-post-layers", "-1"), "--mixln-post-layers must be >= 0"),
+    (("deepinit_tiny", "--mixln-post-layers", "1"), "needs --mix-ln"),
+    (("mixln_iwslt_de_en", "--residual-scale", "rezero"), "drop --residual-scale rezero"),
+]
+
+
+@pytest.mark.parametrize("cli,says", BAD, ids=[" ".join(c) for c, _ in BAD])
+def test_refusals_are_one_line(cli, says):
+    with pytest.raises(DeepInitConfigError) as e:
+        build_model(cli[0], *dims((2, 2)), *cli[1:])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["mt", "lm"])
+def test_update_ops_within_2_percent_of_stock(kind):
+    """One training update of the 4-layer family (k = 1 per stack) against stock fairseq Pre-LN: the same
+    operations in another order, at most 1.02x stock's aten ops."""
+    import gpu_readiness as gr
+    from harness.fairseq_train import Shape
+    from harness.op_counters import OpCounter
+
+    gr.plugin()
+    shape = Shape(4, 16, 32, 2)
+
+    def ops(arch, *flags):
+        b = gr.build(kind, arch, shape, *flags)
+        sample = gr.batch(kind)
+        gr.update(b, sample, 0)
+        with OpCounter() as counted:
+            gr.update(b, sample, 1)
+        return counted.total, b
+
+    plugin, b = ops(gr.Family(kind, "mixln").arch)
+    assert [lay.placement for lay in b.model.decoder.layers] == port.layer_kinds(4, 1)
+    stock, _ = ops(gr.stock_arch(kind), *gr.stock_flags(b))
+    assert plugin <= 1.02 * stock, (plugin, stock, plugin / stock)
+
+
+TRAIN = ["--optimizer", "adam", "--lr", "1e-3", "--cpu", "--num-workers", "0", "--log-format", "simple",
+         "--log-interval", "1", "--seed", "1", "--max-update", "2"]  # fmt: skip
+
+
+def test_fairseq_train_translation_saves_and_reloads(synthetic_bin, tmp_path):
+    from fairseq import checkpoint_utils
+
+    log = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
+                  "--arch", "mixln_iwslt_de_en", *dims(), "--max-tokens", "500", *TRAIN, "--save-dir", tmp_path,
+                  "--no-epoch-checkpoints", "--disable-validation").stdout  # fmt: skip
+    assert "mix-ln=post ratio 0.25" in log and re.search(r"num_updates 2\b", log), log[-2000:]
+    ckpt = tmp_path / "checkpoint_last.pt"
+    saved = torch.load(ckpt, map_location="cpu")["model"]
+    (model,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"data": str(synthetic_bin)})
+    assert set(model.state_dict()) == set(saved)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert [lay.placement for lay in model.encoder.layers] == port.layer_kinds(L, 1)
+
+
+def test_fairseq_train_language_model(tmp_path):
+    root = tmp_path / "raw"
+    root.mkdir()
+    for split, n in (("train", 60), ("valid", 10)):
+        (root / f"{split}.txt").write_text("\n".join(" ".join(f"w{(i * j) % 20}" for j in range(8)) for i in range(n)))
+    run_cli("preprocess", "--only-source", "--trainpref", root / "train.txt", "--validpref", root / "valid.txt",
+            "--destdir", tmp_path / "bin", "--workers", "1")  # fmt: skip
+    log = run_cli("train", tmp_path / "bin", "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
+                  "mixln_lm_tiny", "--decoder-layers", "4", "--tokens-per-sample", "16", "--max-tokens", "128",
+                  *TRAIN, "--no-save", "--disable-validation").stdout  # fmt: skip
+    assert "mix-ln=post ratio 0.25" in log and re.search(r"num_updates 2\b", log), log[-2000:]
+    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
+    assert losses and all(math.isfinite(x) for x in losses), log[-2000:]
