@@ -95,6 +95,8 @@ CONFIGS: Dict[str, Config] = {
         _C("t-fixup", "tfixup_wmt_en_de", (), "T-Fixup: no norm"),
         _C("rezero", "rezero_wmt_en_de", (), "ReZero: no norm, x + a*f(x)"),
         _C("twt", "twt_wmt_en_de", (), "TwT: Pre-norm ScaleNorm + FixNorm + SmallInit, tied output", ref="stock-preln"),
+        _C("lnscale", "lnscale_wmt_en_de", (), "LNS: Pre-LN, norm outputs x 1/sqrt(l)", ref="stock-preln"),
+        _C("mixln", "mixln_wmt_en_de", (), "Mix-LN: first L/4 layers Post-LN, rest Pre-LN", ref="stock-preln"),
     )
 }  # fmt: skip
 TABLE_CONFIGS = tuple(n for n in CONFIGS if n != "plugin")  # the CPU table's default set

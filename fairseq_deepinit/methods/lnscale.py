@@ -1,4 +1,4 @@
-"""LayerNorm Scaling, LNS (Sun et al. 2025, "The Curse of Depth in Large Language Models", sec. 4):
+"""LayerNorm Scaling, LNS (Sun et al. 2025, "The Curse of Depth in Large Language Models"):
 ``--layernorm-scaling``, Pre-LN only; and the released runs' initialisation, ``--init-scheme normal`` /
 ``normal-scaled``.
 
@@ -154,7 +154,7 @@ def describe_lns(args) -> str:
 METHOD = Method(
     name="lnscale",
     title="LayerNorm Scaling",
-    paper="Sun et al. 2025 (The Curse of Depth), sec. 4",
+    paper="Sun et al. 2025 (The Curse of Depth in Large Language Models)",
     summary="Pre-LN with each norm output times 1/sqrt(l), l the layer's depth; final norm unscaled; the released "
     "N(0, 0.02) init (`normal`) and its depth-scaled variant (`normal-scaled`)",
     code="lmsdss/LayerNorm-Scaling @ 3ac54dd peft_pretraining/modeling_llama.py:427-454,857-878",

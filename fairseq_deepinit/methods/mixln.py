@@ -8,7 +8,7 @@ Released code: pixeli99/MixLN @ ff45826 ``peft_pretraining/modeling_llama.py``: 
     layer i >= k (Pre-LN, 584-601):   h = x + Attn(N_a(x));     out = h + FFN(N_f(h))
 
 Nothing sits between the two parts (the last Post-LN layer's normalised output is the first Pre-LN
-layer's residual stream), and ``LlamaModel`` applies its final ``self.norm`` (927-928, applied at 1077)
+layer's residual stream), and ``LlamaModel`` applies its final ``self.norm`` (929, applied at 1077)
 whatever the mix. Here each layer's placement comes from :func:`mixln_placement` (the record's
 ``placement`` rule, read by :func:`fairseq_deepinit.plan.layer_plan`), and the stacks are built Pre-LN
 (``--encoder-/--decoder-normalize-before``), which is what makes fairseq build the final norm
@@ -101,7 +101,7 @@ def describe_mixln(args) -> str:
 METHOD = Method(
     name="mixln",
     title="Mix-LN",
-    paper="Li et al. 2024 (Mix-LN), sec. 4",
+    paper="Li, Yin & Liu 2024 (Mix-LN, ICLR 2025)",
     summary="The first k = floor(0.25 L) layers of each stack Post-LN, the rest Pre-LN, then the stack's final norm",
     code="pixeli99/MixLN @ ff45826 peft_pretraining/modeling_llama.py:265-268,325-333,565-601",
     options=(
