@@ -261,3 +261,31 @@ def test_fairseq_train_language_model(tmp_path):
     assert "layernorm-scaling=1/sqrt(l)" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]
+
+
+def incremental_equals_full(model, batch) -> None:
+    """Step-by-step decoding with fairseq's incremental state gives the full forward's logits (float64)."""
+    enc = model.encoder(batch["src_tokens"], src_lengths=batch["src_lengths"])
+    prev = batch["prev_output_tokens"]
+    full = model.decoder(prev, encoder_out=enc)[0]
+    state: dict = {}
+    steps = [
+        model.decoder(prev[:, :t], encoder_out=enc, incremental_state=state)[0] for t in range(1, prev.size(1) + 1)
+    ]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra", [(), ("--decoder-layer-type", "matt"), ("--norm-type", "scalenorm")])
+def test_composes_with_sdpa_matt_norms_and_incremental_decoding(extra):
+    """``--attention-impl sdpa`` computes the same model; the MAtt decoder's layers carry the factor; step-by-step
+    decoding equals the full forward (tolerance: fairseq's float32 softmax, as above)."""
+    batch = tiny_batch()
+    outs = []
+    for impl in ("fairseq", "sdpa"):
+        model, _ = build_model("lnscale_iwslt_de_en", *dims(), "--attention-impl", impl, *extra)
+        model = model.double().eval()
+        assert [lay.input_scale for lay in model.decoder.layers] == [port.lns_factor(i) for i in range(L)]
+        with torch.no_grad():
+            outs.append(model(**batch)[0])
+            incremental_equals_full(model, batch)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)

@@ -235,3 +235,26 @@ def test_fairseq_train_language_model(tmp_path):
     assert "mix-ln=post ratio 0.25" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]
+
+
+@pytest.mark.parametrize("extra", [(), ("--decoder-layer-type", "matt"), ("--norm-type", "scalenorm")])
+def test_composes_with_sdpa_matt_norms_and_incremental_decoding(extra):
+    """``--attention-impl sdpa`` computes the same model; the MAtt decoder's layers take the placement;
+    step-by-step decoding equals the full forward (float64; fairseq's float32 softmax bounds the difference)."""
+    batch = tiny_batch()
+    outs = []
+    for impl in ("fairseq", "sdpa"):
+        model, _ = build_model("mixln_iwslt_de_en", *dims(), "--mixln-post-layers", str(K), "--attention-impl", impl,
+                               *extra)  # fmt: skip
+        model = model.double().eval()
+        assert [lay.placement for lay in model.decoder.layers] == port.layer_kinds(L, K)
+        with torch.no_grad():
+            outs.append(model(**batch)[0])
+            enc = model.encoder(batch["src_tokens"], src_lengths=batch["src_lengths"])
+            prev = batch["prev_output_tokens"]
+            full = model.decoder(prev, encoder_out=enc)[0]
+            state: dict = {}
+            steps = [model.decoder(prev[:, :t], encoder_out=enc, incremental_state=state)[0]
+                     for t in range(1, prev.size(1) + 1)]  # fmt: skip
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
