@@ -63,10 +63,10 @@ def _k_problem(value: int) -> str | None:
 
 
 def validate_mixln_args(args) -> None:
+    """Mix-LN's cross-option checks (one-line :class:`DeepInitConfigError`)."""
     if not args.mix_ln:
-        for name in ("mixln_post_layers",):
-            if getattr(args, name, None) is not None:
-                raise DeepInitConfigError(f"--{name.replace('_', '-')} needs --mix-ln; add it or drop the option")
+        if args.mixln_post_layers is not None:
+            raise DeepInitConfigError("--mixln-post-layers needs --mix-ln; add it or drop the option")
         return
     if args.norm_type == "none":
         raise DeepInitConfigError("--mix-ln places norms and --norm-type none removes them; drop one")
