@@ -201,6 +201,7 @@ NUMERIC_MODULES = {
     "test_kernels",
     "test_lm",
     "test_matt",
+    "test_norm_placement",
     "test_norms",
     "test_ports",
     "test_precision",

@@ -261,3 +261,44 @@ def test_language_model_trains_and_reloads(family, lm_bin, tmp_path):  # noqa: F
     ev = run_cli("eval_lm", lm_bin, "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt",
                  "--tokens-per-sample", "32", "--cpu", "--num-workers", "0").stdout  # fmt: skip
     assert re.search(r"Perplexity: [0-9.]+", ev), ev[-2000:]
+
+
+# --- kernels per training update against stock fairseq -----------------------------------------------
+
+
+def _update_ops(kind: str, arch: str, *flags: str):
+    import gpu_readiness as gr
+    from harness import counters
+    from harness.fairseq_train import Shape
+
+    b = gr.build(kind, arch, Shape(2, 16, 32, 2), *flags)
+    sample = gr.batch(kind)
+    gr.update(b, sample, 0)
+    with counters.OpCounter() as ops:
+        gr.update(b, sample, 1)
+    return ops
+
+
+@pytest.mark.parametrize("kind", ["mt", "lm"])
+def test_op_count_against_stock_pre_ln(kind):
+    """``reordered`` moves each norm and adds none: at most 1.02x stock Pre-LN's kernels per update;
+    ``peri`` adds one norm per sub-layer (2 per encoder layer, 3 per decoder layer with cross-attention,
+    2 per decoder-only layer), each a forward and a backward norm kernel plus its parameters' optimizer
+    kernels (the figures: docs/schemes.md)."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_readiness as gr
+
+    gr.plugin()
+    suffix = "_iwslt_de_en" if kind == "mt" else "_lm_tiny"
+    stock = _update_ops(kind, gr.stock_arch(kind), *(["--encoder-normalize-before", "--decoder-normalize-before"]
+                                                      if kind == "mt" else []))  # fmt: skip
+    reordered = _update_ops(kind, "reordered" + suffix)
+    peri = _update_ops(kind, "periln" + suffix)
+    assert reordered.total <= 1.02 * stock.total, (reordered.total, stock.total)
+    extra = 2 * (2 + 3) if kind == "mt" else 2 * 2
+    for op in ("aten.native_layer_norm.default", "aten.native_layer_norm_backward.default"):
+        assert peri.counts[op] - reordered.counts[op] == extra, (op, peri.counts[op], reordered.counts[op])
