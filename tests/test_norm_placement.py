@@ -157,6 +157,9 @@ def test_norms_each_placement_builds(placement):
             outs = [getattr(layer, n) for n in layer.OUT_NORMS]
             assert all(o is not None for o in outs) == (placement == "peri")
             assert all(o is None for o in outs) == (placement != "peri")
+            for o in outs:  # OLMo-core's norms start as the identity map (weight 1, bias 0), as fairseq's do
+                if o is not None:
+                    assert torch.equal(o.weight, torch.ones_like(o.weight)) and not o.bias.any()
     keys = set(model.state_dict())
     assert ("decoder.layers.0.encoder_attn_out_norm.weight" in keys) == (placement == "peri")
     assert f"decoder={placement}-norm" in options.describe(args)
