@@ -97,6 +97,9 @@ CONFIGS: Dict[str, Config] = {
         _C("twt", "twt_wmt_en_de", (), "TwT: Pre-norm ScaleNorm + FixNorm + SmallInit, tied output", ref="stock-preln"),
         _C("lnscale", "lnscale_wmt_en_de", (), "LNS: Pre-LN, norm outputs x 1/sqrt(l)", ref="stock-preln"),
         _C("mixln", "mixln_wmt_en_de", (), "Mix-LN: first L/4 layers Post-LN, rest Pre-LN", ref="stock-preln"),
+        _C("periln", "periln_wmt_en_de", (), "Peri-LN: a norm before and after each branch", ref="stock-preln"),
+        _C("reordered", "reordered_wmt_en_de", (), "OLMo 2 reordered: a norm on each branch's output",
+           ref="stock-preln"),
     )
 }  # fmt: skip
 TABLE_CONFIGS = tuple(n for n in CONFIGS if n != "plugin")  # the CPU table's default set

@@ -1,7 +1,8 @@
 """The ``deepinit`` fairseq model: fairseq's TransformerModel with four independent axes.
 
 - norm position per stack: fairseq's ``--encoder-normalize-before`` / ``--decoder-normalize-before``
-  (Post-LN "v1" when off, Pre-LN "v2"/T2T when on; Xu et al. 2020 eq. 1-2), a value per layer;
+  (Post-LN "v1" when off, Pre-LN "v2"/T2T when on; Xu et al. 2020 eq. 1-2), or ``--norm-placement``
+  (also Peri-LN's and OLMo 2's placements, :mod:`fairseq_deepinit.methods.placement`), a value per layer;
 - norm type: ``--norm-type`` (:mod:`fairseq_deepinit.modules.norms`), plus ``--fixnorm`` embeddings;
 - residual scaling: ``--residual-scale`` (:mod:`fairseq_deepinit.modules.residual`);
 - init scheme: ``--init-scheme``, applied once after building;

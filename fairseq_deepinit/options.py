@@ -127,6 +127,7 @@ def resolve_and_validate(args) -> None:
             setattr(args, option.name, option.default)
     for name in ARCH_BOOL_FLAGS:
         setattr(args, name, bool(getattr(args, name, False)))
+    _resolve_norm_placement(args)
     scheme = INIT_SCHEMES.get(args.init_scheme)
     if scheme is None:
         raise _unknown("init_scheme", args.init_scheme, INIT_SCHEMES)
@@ -161,9 +162,10 @@ def resolve_and_validate(args) -> None:
         args.encoder_normalize_before or args.decoder_normalize_before
     ):
         what = f"--init-scheme {scheme.name}" if scheme.placement == "post" else f"--residual-scale {residual.name}"
-        raise DeepInitConfigError(
-            f"{what} is defined for Post-LN only; remove --encoder-normalize-before / --decoder-normalize-before"
-        )
+        remove = "--encoder-normalize-before / --decoder-normalize-before"
+        if args.norm_placement != "auto":
+            remove = f"--norm-placement {args.norm_placement} (or give --norm-placement post)"
+        raise DeepInitConfigError(f"{what} is defined for Post-LN only; remove {remove}")
     if args.norm_type == "none" and (args.encoder_normalize_before or args.decoder_normalize_before):
         # without a norm, Pre-LN and Post-LN compute the same x + f(x): the flag is harmless but does nothing
         logger.warning(
@@ -192,6 +194,32 @@ def resolve_and_validate(args) -> None:
         raise DeepInitConfigError(
             "--layernorm-embedding asks for an embedding norm but --norm-type is none; drop one of them"
         )
+
+
+def _resolve_norm_placement(args) -> None:
+    """``--norm-placement`` and fairseq's ``--encoder-/--decoder-normalize-before``: ``auto`` keeps the
+    flags (a placement per stack); ``post`` refuses them; ``pre``, ``peri`` and ``reordered`` set both, so
+    that fairseq builds each stack's final norm (``transformer_encoder.py:100-103``,
+    ``transformer_decoder.py:126-129``), which all three keep (OLMo-core ``lm_head.py:230``)."""
+    placement = getattr(args, "norm_placement", None) or "auto"
+    option = method_options()["norm_placement"][0]
+    problem = option.problem(placement)
+    if problem:
+        raise DeepInitConfigError(problem)
+    args.norm_placement = placement
+    if placement == "post" and (args.encoder_normalize_before or args.decoder_normalize_before):
+        raise DeepInitConfigError(
+            "--norm-placement post contradicts --encoder-/--decoder-normalize-before (given, or set by the "
+            "--arch); drop one of them"
+        )
+    if placement not in ("auto", "post"):
+        args.encoder_normalize_before = args.decoder_normalize_before = True
+
+
+def _stack_placement(args, stack: str) -> str:
+    if getattr(args, "norm_placement", None) not in (None, "auto"):
+        return args.norm_placement
+    return "pre" if getattr(args, f"{stack}_normalize_before") else "post"
 
 
 def core_option(name: str) -> Option:
@@ -223,8 +251,8 @@ def describe(args) -> str:
     parts = [
         f"init={args.init_scheme}",
         f"norm={args.norm_type}",
-        *([f"encoder={'pre' if args.encoder_normalize_before else 'post'}-norm"] if has_encoder(args) else []),
-        f"decoder={'pre' if args.decoder_normalize_before else 'post'}-norm",
+        *([f"encoder={_stack_placement(args, 'encoder')}-norm"] if has_encoder(args) else []),
+        f"decoder={_stack_placement(args, 'decoder')}-norm",
         f"residual={args.residual_scale}",
         f"decoder-layer={args.decoder_layer_type}",
     ]

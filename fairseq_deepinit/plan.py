@@ -24,7 +24,11 @@ from .modules.stacks import StackKind
 
 
 def stack_placement(cfg, kind: StackKind) -> str:
-    """The placement fairseq's flags give a stack: ``--encoder-/--decoder-normalize-before`` (Pre-LN) or not."""
+    """A stack's placement: ``--norm-placement`` where given, else what fairseq's flags give it,
+    ``--encoder-/--decoder-normalize-before`` (Pre-LN) or not."""
+    placement = getattr(cfg, "norm_placement", None)
+    if placement not in (None, "auto"):
+        return placement
     section = cfg.encoder if kind.stack == "encoder" else cfg.decoder
     return "pre" if section.normalize_before else "post"
 

@@ -203,6 +203,7 @@ NUMERIC_MODULES = {
     "test_lnscale",
     "test_matt",
     "test_mixln",
+    "test_norm_placement",
     "test_norms",
     "test_ports",
     "test_precision",

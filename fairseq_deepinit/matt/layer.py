@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..modules.layers import DeepInitDecoderLayer, LayerPlan
 from ..modules.linear import drop_bias
-from ..modules.sublayer import sublayer_input, sublayer_output
+from ..modules.sublayer import branch_output, sublayer_input, sublayer_output
 
 SELF_BRANCHES = ("aan", "self-attn", "gated-aan")
 # fairseq (NormFormer) options that change the standard layer's sub-layers; MAtt has no counterpart
@@ -169,6 +169,7 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
 
     SUBLAYERS = ("matt", "ffn")
     NORMS = ("matt_layer_norm", "final_layer_norm")
+    OUT_NORMS = ("matt_out_norm", "ffn_out_norm")
 
     def __init__(self, cfg, plan: LayerPlan, no_encoder_attn: bool = False) -> None:
         # fairseq's __init__ would build a self-attention and three norms MAtt does not have;
@@ -322,7 +323,7 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
                 out = out + branch
         else:  # no encoder output (decoder used alone): only the self branch
             out = w_o(branch) if pending is not None else branch + w_o.bias
-        h = self.dropout_module(out)
+        h = self.dropout_module(branch_output(self.placement, out, self.matt_layer_norm, self.matt_out_norm))
         x = sublayer_output(self.placement, h, skip, self.matt_layer_norm, self.residuals["matt"], layer_input)
 
         x, _ = self._ffn_sublayer(x, layer_input)

@@ -25,6 +25,7 @@ from . import (
     matt,
     mixln,
     normformer,
+    placement,
     rezero,
     subln,
     tfixup,
@@ -50,6 +51,7 @@ METHODS: Dict[str, Method] = {
         subln.METHOD,
         lnscale.METHOD,
         mixln.METHOD,
+        placement.METHOD,
     )
 }
 

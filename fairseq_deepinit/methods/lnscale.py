@@ -115,6 +115,12 @@ def validate_lns_args(args) -> None:
             f"--layernorm-scaling scales the output of each Pre-LN norm (under Post-LN it would scale the residual "
             f"stream itself); add {flags} (the lnscale_* architectures set them)"
         )
+    if getattr(args, "norm_placement", "auto") in ("peri", "reordered"):
+        raise DeepInitConfigError(
+            f"--layernorm-scaling is defined on Pre-LN (OLMo-core's LayerNormScaledTransformerBlock scales the "
+            f"pre-norm only) and --norm-placement {args.norm_placement} is another placement; use "
+            "--norm-placement pre or drop --layernorm-scaling"
+        )
     if getattr(args, "mix_ln", False):
         raise DeepInitConfigError(
             "--layernorm-scaling scales every layer's pre-norm and --mix-ln makes the first layers Post-LN (the "

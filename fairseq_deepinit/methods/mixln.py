@@ -77,6 +77,11 @@ def validate_mixln_args(args) -> None:
             f"fairseq builds for a Pre-LN stack only; add {flags or '--decoder-normalize-before'} (the mixln_* "
             "architectures set them)"
         )
+    if getattr(args, "norm_placement", "auto") in ("peri", "reordered"):
+        raise DeepInitConfigError(
+            f"--mix-ln chooses each layer's placement (Post-LN, then Pre-LN) and --norm-placement "
+            f"{args.norm_placement} asks for another one in every layer; drop --norm-placement"
+        )
     if args.residual_scale != "none":
         raise DeepInitConfigError(
             f"--mix-ln keeps the plain residual x + f(x); drop --residual-scale {args.residual_scale}"

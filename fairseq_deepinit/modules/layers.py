@@ -11,15 +11,16 @@ projections). Nothing here knows a method by name.
 The forwards replace fairseq's (``fairseq/modules/transformer_layer.py:163-227`` encoder,
 ``384-529`` decoder) with the same computation written out per sub-layer (:mod:`.sublayer`)::
 
-    h = branch(sublayer_input(placement, x, norm)); h = dropout(h)
+    h = branch(sublayer_input(placement, x, norm)); h = dropout(branch_output(placement, h, norm, out_norm))
     x = sublayer_output(placement, h, x, norm, residuals[<sub-layer>], layer_input)
 
 so that the residual module of each sub-layer is called by name (fairseq calls one
-``residual_connection`` per sum), the placement is a value per layer (``layer.placement``,
-``"post"`` or ``"pre"``), and NormFormer's operations (Shleifer et al. 2021; fairseq's decoder-layer
-attributes ``c_attn``, ``attn_ln``, ``ffn_layernorm``, ``w_resid``, None when off) are steps of both
-layers' forwards, as fairseq's decoder layer has them (lines 460-466, 508-514). The operations, their
-order and their operands are fairseq's, so the outputs are fairseq's bit for bit.
+``residual_connection`` per sum), the placement is a value per layer (``layer.placement``: ``"post"``,
+``"pre"``, or Peri-LN's / OLMo 2's ``"peri"`` / ``"reordered"``, whose output norm
+:func:`~.sublayer.branch_output` applies before the dropout), and NormFormer's operations (Shleifer et
+al. 2021; fairseq's decoder-layer attributes ``c_attn``, ``attn_ln``, ``ffn_layernorm``, ``w_resid``,
+None when off) are steps of both layers' forwards, as fairseq's decoder layer has them (lines 460-466,
+508-514). The operations, their order and their operands are fairseq's, so the outputs are fairseq's bit for bit.
 
 Every layer carries its :class:`~.stacks.StackKind` (``layer.kind``: encoder, decoder with
 cross-attention, decoder-only) and its depth ``layer.layer_idx`` (from 1, per stack), from which the
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from .attention import DEFAULT_IMPL, attention_class
 from .stacks import ENCODER, StackKind
-from .sublayer import check_placement, sublayer_input, sublayer_output
+from .sublayer import branch_output, check_placement, sublayer_input, sublayer_output
 
 LayerSetup = Callable[[nn.Module, object], None]
 
@@ -48,7 +49,7 @@ class LayerPlan:
     """What the selected methods decide for one layer (computed by :mod:`fairseq_deepinit.plan`).
 
     ``norm(dim)`` builds a sub-layer norm (``--norm-type``); ``residual(sublayer)`` builds the residual
-    module of a sub-layer (``--residual-scale``); ``placement`` is ``"post"`` or ``"pre"``;
+    module of a sub-layer (``--residual-scale``); ``placement`` is one of :data:`.sublayer.PLACEMENTS`;
     ``setup`` are the methods' layer set-ups, ``fn(layer, cfg)``, run in method order once the layer
     is built.
     """
@@ -72,6 +73,7 @@ class DeepInitLayer:
     residuals: nn.ModuleDict
     NORMS: Tuple[str, ...] = ()  # attributes holding the sub-layer norms fairseq built
     input_scale: float = 1.0  # times each Pre-LN norm's output (a method's set-up: LayerNorm Scaling's 1/sqrt(l))
+    OUT_NORMS: Tuple[str, ...] = ()  # Peri-LN's output norm of each of them (None under other placements)
     _attention_impl: str = DEFAULT_IMPL
 
     @property
@@ -87,6 +89,9 @@ class DeepInitLayer:
         for attr in self.NORMS:
             if getattr(self, attr, None) is not None:  # in fairseq's slot: the parameter order stays
                 setattr(self, attr, plan.norm(self.embed_dim))
+        for attr, out in zip(self.NORMS, self.OUT_NORMS, strict=True):
+            peri = self.placement == "peri" and getattr(self, attr, None) is not None
+            setattr(self, out, plan.norm(self.embed_dim) if peri else None)
         self.residuals = nn.ModuleDict({name: plan.residual(name) for name in sublayers})
         for setup in plan.setup:
             setup(self, cfg)
@@ -128,6 +133,7 @@ class DeepInitLayer:
             h = self.ffn_layernorm(h)
         h = self.fc2(h)
         fc_result = h
+        h = branch_output(self.placement, h, self.final_layer_norm, self.ffn_out_norm)
         h = self.dropout_module(h)
         if self.w_resid is not None:
             skip = torch.mul(self.w_resid, skip)
@@ -140,6 +146,7 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
 
     SUBLAYERS = ENCODER.sublayers
     NORMS = ("self_attn_layer_norm", "final_layer_norm")
+    OUT_NORMS = ("self_attn_out_norm", "ffn_out_norm")
 
     def __init__(self, cfg, plan: LayerPlan, return_fc: bool = False) -> None:
         self._attention_impl = plan.attention_impl  # read by build_self_attention inside fairseq's __init__
@@ -178,6 +185,7 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
             query=h, key=h, value=h, key_padding_mask=encoder_padding_mask, need_weights=False, attn_mask=attn_mask
         )
         h = self._normformer_attention_output(h)
+        h = branch_output(self.placement, h, self.self_attn_layer_norm, self.self_attn_out_norm)
         h = self.dropout_module(h)
         x = sublayer_output(
             self.placement, h, skip, self.self_attn_layer_norm, self.residuals["self_attn"], layer_input
@@ -193,6 +201,7 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
     """fairseq's decoder layer; sub-layers ``self_attn``, ``encoder_attn`` (with cross-attention) and ``ffn``."""
 
     NORMS = ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
+    OUT_NORMS = ("self_attn_out_norm", "encoder_attn_out_norm", "ffn_out_norm")
 
     def __init__(self, cfg, plan: LayerPlan, no_encoder_attn: bool = False) -> None:
         self._attention_impl = plan.attention_impl
@@ -264,6 +273,7 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
             attn_mask=self_attn_mask,
         )
         h = self._normformer_attention_output(h)
+        h = branch_output(self.placement, h, self.self_attn_layer_norm, self.self_attn_out_norm)
         h = self.dropout_module(h)
         x = sublayer_output(
             self.placement, h, skip, self.self_attn_layer_norm, self.residuals["self_attn"], layer_input
@@ -285,6 +295,7 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
                 need_weights=need_attn or (not self.training and self.need_attn),
                 need_head_weights=need_head_weights,
             )
+            h = branch_output(self.placement, h, self.encoder_attn_layer_norm, self.encoder_attn_out_norm)
             h = self.dropout_module(h)
             x = sublayer_output(
                 self.placement, h, skip, self.encoder_attn_layer_norm, self.residuals["encoder_attn"], layer_input
