@@ -13,7 +13,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict
 
-from . import admin, b2t, baseline, core, deepnorm, dsinit, lipschitz, matt, normformer, rezero, subln, tfixup, twt
+from . import (
+    admin,
+    b2t,
+    baseline,
+    core,
+    deepnorm,
+    dsinit,
+    lipschitz,
+    matt,
+    normformer,
+    resi_dual,
+    rezero,
+    subln,
+    tfixup,
+    twt,
+)
 from .record import InitScheme, LayerType, Method, Option, ResidualScale
 
 METHODS: Dict[str, Method] = {
@@ -30,6 +45,7 @@ METHODS: Dict[str, Method] = {
         admin.METHOD,
         matt.METHOD,
         b2t.METHOD,
+        resi_dual.METHOD,
         normformer.METHOD,
         subln.METHOD,
     )
