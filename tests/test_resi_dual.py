@@ -216,6 +216,7 @@ STACK_CASES = [
     pytest.param(("--resi-dual-scale", "1"), id="s1"),
     pytest.param(("--resi-dual-scale", str(port.OPUS_RES_SCALE), "--resi-dual-alpha", "0.5"), id="s0.05-alpha0.5"),
     pytest.param(("--layernorm-embedding",), id="layernorm-embedding"),
+    pytest.param(("--attention-impl", "sdpa"), id="sdpa"),
 ]
 
 
