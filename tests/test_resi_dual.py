@@ -325,6 +325,17 @@ def test_options_belong_to_resi_dual():
     assert "--resi-dual-scale" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_fp16_with_an_unscaled_stream_warns(caplog):
+    """``--fp16`` with ``s = 1`` warns and names the released 0.05 (``opus.yaml:25-26``); ``s = 0.05`` does not."""
+    with caplog.at_level("WARNING", logger="fairseq_deepinit.methods.resi_dual"):
+        build_model("resi_dual_iwslt_de_en", *DIMS, "--fp16")
+    assert "--resi-dual-scale 0.05" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fairseq_deepinit.methods.resi_dual"):
+        build_model("resi_dual_iwslt_de_en", *DIMS, "--fp16", "--resi-dual-scale", "0.05")
+    assert "resi-dual" not in caplog.text
+
+
 def test_composes_with_post_ln_inits_and_norms():
     for cli in (("--init-scheme", "ds-init"), ("--init-scheme", "lipschitz"), ("--norm-type", "rmsnorm")):
         model, _ = build_model("resi_dual_iwslt_de_en", *DIMS, *cli)
