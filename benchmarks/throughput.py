@@ -92,6 +92,7 @@ CONFIGS: Dict[str, Config] = {
         _C("preln-rmsnorm", "preln_wmt_en_de", ("--norm-type", "rmsnorm"), "Pre-LN, RMSNorm, xavier",
            ref="stock-preln"),
         _C("deepnorm", "deepnorm_wmt_en_de", (), "DeepNorm: Post-LN, alpha-scaled residual"),
+        _C("resi-dual", "resi_dual_wmt_en_de", (), "ResiDual: Post-LN plus a raw stream, final norm"),
         _C("t-fixup", "tfixup_wmt_en_de", (), "T-Fixup: no norm"),
         _C("rezero", "rezero_wmt_en_de", (), "ReZero: no norm, x + a*f(x)"),
         _C("twt", "twt_wmt_en_de", (), "TwT: Pre-norm ScaleNorm + FixNorm + SmallInit, tied output", ref="stock-preln"),

@@ -24,7 +24,8 @@ call; they are the one place where a stack loops over its layers:
   decides from the padding side of the targets, a build-time property (:mod:`.modules.padding`).
 
 Each replacement is fairseq's method with only those lines changed; the values every real (non-pad)
-position gets, the loss and the gradients are fairseq's.
+position gets, the loss and the gradients are fairseq's. A stack's second stream (``dual_stream``, ResiDual:
+:mod:`.modules.dual_stream`) starts at its embedding output, goes through every layer call and its ``layer_norm``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch import Tensor
 from . import options, plan
 from .checkpoints import config_check
 from .modules.attention import declare_target_padding
+from .modules.dual_stream import DualStream
 from .modules.fixnorm import FixNormOutputProjection
 from .modules.layers import DeepInitEncoderLayer
 from .modules.masks import future_mask
@@ -90,10 +92,13 @@ def _keep_version(module, state_dict, name: str) -> None:
 
 
 class DeepInitEncoder(TransformerEncoderBase):
+    dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
+
     def __init__(self, cfg, dictionary, embed_tokens, return_fc: bool = False) -> None:
         self._built_layers = 0
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
         _replace_stack_norms(self, cfg, embed_tokens.embedding_dim)
+        plan.setup_stack(self, cfg, ENCODER)
 
     def build_encoder_layer(self, cfg):
         self._built_layers += 1
@@ -119,7 +124,8 @@ class DeepInitEncoder(TransformerEncoderBase):
         each layer (229-232): a device-to-host read per layer, which also cuts ``torch.compile``'s
         graph at every layer. Here every layer gets the mask, as fairseq does on XLA (its
         ``has_pads`` is forced true there, line 206). An all-false mask changes no value: attention
-        masks nothing, and ``x * (1 - mask)`` multiplies by one.
+        masks nothing, and ``x * (1 - mask)`` multiplies by one. ResiDual's second stream: microsoft/ResiDual
+        @ 8682f75 ``resi_dual/resi_dual.py:107-131`` (``encoder_states`` are the layers' ``x``, as there).
         """
         encoder_padding_mask = src_tokens.eq(self.padding_idx)
         x, encoder_embedding = self.forward_embedding(src_tokens, token_embeddings)
@@ -131,16 +137,22 @@ class DeepInitEncoder(TransformerEncoderBase):
         fc_results: List[Tensor | None] = []
         if return_all_hiddens:
             encoder_states.append(x)
+        raw = None if self.dual_stream is None else self.dual_stream.begin(x)
         for layer in self.layers:
-            lr = layer(x, encoder_padding_mask=encoder_padding_mask)
-            if isinstance(lr, tuple) and len(lr) == 2:
-                x, fc_result = lr
+            if raw is not None:
+                x, raw, fc_result = layer(x, encoder_padding_mask=encoder_padding_mask, raw=raw)
             else:
-                x, fc_result = lr, None
+                lr = layer(x, encoder_padding_mask=encoder_padding_mask)
+                if isinstance(lr, tuple) and len(lr) == 2:
+                    x, fc_result = lr
+                else:
+                    x, fc_result = lr, None
             if return_all_hiddens:
                 encoder_states.append(x)
                 fc_results.append(fc_result)
-        if self.layer_norm is not None:
+        if raw is not None:
+            x = self.dual_stream.close(x, raw, self.layer_norm)
+        elif self.layer_norm is not None:
             x = self.layer_norm(x)
 
         src_lengths = src_tokens.ne(self.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
@@ -166,6 +178,7 @@ class DeepInitDecoder(TransformerDecoderBase):
     """
 
     target_padding = "unknown"
+    dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
 
     def set_target_padding(self, side: str) -> None:
         """Record where the task pads the decoder's input (a build-time fact: no forward reads the tokens)."""
@@ -178,6 +191,7 @@ class DeepInitDecoder(TransformerDecoderBase):
             cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn, output_projection=output_projection
         )
         _replace_stack_norms(self, cfg, self.embed_dim)
+        plan.setup_stack(self, cfg, decoder_kind(cross_attention=not no_encoder_attn))
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
         self._built_layers += 1
@@ -247,6 +261,8 @@ class DeepInitDecoder(TransformerDecoderBase):
         """fairseq's ``TransformerDecoderBase.extract_features_scriptable`` (transformer_decoder.py:254-370)
         with its self-attention padding mask from :meth:`self_attn_padding_mask` (lines 327-329 read it
         on the host on every call). Returns ``(features (B x T x C), {"attn": [...], "inner_states": [...]})``.
+        ResiDual's second stream (``resi_dual.py:252-283``) starts at this call's embedding output: per position,
+        read by no attention, so an incremental step needs nothing of it cached.
         """
         if alignment_layer is None:
             alignment_layer = self.num_layers - 1
@@ -289,21 +305,18 @@ class DeepInitDecoder(TransformerDecoderBase):
         # decoder layers
         attn: Tensor | None = None
         inner_states: List[Tensor | None] = [x]
+        raw = None if self.dual_stream is None else self.dual_stream.begin(x)
         for idx, layer in enumerate(self.layers):
             if incremental_state is None and not full_context_alignment:
                 self_attn_mask = self.buffered_future_mask(x)
             else:
                 self_attn_mask = None
-            x, layer_attn, _ = layer(
-                x,
-                enc,
-                padding_mask,
-                incremental_state,
-                self_attn_mask=self_attn_mask,
-                self_attn_padding_mask=self_attn_padding_mask,
-                need_attn=bool(idx == alignment_layer),
-                need_head_weights=bool(idx == alignment_layer),
-            )
+            masks = dict(self_attn_mask=self_attn_mask, self_attn_padding_mask=self_attn_padding_mask)
+            heads = dict(need_attn=bool(idx == alignment_layer), need_head_weights=bool(idx == alignment_layer))
+            if raw is not None:
+                x, layer_attn, _, raw = layer(x, enc, padding_mask, incremental_state, **masks, **heads, raw=raw)
+            else:
+                x, layer_attn, _ = layer(x, enc, padding_mask, incremental_state, **masks, **heads)
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)
@@ -313,7 +326,9 @@ class DeepInitDecoder(TransformerDecoderBase):
                 attn = attn[:alignment_heads]
             # average probabilities over heads
             attn = attn.mean(dim=0)
-        if self.layer_norm is not None:
+        if raw is not None:
+            x = self.dual_stream.close(x, raw, self.layer_norm)
+        elif self.layer_norm is not None:
             x = self.layer_norm(x)
         x = x.transpose(0, 1)  # T x B x C -> B x T x C
         if self.project_out_dim is not None:

@@ -7,6 +7,7 @@ select:
 - :func:`layer_plan`: for each layer, its norm placement, norm builder, residual modules, attention
   implementation and the methods' layer set-ups (:class:`~fairseq_deepinit.modules.layers.LayerPlan`);
 - :func:`decoder_layer_class`: the ``--decoder-layer-type`` class;
+- :func:`setup_stack`: the methods' set-up of a built encoder or decoder (ResiDual's second stream);
 - :func:`build_embedding` / :func:`build_output_projection`: a method's replacement of the word embedding
   or the output layer (FixNorm), or None for fairseq's own;
 - :func:`apply_init`: the init scheme, then every method's post-init, once the model is built.
@@ -51,6 +52,13 @@ def layer_plan(cfg, kind: StackKind, index: int) -> LayerPlan:
         attention_impl=getattr(cfg, "attention_impl", None) or DEFAULT_IMPL,
         setup=tuple(m.layer_setup for m in methods if m.layer_setup is not None),
     )
+
+
+def setup_stack(stack: nn.Module, cfg, kind: StackKind) -> None:
+    """Every selected method's ``stack_setup`` of a freshly built encoder or decoder, in method order."""
+    for method in METHODS.values():
+        if method.stack_setup is not None and method.selected(cfg):
+            method.stack_setup(stack, cfg, kind)
 
 
 def decoder_layer_class(cfg) -> type:

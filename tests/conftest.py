@@ -208,6 +208,7 @@ NUMERIC_MODULES = {
     "test_ports",
     "test_precision",
     "test_radam",
+    "test_resi_dual",
     "test_schedule",
     "test_schemes",
     "test_sdpa",

@@ -326,5 +326,5 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
         h = self.dropout_module(branch_output(self.placement, out, self.matt_layer_norm, self.matt_out_norm))
         x = sublayer_output(self.placement, h, skip, self.matt_layer_norm, self.residuals["matt"], layer_input)
 
-        x, _ = self._ffn_sublayer(x, layer_input)
+        x, _, _ = self._ffn_sublayer(x, layer_input)
         return x, attn, None

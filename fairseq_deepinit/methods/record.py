@@ -146,6 +146,8 @@ class Method:
     - ``layer_setup(layer, cfg)``: modules it adds to or replaces in a freshly built layer (run for every
       layer, in method order; it checks ``cfg`` for itself);
     - ``post_init(model, cfg)``: after the init scheme, in method order (it checks ``cfg`` for itself);
+    - ``stack_setup(stack, cfg, kind)``: modules and constants it adds to a freshly built encoder or decoder
+      (its layers built; ``kind`` the kind of its layers), in method order, when the method is selected;
     - ``placement(cfg, kind, index)``: the norm placement of a layer, where the method decides it
       (None: the stack's ``--*-normalize-before``);
     - ``embedding(args, dictionary, dim, path)`` / ``output_projection(cfg, embed_tokens)``: a module
@@ -170,6 +172,7 @@ class Method:
     describe: Callable[[Any], str] | None = None
     layer_setup: Callable[[nn.Module, object], None] | None = None
     post_init: Callable[[nn.Module, object], None] | None = None
+    stack_setup: Callable[[nn.Module, object, StackKind], None] | None = None
     placement: Callable[[object, StackKind, int], str | None] | None = None
     embedding: Callable[[object, Any, int, Any], nn.Module | None] | None = None
     output_projection: Callable[[object, nn.Module], nn.Module | None] | None = None

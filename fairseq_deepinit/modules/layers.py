@@ -20,7 +20,9 @@ so that the residual module of each sub-layer is called by name (fairseq calls o
 :func:`~.sublayer.branch_output` applies before the dropout), and NormFormer's operations (Shleifer et
 al. 2021; fairseq's decoder-layer attributes ``c_attn``, ``attn_ln``, ``ffn_layernorm``, ``w_resid``,
 None when off) are steps of both layers' forwards, as fairseq's decoder layer has them (lines 460-466,
-508-514). The operations, their order and their operands are fairseq's, so the outputs are fairseq's bit for bit.
+508-514). The operations, their order and their operands are fairseq's, so the outputs are fairseq's bit
+for bit. A stack with a second stream (ResiDual, :mod:`.dual_stream`) passes it as ``raw`` and gets it
+back: each sub-layer adds its dropped-out branch output ``h`` to it, after ``h = dropout(h)`` above.
 
 Every layer carries its :class:`~.stacks.StackKind` (``layer.kind``: encoder, decoder with
 cross-attention, decoder-only) and its depth ``layer.layer_idx`` (from 1, per stack), from which the
@@ -38,6 +40,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from torch import Tensor
 
 from .attention import DEFAULT_IMPL, attention_class
+from .dual_stream import DualStream
 from .stacks import ENCODER, StackKind
 from .sublayer import branch_output, check_placement, sublayer_input, sublayer_output
 
@@ -75,6 +78,7 @@ class DeepInitLayer:
     input_scale: float = 1.0  # times each Pre-LN norm's output (a method's set-up: LayerNorm Scaling's 1/sqrt(l))
     OUT_NORMS: Tuple[str, ...] = ()  # Peri-LN's output norm of each of them (None under other placements)
     _attention_impl: str = DEFAULT_IMPL
+    dual_stream: DualStream | None = None  # the constants of a stack's second stream (ResiDual), set up by a method
 
     @property
     def stack(self) -> str:
@@ -121,10 +125,13 @@ class DeepInitLayer:
             x = self.attn_ln(x)
         return x
 
-    def _ffn_sublayer(self, x: Tensor, layer_input: Tensor) -> Tuple[Tensor, Tensor]:
+    def _ffn_sublayer(
+        self, x: Tensor, layer_input: Tensor, raw: Tensor | None = None
+    ) -> Tuple[Tensor, Tensor, Tensor | None]:
         """The FFN sub-layer (fairseq transformer_layer.py:206-222 encoder, 490-514 decoder); returns
-        ``(output, fc2's output before dropout)``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
-        ``w_resid`` on the skip path."""
+        ``(output, fc2's output before dropout, raw)``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
+        ``w_resid`` on the skip path. ``raw``: the stack's second stream, which the dropped-out branch output
+        is added to (:mod:`.dual_stream`), None without one."""
         skip = x
         h = sublayer_input(self.placement, x, self.final_layer_norm, self.input_scale)
         h = self.activation_fn(self.fc1(h))
@@ -135,10 +142,12 @@ class DeepInitLayer:
         fc_result = h
         h = branch_output(self.placement, h, self.final_layer_norm, self.ffn_out_norm)
         h = self.dropout_module(h)
+        if raw is not None:
+            raw = self.dual_stream.add(raw, h)
         if self.w_resid is not None:
             skip = torch.mul(self.w_resid, skip)
         out = sublayer_output(self.placement, h, skip, self.final_layer_norm, self.residuals["ffn"], layer_input)
-        return out, fc_result
+        return out, fc_result, raw
 
 
 class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
@@ -172,8 +181,14 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
             xformers_att_config=cfg.encoder.xformers_att_config,
         )
 
-    def forward(self, x: Tensor, encoder_padding_mask: Tensor | None, attn_mask: Tensor | None = None):
-        """fairseq's ``TransformerEncoderLayerBase.forward`` (transformer_layer.py:163-227), per sub-layer."""
+    def forward(
+        self, x: Tensor, encoder_padding_mask: Tensor | None, attn_mask: Tensor | None = None, raw: Tensor | None = None
+    ):
+        """fairseq's ``TransformerEncoderLayerBase.forward`` (transformer_layer.py:163-227), per sub-layer.
+
+        ``raw``: the stack's second stream (ResiDual, :mod:`.dual_stream`), which every sub-layer's
+        dropped-out branch output is added to; given one, the layer returns ``(x, raw, fc_result or None)``.
+        """
         if attn_mask is not None:
             # fairseq's masked value (lines 184-192): -inf could give NaN rows for padded queries
             attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
@@ -187,11 +202,15 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
         h = self._normformer_attention_output(h)
         h = branch_output(self.placement, h, self.self_attn_layer_norm, self.self_attn_out_norm)
         h = self.dropout_module(h)
+        if raw is not None:
+            raw = self.dual_stream.add(raw, h)
         x = sublayer_output(
             self.placement, h, skip, self.self_attn_layer_norm, self.residuals["self_attn"], layer_input
         )
 
-        x, fc_result = self._ffn_sublayer(x, layer_input)
+        x, fc_result, raw = self._ffn_sublayer(x, layer_input, raw)
+        if raw is not None:
+            return x, raw, fc_result if self.return_fc else None
         if self.return_fc and not torch.jit.is_scripting():
             return x, fc_result
         return x
@@ -248,9 +267,12 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
         self_attn_padding_mask: Tensor | None = None,
         need_attn: bool = False,
         need_head_weights: bool = False,
+        raw: Tensor | None = None,
     ):
         """fairseq's ``TransformerDecoderLayerBase.forward`` (transformer_layer.py:384-529), per sub-layer;
-        returns ``(x, cross-attention weights or None, self-attention state under ONNX tracing or None)``."""
+        returns ``(x, cross-attention weights or None, self-attention state under ONNX tracing or None)``,
+        and ``raw`` fourth when given one: the stack's second stream (ResiDual, :mod:`.dual_stream`), which
+        every sub-layer's dropped-out branch output is added to."""
         if need_head_weights:
             need_attn = True
         layer_input = x
@@ -275,6 +297,8 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
         h = self._normformer_attention_output(h)
         h = branch_output(self.placement, h, self.self_attn_layer_norm, self.self_attn_out_norm)
         h = self.dropout_module(h)
+        if raw is not None:
+            raw = self.dual_stream.add(raw, h)
         x = sublayer_output(
             self.placement, h, skip, self.self_attn_layer_norm, self.residuals["self_attn"], layer_input
         )
@@ -297,20 +321,24 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
             )
             h = branch_output(self.placement, h, self.encoder_attn_layer_norm, self.encoder_attn_out_norm)
             h = self.dropout_module(h)
+            if raw is not None:
+                raw = self.dual_stream.add(raw, h)
             x = sublayer_output(
                 self.placement, h, skip, self.encoder_attn_layer_norm, self.residuals["encoder_attn"], layer_input
             )
 
-        x, _ = self._ffn_sublayer(x, layer_input)
+        x, _, raw = self._ffn_sublayer(x, layer_input, raw)
 
+        self_attn_state = None
         if self.onnx_trace and incremental_state is not None:  # fairseq lines 515-528
             saved_state = self.self_attn._get_input_buffer(incremental_state)
             assert saved_state is not None
             self_attn_state = [saved_state["prev_key"], saved_state["prev_value"]]
             if self_attn_padding_mask is not None:
                 self_attn_state.append(saved_state["prev_key_padding_mask"])
-            return x, attn, self_attn_state
-        return x, attn, None
+        if raw is not None:
+            return x, attn, self_attn_state, raw
+        return x, attn, self_attn_state
 
     def _self_attention_keys(
         self, x, encoder_out, encoder_padding_mask, incremental_state, self_attn_mask, self_attn_padding_mask

@@ -1,0 +1,189 @@
+"""ResiDual (Xie et al. 2023, "ResiDual: Transformer with Dual Residual Connections", sec. 3):
+``--residual-scale resi-dual``, a Post-LN stack plus a second, un-normalised stream of the sub-layers'
+outputs, added back after a final norm.
+
+As released (microsoft/ResiDual @ 8682f75, itself a fairseq user-dir plugin), for every sub-layer ``F``
+of every layer (self-attention, cross-attention, FFN), with ``h = dropout(F(x))``::
+
+    raw <- raw + s * h                 resi_dual/resi_dual_layers.py:37, 50 (encoder); 135, 163, 176 (decoder)
+    x   <- LN(x + h)                   resi_dual_layers.py:39, 51; 136, 164, 177 (fairseq's Post-LN)
+
+    raw_0 = s * x_0                    resi_dual/resi_dual.py:107 (encoder), 252 (decoder)
+    y     = alpha * x_L + LN_1e-7(raw_L)   resi_dual.py:131, 283; final norm eps 1e-7: 24, 157
+
+``x_0`` is the embedding output (after fairseq's ``embed_scale``, positions, optional
+``--layernorm-embedding`` and dropout; the encoder's padding zeroed), ``s`` the released
+``res_input_norm_scale`` and ``alpha`` ``enc_alpha`` / ``dec_alpha`` (``ResiDualConfig``, 294-300: both 1.0;
+``hydra_config/opus.yaml:25-26``: ``s = 0.05`` for the 18+18-layer fp16 run). The blocks: the stream's
+constants and steps in :mod:`~fairseq_deepinit.modules.dual_stream`, added to in the layer forwards
+(:mod:`~fairseq_deepinit.modules.layers`), started and closed in the stack loops (``model.py``); the final
+norm takes fairseq's ``layer_norm`` slot, as in the release, so the state-dict keys are the release's.
+
+Options: ``--resi-dual-scale`` (s, default 1.0 as ``ResiDualConfig``; 0.05 with ``--fp16`` and deep
+stacks, as opus.yaml: ``LN(s d) = LN(d)`` apart from the eps, so it only keeps the stream in fp16 range),
+``--resi-dual-alpha`` (1.0), ``--resi-dual-start`` (``embedding`` as released, or ``zero``: the
+``torch.zeros_like(x)`` left in a comment at lines 107 and 252) and ``--resi-dual-final-eps`` (1e-7).
+Where the code and the paper's description differ, and the fairseq facts, are in docs/schemes.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch.nn as nn
+
+from ..errors import DeepInitConfigError
+from ..modules.dual_stream import STARTS, DualStream
+from ..modules.norms import build_norm
+from ..modules.residual import Residual
+from ..modules.stacks import StackKind
+from .record import Method, Option, ResidualScale
+
+logger = logging.getLogger(__name__)
+
+NAME = "resi-dual"
+FINAL_NORM_EPS = 1e-7  # resi_dual/resi_dual.py:24, 157
+OPUS_SCALE = 0.05  # hydra_config/opus.yaml:25-26 (18+18 layers, fp16)
+# norms with norm(s * d) = norm(d) up to their eps, which the scale relies on (a point-wise DyT is not one)
+SCALE_INVARIANT_NORMS = ("layernorm", "rmsnorm", "scalenorm")
+# features whose own checks would ask for Pre-LN: refused here first, with the reason that applies
+PRE_LN_FEATURES = ("scale_attn", "scale_fc", "scale_heads", "scale_resids", "subln")
+
+
+def _positive(name: str):
+    def check(value) -> str | None:
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            return None
+        return f"--{name} must be a finite number greater than 0, got {value}"
+
+    return check
+
+
+def _finite(value) -> str | None:
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return None
+    return f"--resi-dual-alpha must be a finite number, got {value}"
+
+
+def stream(cfg) -> DualStream:
+    """The stream's constants from the resolved options."""
+    return DualStream(scale=cfg.resi_dual_scale, alpha=cfg.resi_dual_alpha, start=cfg.resi_dual_start)
+
+
+def setup_resi_dual_layer(layer: nn.Module, cfg) -> None:
+    """Layer set-up: the stream's constants, on a Post-LN layer only (a method that places a layer's norms
+    otherwise, per layer, is caught here even where no flag says Pre-LN)."""
+    if getattr(cfg, "residual_scale", None) != NAME:
+        return
+    if layer.placement != "post":
+        raise DeepInitConfigError(
+            f"--residual-scale {NAME} adds a second stream to Post-LN layers; {layer.stack} layer {layer.layer_idx} "
+            f"is {layer.placement}-norm: drop the option that places it"
+        )
+    layer.dual_stream = stream(cfg)
+
+
+def setup_resi_dual_stack(stack: nn.Module, cfg, kind: StackKind) -> None:
+    """Stack set-up: the stream's constants and its final norm (``resi_dual.py:24, 157``) in fairseq's
+    ``layer_norm`` slot, of ``--norm-type`` with eps ``--resi-dual-final-eps``, over the layers' width."""
+    dim = cfg.encoder.embed_dim if kind.stack == "encoder" else cfg.decoder.embed_dim
+    stack.dual_stream = stream(cfg)
+    stack.layer_norm = build_norm(cfg.norm_type, dim, cfg.resi_dual_final_eps, cfg.export)
+
+
+def validate_resi_dual_args(args) -> None:
+    if args.norm_type not in SCALE_INVARIANT_NORMS:
+        raise DeepInitConfigError(
+            f"--residual-scale {NAME} needs a norm with norm(s x) = norm(x) in its Post-LN layers and final norm "
+            f"({', '.join(SCALE_INVARIANT_NORMS)}), not --norm-type {args.norm_type}: use --norm-type layernorm, "
+            "with an --init-scheme that keeps the norms"
+        )
+    if args.decoder_layer_type != "standard":
+        raise DeepInitConfigError(
+            f"--residual-scale {NAME} carries its second stream through the standard layers; drop --decoder-layer-type "
+            f"{args.decoder_layer_type}"
+        )
+    given = [o for o in PRE_LN_FEATURES if getattr(args, o, False)]
+    if given:
+        flags = " ".join("--" + o.replace("_", "-") for o in given)
+        raise DeepInitConfigError(f"{flags}: defined on Pre-LN, and --residual-scale {NAME} is Post-LN; drop one")
+    fp16 = getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False)
+    if fp16 and args.resi_dual_scale == 1.0:
+        logger.warning(
+            "--residual-scale %s under --fp16 with --resi-dual-scale 1: the second stream sums every layer's "
+            "un-normalised outputs in fp16; the released 18+18-layer fp16 run uses --resi-dual-scale %s "
+            "(the model's function does not depend on it apart from the final norm's eps)",
+            NAME,
+            OPUS_SCALE,
+        )
+
+
+def describe_resi_dual(args) -> str:
+    return (
+        f"resi-dual-scale={args.resi_dual_scale:g}, resi-dual-alpha={args.resi_dual_alpha:g}, "
+        f"resi-dual-start={args.resi_dual_start}, resi-dual-final-eps={args.resi_dual_final_eps:g}"
+    )
+
+
+METHOD = Method(
+    name="resi_dual",
+    title="ResiDual",
+    paper="Xie et al. 2023, sec. 3",
+    summary="Post-LN plus a second stream summing every sub-layer's dropped-out output (started from the embedding), "
+    "added to the output after its own final norm",
+    code="microsoft/ResiDual @ 8682f75 resi_dual/resi_dual_layers.py:25-51,116-177, resi_dual/resi_dual.py:24,"
+    "107-131,157,252-283,294-300, hydra_config/opus.yaml:25-26",
+    owner=("residual_scale", NAME),
+    options=(
+        Option(
+            "resi_dual_scale",
+            float,
+            1.0,
+            "resi-dual: factor s of every term of the second stream (the released res_input_norm_scale; "
+            f"default 1.0; {OPUS_SCALE} for deep fp16 stacks as the released opus.yaml: the function is the same "
+            "apart from the final norm's eps, the stream's range s times smaller)",
+            metavar="S",
+            check=_positive("resi-dual-scale"),
+        ),
+        Option(
+            "resi_dual_alpha",
+            float,
+            1.0,
+            "resi-dual: factor of the Post-LN stream in the output alpha x + norm(raw) (released enc_alpha/dec_alpha; "
+            "default 1.0)",
+            metavar="ALPHA",
+            check=_finite,
+        ),
+        Option(
+            "resi_dual_start",
+            str,
+            "embedding",
+            "resi-dual: the second stream starts as s times the embedding output (embedding, default, as released) "
+            "or at zero (zero, the alternative left in a comment there)",
+            choices=STARTS,
+        ),
+        Option(
+            "resi_dual_final_eps",
+            float,
+            FINAL_NORM_EPS,
+            "resi-dual: epsilon of the second stream's final norm (default 1e-7, as released; the layers' norms "
+            "keep --norm-eps)",
+            metavar="EPS",
+            check=_positive("resi-dual-final-eps"),
+        ),
+    ),
+    residual_scales=(
+        ResidualScale(
+            NAME,
+            lambda cfg, kind, sub, idx: Residual(),
+            "LN(x + f(x)), and f(x) summed in a second stream added after a final norm (ResiDual)",
+            placement="post",
+        ),
+    ),
+    validate=validate_resi_dual_args,
+    describe=describe_resi_dual,
+    layer_setup=setup_resi_dual_layer,
+    stack_setup=setup_resi_dual_stack,
+    families={"resi_dual": dict(init_scheme="fairseq", residual_scale=NAME)},
+)
