@@ -70,6 +70,8 @@ def check_exportable(args) -> None:
         problems.append("Pre-LN")
     if args.fixnorm:
         problems.append("--fixnorm")
+    if getattr(args, "qk_norm", False):
+        problems.append("--qk-norm (stock transformer has no q/k norms)")
     if args.decoder_layer_type != "standard":
         problems.append(f"--decoder-layer-type {args.decoder_layer_type}")
     for flag in ("adaptive_input", "cross_self_attention", "no_cross_attention", "adaptive_softmax_cutoff"):

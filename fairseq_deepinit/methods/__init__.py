@@ -13,7 +13,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict
 
-from . import admin, b2t, baseline, core, deepnorm, dsinit, lipschitz, matt, normformer, rezero, subln, tfixup, twt
+from . import (
+    admin,
+    b2t,
+    baseline,
+    core,
+    deepnorm,
+    dsinit,
+    lipschitz,
+    matt,
+    normformer,
+    qk_norm,
+    rezero,
+    subln,
+    tfixup,
+    twt,
+)
 from .record import InitScheme, LayerType, Method, Option, ResidualScale
 
 METHODS: Dict[str, Method] = {
@@ -32,6 +47,7 @@ METHODS: Dict[str, Method] = {
         b2t.METHOD,
         normformer.METHOD,
         subln.METHOD,
+        qk_norm.METHOD,
     )
 }
 
