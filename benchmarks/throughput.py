@@ -95,6 +95,7 @@ CONFIGS: Dict[str, Config] = {
         _C("t-fixup", "tfixup_wmt_en_de", (), "T-Fixup: no norm"),
         _C("rezero", "rezero_wmt_en_de", (), "ReZero: no norm, x + a*f(x)"),
         _C("twt", "twt_wmt_en_de", (), "TwT: Pre-norm ScaleNorm + FixNorm + SmallInit, tied output", ref="stock-preln"),
+        _C("qknorm", "qknorm_wmt_en_de", (), "QK-Norm: Pre-LN + per-head RMSNorm on q, k", ref="stock-preln"),
     )
 }  # fmt: skip
 TABLE_CONFIGS = tuple(n for n in CONFIGS if n != "plugin")  # the CPU table's default set

@@ -204,6 +204,7 @@ NUMERIC_MODULES = {
     "test_norms",
     "test_ports",
     "test_precision",
+    "test_qk_norm",
     "test_radam",
     "test_schedule",
     "test_schemes",

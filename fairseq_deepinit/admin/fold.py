@@ -71,6 +71,8 @@ def check_exportable(args) -> None:
     if args.fixnorm:
         problems.append("--fixnorm")
     if getattr(args, "qk_norm", False):
+        # the fold itself stays exact (1/w_k scales the projections' input columns, the q/k norms act on
+        # their output), but a stock transformer has no q/k norm to load them into
         problems.append("--qk-norm (stock transformer has no q/k norms)")
     if args.decoder_layer_type != "standard":
         problems.append(f"--decoder-layer-type {args.decoder_layer_type}")

@@ -27,7 +27,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 
 from ..errors import DeepInitConfigError
 from ..modules.qk_norm import QK_NORM_SCOPES, QK_NORM_TYPES, add_qk_norm, build_qk_norm
-from .record import Method, Option
+from .record import Method, Option, has_encoder
 
 DEFAULT_SCOPE = "head"
 DEFAULT_TYPE = "rmsnorm"
@@ -97,6 +97,11 @@ def validate_qk_norm(args) -> None:
         if given:
             raise DeepInitConfigError(f"{' '.join(given)} only apply with --qk-norm; add --qk-norm or drop them")
         return
+    if not args.qk_norm_cross and (not has_encoder(args) or getattr(args, "no_cross_attention", False)):
+        raise DeepInitConfigError(
+            "--no-qk-norm-cross: this model has no encoder-decoder attention (a language model, or "
+            "--no-cross-attention); drop it"
+        )
     if getattr(args, "quant_noise_pq", 0):
         raise DeepInitConfigError(
             "--qk-norm does not combine with --quant-noise-pq (its noise hooks sit on the q/k projections the "
