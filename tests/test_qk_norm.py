@@ -83,12 +83,12 @@ def test_norms_at_init_as_released(scope, norm_type):
     """One q and one k norm per attention (encoder self, decoder self, cross), of ``head_dim`` features per
     head or the whole projection (ports.qk_norm.norm_size), unit gain, zero bias, the given epsilon; the
     rest of the model is the ``preln_*`` model's, weight for weight (the same random draws)."""
-    model, args = qk_model("--qk-norm-scope", scope, "--qk-norm-type", norm_type, "--qk-norm-eps", "1e-5")
+    model, args = qk_model("--qk-norm-scope", scope, "--qk-norm-type", norm_type, "--qk-norm-eps", "1e-4")
     attns = attentions(model)
     assert len(attns) == 6 and all(has_qk_norm(a) for a in attns)
     for a in attns:
         for proj in (a.q_proj, a.k_proj):
-            want = port.init_norm(scope, a.num_heads, a.head_dim, TYPES[norm_type], 1e-5, bias=norm_type == "layernorm")
+            want = port.init_norm(scope, a.num_heads, a.head_dim, TYPES[norm_type], 1e-4, bias=norm_type == "layernorm")
             got = port_norm(proj.norm)
             assert (got.kind, got.eps) == (want.kind, want.eps)
             torch.testing.assert_close(got.weight.double(), want.weight, rtol=0, atol=0)
