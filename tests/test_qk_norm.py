@@ -274,6 +274,7 @@ BAD = [
     ("qknorm_iwslt_de_en", ["--qk-norm-eps", "nan"], "--qk-norm-eps must be"),
     ("qknorm_iwslt_de_en", ["--quant-noise-pq", "0.1"], "does not combine with --quant-noise-pq"),
     ("qknorm_iwslt_de_en", ["--no-cross-attention", "--no-qk-norm-cross"], "has no encoder-decoder attention"),
+    ("qknorm_iwslt_de_en", ["--encoder-xformers-att-config", "{}"], "xFormers path has no place for a q/k norm"),
 ]
 
 

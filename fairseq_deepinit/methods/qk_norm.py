@@ -142,7 +142,8 @@ METHOD = Method(
     summary="a norm on each attention's queries and keys before the dot product (per head or over the whole "
     "projection), bounding the logits at init by sqrt(head_dim) (per head)",
     code="allenai/OLMo @ 59a53e3 olmo/model.py:432-441,603-605; allenai/OLMo-core @ fa6c501 "
-    "src/olmo_core/nn/attention/__init__.py:409-421,589-608; HF Qwen3Attention, Olmo2Attention",
+    "src/olmo_core/nn/attention/__init__.py:409-421,589-608; HF transformers @ 000c33f Qwen3Attention, "
+    "Olmo2Attention",
     options=OPTIONS,
     validate=validate_qk_norm,
     describe=describe_qk_norm,
