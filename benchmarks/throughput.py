@@ -101,6 +101,7 @@ CONFIGS: Dict[str, Config] = {
         _C("periln", "periln_wmt_en_de", (), "Peri-LN: a norm before and after each branch", ref="stock-preln"),
         _C("reordered", "reordered_wmt_en_de", (), "OLMo 2 reordered: a norm on each branch's output",
            ref="stock-preln"),
+        _C("qknorm", "qknorm_wmt_en_de", (), "QK-Norm: Pre-LN + per-head RMSNorm on q, k", ref="stock-preln"),
     )
 }  # fmt: skip
 TABLE_CONFIGS = tuple(n for n in CONFIGS if n != "plugin")  # the CPU table's default set

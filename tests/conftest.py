@@ -207,6 +207,7 @@ NUMERIC_MODULES = {
     "test_norms",
     "test_ports",
     "test_precision",
+    "test_qk_norm",
     "test_radam",
     "test_resi_dual",
     "test_schedule",

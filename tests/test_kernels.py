@@ -276,7 +276,9 @@ def test_left_padded_targets_keep_the_mask():
     assert len(dec) == 2 and all(not c.is_causal and c.mask_shape == (bsz, 1, tgt, tgt) for c in dec)
 
 
-@pytest.mark.parametrize("arch", ["deepinit_tiny", "subln_iwslt_de_en", "normformer_iwslt_de_en", "twt_iwslt_de_en"])
+@pytest.mark.parametrize(
+    "arch", ["deepinit_tiny", "subln_iwslt_de_en", "normformer_iwslt_de_en", "twt_iwslt_de_en", "qknorm_iwslt_de_en"]
+)
 def test_fast_paths_equal_the_reference(arch):
     """The whole training step with the fast paths (is_causal, Sub-LN on SDPA, fused norms off the CPU
     are covered below) against --attention-impl fairseq: real logits, loss and every gradient."""

@@ -70,6 +70,10 @@ def check_exportable(args) -> None:
         problems.append("Pre-LN")
     if args.fixnorm:
         problems.append("--fixnorm")
+    if getattr(args, "qk_norm", False):
+        # the fold itself stays exact (1/w_k scales the projections' input columns, the q/k norms act on
+        # their output), but a stock transformer has no q/k norm to load them into
+        problems.append("--qk-norm (stock transformer has no q/k norms)")
     if args.decoder_layer_type != "standard":
         problems.append(f"--decoder-layer-type {args.decoder_layer_type}")
     for flag in ("adaptive_input", "cross_self_attention", "no_cross_attention", "adaptive_softmax_cutoff"):

@@ -26,6 +26,7 @@ from . import (
     mixln,
     normformer,
     placement,
+    qk_norm,
     resi_dual,
     rezero,
     subln,
@@ -54,6 +55,7 @@ METHODS: Dict[str, Method] = {
         lnscale.METHOD,
         mixln.METHOD,
         placement.METHOD,
+        qk_norm.METHOD,
     )
 }
 

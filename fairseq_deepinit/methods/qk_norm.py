@@ -1,0 +1,157 @@
+"""QK-Norm (Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters", sec. 2, "QK
+normalization"): ``--qk-norm``, queries and keys normalised before the dot product,
+
+    logits_h = head_dim^-1/2 <N_q(x W_q + b_q)_h, N_k(x' W_k + b_k)_h>,     values untouched,
+
+with ``--qk-norm-scope head`` (one norm over ``head_dim``, shared by the heads: HF ``Qwen3Attention`` /
+``Gemma3Attention``, Megatron-LM ``qk_layernorm``, OLMo-core ``use_head_qk_norm``, HybridNorm) or ``proj``
+(one norm over the whole projection before the head split: allenai/OLMo @ 59a53e3 ``olmo/model.py:432-441,
+603-605``, HF ``Olmo2Attention``, OLMo-core @ fa6c501 ``src/olmo_core/nn/attention/__init__.py:417-421,
+589-593``), and ``--qk-norm-type`` / ``--qk-norm-eps`` for the norm. Defaults, from the released code:
+scope ``head`` (Qwen3, Gemma 3, Megatron, OLMo-core's Qwen3/Gemma 3 configs; its logit bound at init,
+``sqrt(head_dim)``, does not grow with the number of heads), RMSNorm with eps 1e-6 (Qwen3's
+``rms_norm_eps``, Gemma 3, OLMo 2's ``layer_norm_eps=1e-6``, OLMo-core ``transformer/config.py:524-536``).
+
+Every attention block gets its own q and k norm: encoder and decoder self-attention, and the decoder's
+cross-attention (queries from the decoder stream, keys from the encoder output). The released code is
+decoder-only; cross-attention q/k norms are this project's extension (``--no-qk-norm-cross`` leaves the
+cross-attention as it is). The block (:mod:`fairseq_deepinit.modules.qk_norm`) says how the norm precedes
+fairseq's softmax scale and the incremental key cache on both ``--attention-impl`` paths.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fairseq.modules.multihead_attention import MultiheadAttention
+
+from ..errors import DeepInitConfigError
+from ..modules.qk_norm import QK_NORM_SCOPES, QK_NORM_TYPES, add_qk_norm, build_qk_norm
+from .record import Method, Option, has_encoder
+
+DEFAULT_SCOPE = "head"
+DEFAULT_TYPE = "rmsnorm"
+DEFAULT_EPS = 1e-6
+
+
+def _eps_problem(eps) -> str | None:
+    if isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0:
+        return None
+    return f"--qk-norm-eps must be a finite number greater than 0 (default {DEFAULT_EPS}), got {eps}"
+
+
+OPTIONS = (
+    Option(
+        "qk_norm",
+        bool,
+        False,
+        "QK-Norm: normalise every attention's queries and keys before the dot product (Dehghani et al. 2023; "
+        "docs/schemes.md)",
+    ),
+    Option(
+        "qk_norm_scope",
+        str,
+        DEFAULT_SCOPE,
+        "with --qk-norm: head (one norm over head_dim for each head: Qwen3, Gemma 3, Megatron; default) or proj "
+        "(one norm over the whole projection: OLMo, OLMo 2)",
+        choices=QK_NORM_SCOPES,
+    ),
+    Option(
+        "qk_norm_type",
+        str,
+        DEFAULT_TYPE,
+        "with --qk-norm: the q/k norm, rmsnorm (Qwen3, Gemma 3, OLMo 2; default), layernorm (ViT-22B, OLMo v1) "
+        "or scalenorm",
+        choices=QK_NORM_TYPES,
+    ),
+    Option(
+        "qk_norm_eps",
+        float,
+        DEFAULT_EPS,
+        f"with --qk-norm: epsilon of the q/k norms (default {DEFAULT_EPS}: Qwen3, Gemma 3, OLMo 2)",
+        check=_eps_problem,
+    ),
+    Option(
+        "qk_norm_cross",
+        bool,
+        True,
+        "with --qk-norm: normalise the encoder-decoder attention's queries and keys too (default; this "
+        "project's extension, the released code has no cross-attention)",
+        negative="--no-qk-norm-cross",
+        negative_help="with --qk-norm: leave the encoder-decoder attention without q/k norms (only self-attention, "
+        "as in the decoder-only released code)",
+    ),
+)
+_DEFAULTS = {o.name: o.default for o in OPTIONS if o.name != "qk_norm"}
+_FLAGS = {o.name: o for o in OPTIONS}
+
+
+def validate_qk_norm(args) -> None:
+    """Its options only with ``--qk-norm``; what cannot carry a q/k norm refused."""
+    if not args.qk_norm:
+        given = [
+            _FLAGS[name].flag if value is not False else _FLAGS[name].negative
+            for name, value in ((n, getattr(args, n)) for n in _DEFAULTS)
+            if value != _DEFAULTS[name]
+        ]
+        if given:
+            raise DeepInitConfigError(f"{' '.join(given)} only apply with --qk-norm; add --qk-norm or drop them")
+        return
+    if not args.qk_norm_cross and (not has_encoder(args) or getattr(args, "no_cross_attention", False)):
+        raise DeepInitConfigError(
+            "--no-qk-norm-cross: this model has no encoder-decoder attention (a language model, or "
+            "--no-cross-attention); drop it"
+        )
+    if getattr(args, "quant_noise_pq", 0):
+        raise DeepInitConfigError(
+            "--qk-norm does not combine with --quant-noise-pq (its noise hooks sit on the q/k projections the "
+            "norms take over); drop one"
+        )
+    for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
+        if getattr(args, name, None):
+            raise DeepInitConfigError(
+                f"--{name.replace('_', '-')}: fairseq's xFormers path has no place for a q/k norm; drop it "
+                "(--attention-impl sdpa is the fused path that applies QK-Norm)"
+            )
+
+
+def setup_qk_norm_layer(layer, cfg) -> None:
+    """Layer set-up: a q and a k norm in every attention of the layer (not the cross-attention under
+    ``--no-qk-norm-cross``)."""
+    if not getattr(cfg, "qk_norm", False):
+        return
+    for attn in [m for m in layer.modules() if isinstance(m, MultiheadAttention)]:
+        if attn.encoder_decoder_attention and not cfg.qk_norm_cross:
+            continue
+        add_qk_norm(
+            attn, lambda dim: build_qk_norm(cfg.qk_norm_type, dim, cfg.qk_norm_eps, cfg.export), cfg.qk_norm_scope
+        )
+
+
+def describe_qk_norm(args) -> str:
+    if not args.qk_norm:
+        return ""
+    cross = "" if args.qk_norm_cross else ",self-attention only"
+    return f"qk-norm={args.qk_norm_scope}/{args.qk_norm_type}(eps={args.qk_norm_eps}){cross}"
+
+
+METHOD = Method(
+    name="qk_norm",
+    title="QK-Norm",
+    paper="Dehghani et al. 2023, sec. 2 (QK normalization); Qwen3, Gemma 3, OLMo 2",
+    summary="a norm on each attention's queries and keys before the dot product (per head or over the whole "
+    "projection), bounding the logits at init by sqrt(head_dim) (per head)",
+    code="allenai/OLMo @ 59a53e3 olmo/model.py:432-441,603-605; allenai/OLMo-core @ fa6c501 "
+    "src/olmo_core/nn/attention/__init__.py:409-421,589-608; HF transformers @ 000c33f Qwen3Attention, "
+    "Olmo2Attention",
+    options=OPTIONS,
+    validate=validate_qk_norm,
+    describe=describe_qk_norm,
+    layer_setup=setup_qk_norm_layer,
+    families={
+        # Pre-LN + QK-Norm with the Pre-LN baseline's init: the preln_* model plus the q/k norms only
+        "qknorm": dict(
+            init_scheme="xavier", qk_norm=True, encoder_normalize_before=True, decoder_normalize_before=True
+        ),
+    },
+)
