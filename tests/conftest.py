@@ -179,7 +179,7 @@ NUMERIC_MODULES = {
     "test_adam_foreach", "test_admin", "test_admin_distributed", "test_autocast", "test_cli", "test_compat_v010",
     "test_deep", "test_diagnostics", "test_hooks", "test_kernels", "test_lm", "test_matt", "test_norms", "test_radam",
     "test_schedule", "test_schemes", "test_sdpa", "test_successors", "test_very_deep",
-    "test_precision", "test_ports",
+    "test_precision", "test_ports", "test_depth_diagnostics",
 }  # fmt: skip
 
 

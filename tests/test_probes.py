@@ -108,7 +108,8 @@ TRAIN_PROBES = {
     "diagnostics_stats": (
         "mt",
         [*MT, *DIAG, "--diagnostics-stats", "foo"],
-        "--diagnostics-stats: unknown foo; give a comma-separated subset of var,norm,residual,scalenorm,grad",
+        "--diagnostics-stats: unknown foo; give a comma-separated subset of "
+        "var,norm,residual,scalenorm,grad,stream,angle,logit,counters",
     ),
     "diagnostics_inject_spec": (
         "mt",

@@ -58,12 +58,12 @@ from fairseq.logging import metrics
 
 from ..errors import DeepInitConfigError, DivergenceError
 from ..training.autocast_state import AutocastState
-from . import hooks
+from . import depth_hooks, hooks, training_counters
 from .stats import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
 
 logger = logging.getLogger(__name__)
 
-STATS = ("var", "norm", "residual", "scalenorm", "grad")
+STATS = ("var", "norm", "residual", "scalenorm", "grad", *depth_hooks.STATS, "counters")  # depth_hooks: issue 24
 DEFAULT_STATS = ",".join(STATS)
 _KEY = "_diag|"  # logging-output keys that carry raw moments
 PRIORITY = 2000  # after fairseq's own metrics in a log line
@@ -83,7 +83,9 @@ class DiagnosticsCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
         metadata={
             "help": "comma-separated statistics to log: var (residual-branch variance), norm (norm-layer "
             "input norm), residual (Admin omega, ReZero alpha), scalenorm (ScaleNorm g), grad (gradient "
-            "norm per layer)"
+            "norm per layer), stream (residual-stream norm, variance, max|x| after every layer), angle (angular "
+            "distance between consecutive layers), logit (max attention logit per layer), counters (loss and "
+            "gnorm spikes, fp16 loss-scale drops)"
         },
     )
     no_divergence_guard: bool = field(
@@ -95,6 +97,17 @@ class DiagnosticsCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
             "help": "for testing the divergence guard only: 'UPDATE:PARAM' fills parameter PARAM with NaN "
             "before update UPDATE; 'UPDATE:PARAM:after' does it after that update's optimizer step"
         },
+    )
+    diagnostics_spike_window: int = field(
+        default=training_counters.DEFAULT_WINDOW,
+        metadata={
+            "help": "counters: a loss (gnorm) spike is a value above mean + T * std of the previous N updates' "
+            "values, T = --diagnostics-spike-threshold (OLMo-core's StabilityMonitor rule and default)"
+        },
+    )
+    diagnostics_spike_threshold: float = field(
+        default=training_counters.DEFAULT_THRESHOLD,
+        metadata={"help": "counters: T of the spike rule, in standard deviations (OLMo-core's default)"},
     )
 
 
@@ -201,6 +214,8 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         diagnostics_stats=DEFAULT_STATS,
         no_divergence_guard=False,
         diagnostics_inject_nan="",
+        diagnostics_spike_window=training_counters.DEFAULT_WINDOW,
+        diagnostics_spike_threshold=training_counters.DEFAULT_THRESHOLD,
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if diagnostics_interval < 0:
@@ -219,6 +234,12 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         self.guard = not no_divergence_guard
         self.inject = _parse_inject(diagnostics_inject_nan)
         self._run = _RunState()
+        # statistics over depth and instability counters (issue 24): depth_hooks.py, training_counters.py
+        self._depth_max = depth_hooks.MaxAccumulator()
+        training_counters.check_options(diagnostics_spike_window, diagnostics_spike_threshold)
+        self._counters = None
+        if self.interval > 0 and "counters" in stats:
+            self._counters = training_counters.TrainingCounters(diagnostics_spike_window, diagnostics_spike_threshold)
         install_task_mixin(task, self)
 
     # ---- called by the task mixin -------------------------------------------------------------
@@ -240,6 +261,8 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         if optimizer is not None and run.optimizer is not optimizer:
             run.optimizer = optimizer
             self._wrap_optimizer(optimizer)
+            if self._counters is not None:
+                self._counters.wrap_optimizer(optimizer)
         self._maybe_inject(update_num, "before")
 
     def after_step(self, update_num: int) -> None:
@@ -303,13 +326,18 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         net = unwrap_model(model)
         res = hooks.ResidualStatistics(net) if "var" in self.stats and hooks.residual_modules(net) else None
         nrm = hooks.NormInputStatistics(net) if "norm" in self.stats else None
+        depth_stats = [s for s in depth_hooks.STATS if s in self.stats]
+        depth = depth_hooks.DepthStatistics(net, sample["net_input"], depth_stats) if depth_stats else None
         with ExitStack() as stack:
-            for s in (res, nrm):
+            for s in (res, nrm, depth):
                 if s is not None:
                     stack.enter_context(s)
             loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         run.last_loss = loss.detach()
         logging_output.update(self._statistics(net, res, nrm))
+        if depth is not None:  # moments sum over logging outputs; maxima wait for reduce (take_depth_statistics)
+            logging_output.update({_KEY + k: v for k, v in depth.sums().items()})
+            self._depth_max.add(run.update_num, depth.maxima())
         return loss, sample_size, logging_output
 
     def _statistics(self, net: nn.Module, res, nrm) -> Dict[str, torch.Tensor]:
@@ -359,6 +387,10 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
                 if not grad_norm_finite:  # an AMP update fairseq skipped: no per-layer norms (nor gnorm)
                     continue
                 name, value = f"diag_gnorm/{rest}", total.item()
+            elif kind in depth_hooks.KINDS:
+                for name, value in depth_hooks.metrics(kind, rest, total):
+                    metrics.log_scalar(name, value, priority=PRIORITY, round=None)
+                continue
             else:
                 continue
             metrics.log_scalar(name, value, priority=PRIORITY, round=None)
@@ -419,6 +451,21 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         """This update's per-layer gradient norms (once), for the task's ``reduce_metrics``."""
         stats, self._run.grad_stats = self._run.grad_stats, None
         return stats
+
+    def take_depth_statistics(self, logging_outputs) -> Dict[str, torch.Tensor] | None:
+        """A training update's maxima over depth and, on updates that log, the instability counters, for the
+        task's ``reduce_metrics`` (validation, with the model in eval mode, is not an update)."""
+        run = self._run
+        if run.model is None or not run.model.training:
+            return None
+        if self._counters is not None:
+            self._counters.observe_update(logging_outputs, run.grad_norm)
+        if not run.collect:
+            return None
+        out = {f"{_KEY}{k}": v for k, v in self._depth_max.take(run.update_num).items()}
+        if self._counters is not None:
+            out.update({f"{_KEY}scalar|{k}": v for k, v in self._counters.take().items()})
+        return out or None
 
     # ---- divergence ---------------------------------------------------------------------------
 
@@ -540,6 +587,9 @@ class DiagnosticsTaskMixin:
         grad_stats = self._deepinit_criterion.take_grad_statistics()
         if grad_stats:
             logging_outputs = [*logging_outputs, grad_stats]
+        depth_stats = self._deepinit_criterion.take_depth_statistics(logging_outputs)
+        if depth_stats:
+            logging_outputs = [*logging_outputs, depth_stats]
         return super().reduce_metrics(logging_outputs, criterion)
 
     def state_dict(self):
