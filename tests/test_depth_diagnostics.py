@@ -151,6 +151,10 @@ def test_max_attention_logit_by_hand():
     scores = scores.masked_fill(kpm.view(1, 1, 1, 3), float("-inf"))
     assert port.max_attention_logit(scores).tolist() == [6.0, 2.0]
     assert depth_stats.megatron_log_max([-3.0, -1.0]) == port.megatron_log_max([torch.tensor([-3.0, -1.0])]) == 0.0
+    assert depth_hooks.metrics("logit_all", "", torch.tensor([-2.5], dtype=F64)) == [("diag_max_logit/all", 0.0)]
+    assert depth_hooks.metrics("logit", "decoder.layers.0.self_attn", torch.tensor([-2.5], dtype=F64)) == [
+        ("diag_max_logit/decoder.layers.0.self_attn", -2.5)
+    ]
 
 
 # ---- on a model: against fairseq's own hidden states and scores -------------------------------
@@ -401,15 +405,18 @@ def _manual_losses(logits: torch.Tensor, target: torch.Tensor, eps: float) -> di
 def test_removal_loss_equals_a_forward_written_out_by_hand(arch):
     from fairseq.tasks.translation import TranslationTask
 
-    model, args = build_model(arch, *TINY_DIMS, *NO_DROPOUT)
+    model, args = build_model(arch, *TINY_DIMS)  # dropout 0.3: the measurement runs in eval mode
     d = make_dictionary()
     crit = DiagnosticsCriterion(TranslationTask(args, d, d), False, 0.1)
     batches = [_sample(_padded_batch(seed=0)), _sample(_padded_batch(seed=3))]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     layers_before = [list(model.encoder.layers), list(model.decoder.layers)]
+    model.train()
     result = layer_removal.removal_losses(model, crit, batches)
+    assert model.training  # the mode it was in
     assert [list(model.encoder.layers), list(model.decoder.layers)] == layers_before  # put back, in order
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    model.eval()
 
     def by_hand(stack, skip):
         with torch.no_grad():
@@ -459,10 +466,13 @@ def test_spike_detector_follows_olmo_cores_rule():
             counts.append(det.take().item())
         assert counts == [float(f) for f in flags], (window, threshold)
     assert sum(port.olmo_spike_flags(values, 8, 3.0)) >= 3  # the case exercises the rule
-    flat = training_counters.SpikeDetector(4, 1.0)
-    for _ in range(10):
-        flat.observe(torch.tensor(2.0))
-    assert flat.take().item() == 0.0  # std 0: OLMo-core counts nothing
+    # edge cases of the rule: the window fills before anything is judged (a jump at the 4th value is not
+    # judged), and a window without spread judges nothing (std < 1e-10), not even a jump
+    for edge in ([1.0, 1.1, 0.9, 100.0, 1.0], [2.0] * 6 + [3.0]):
+        det = training_counters.SpikeDetector(4, 1.0)
+        for v in edge:
+            det.observe(torch.tensor(v, dtype=F64))
+        assert det.take().item() == sum(port.olmo_spike_flags(edge, 4, 1.0)) == 0.0, edge
 
 
 def test_spikes_reach_the_criterion_through_the_updates_logging_outputs():
