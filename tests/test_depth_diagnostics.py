@@ -293,6 +293,25 @@ def test_depth_statistics_of_a_language_model():
     assert list(depth_hooks.by_depth(values)["max_logit"]) == ["decoder.self_attn"]
 
 
+def test_a_layer_that_did_not_run_keeps_its_entries_and_logs_nothing():
+    """LayerDrop: every rank must hold the same keys in the same order (fairseq all-reduces logging outputs
+    as one flat buffer), so a layer that was dropped gives empty moments and a ``-inf`` maximum, and no metric."""
+    model, _ = build_model("preln_iwslt_de_en", *TINY_DIMS, *NO_DROPOUT, "--encoder-layerdrop", "0.999")
+    model.train()  # LayerDrop drops in training only
+    net = _padded_batch()
+    with torch.no_grad(), depth_hooks.DepthStatistics(model, net) as dropped:
+        model(**net)
+    model.eval()
+    with torch.no_grad(), depth_hooks.DepthStatistics(model, net) as full:
+        model(**net)
+    assert list(dropped.sums()) == list(full.sums()) and list(dropped.maxima()) == list(full.maxima())
+    values = dropped.values()
+    assert not any(k.split("/", 1)[1].startswith("encoder.") for k in values if "/" in k)
+    assert set(values) < set(full.values()) and "diag_stream_norm/decoder.layers.1" in values
+    assert dropped.sums()["stream|encoder.layers.0"].tolist() == [0.0] * 4
+    assert dropped.maxima()["logit|encoder.layers.1.self_attn"].item() == -math.inf
+
+
 # ---- the criterion: micro-batches pooled, maxima kept out of the summed logging outputs -------
 
 

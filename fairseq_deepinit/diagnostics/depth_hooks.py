@@ -24,6 +24,7 @@ the device; :class:`DepthStatistics` hands summable moments (:meth:`~DepthStatis
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -58,6 +59,12 @@ def stack_inputs(model: nn.Module, net_input: Mapping) -> List[Tuple[str, nn.Mod
     if decoder is not None and getattr(decoder, "layers", None) is not None and tokens is not None:
         out.append(("decoder", decoder.layers, tokens.ne(decoder.padding_idx).t()))
     return out
+
+
+def _all_layers(layers: nn.ModuleList):
+    """``(index, layer)`` of every layer: fairseq's ``LayerDropModuleList`` leaves layers out of its iteration in
+    training, and the hooks go on all of them."""
+    return [(i, layers[i]) for i in range(len(layers))]
 
 
 def attention_modules(layer: nn.Module) -> List[Tuple[str, MultiheadAttention]]:
@@ -114,6 +121,22 @@ class DepthStatistics:
         self._sums: Dict[str, Tensor] = OrderedDict()
         self._max: Dict[str, Tensor] = OrderedDict()
         self._handles: list = []
+        # every key a full forward pass gives, in model order: a layer that did not run (LayerDrop) still
+        # has its entry, so that every rank holds the same keys in the same order (fairseq all-reduces
+        # logging outputs as one flat buffer; :func:`all_reduce_max` stacks the maxima)
+        self._expected_sums: Dict[str, torch.device] = OrderedDict()
+        self._expected_max: Dict[str, torch.device] = OrderedDict()
+        for stack, layers, real in self.stacks:
+            for i, layer in _all_layers(layers):
+                names = ([f"{stack}.input"] if i == 0 else []) + [f"{stack}.layers.{i}"]
+                for name in names if self.stream else []:
+                    self._expected_sums[f"stream|{name}"] = real.device
+                    self._expected_max[f"stream_max|{name}"] = real.device
+                if self.angle:
+                    self._expected_sums[f"angle|{stack}.layers.{i}"] = real.device
+                for attn_name, _ in attention_modules(layer) if self.logit else []:
+                    self._expected_max[f"logit|{stack}.layers.{i}.{attn_name}"] = real.device
+                    self._expected_max["logit_all|"] = real.device
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -121,7 +144,7 @@ class DepthStatistics:
         if self._handles:
             return self
         for stack, layers, real in self.stacks:
-            for i, layer in enumerate(layers):
+            for i, layer in _all_layers(layers):
                 if self.stream or self.angle:
                     hook = self._layer_hook(f"{stack}.layers.{i}", f"{stack}.input" if i == 0 else None, real)
                     self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
@@ -185,16 +208,20 @@ class DepthStatistics:
     # ---- results ------------------------------------------------------------------------------
 
     def sums(self) -> Dict[str, Tensor]:
-        """Summable moments by key (device tensors; they add up over batches and ranks)."""
-        return OrderedDict(self._sums)
+        """Summable moments by key (device tensors; they add up over batches and ranks); zeros for a layer
+        that did not run."""
+        empty = lambda device: torch.zeros(len(depth_stats.STREAM_MOMENTS), dtype=torch.float64, device=device)
+        return OrderedDict((k, self._sums[k] if k in self._sums else empty(d)) for k, d in self._expected_sums.items())
 
     def maxima(self) -> Dict[str, Tensor]:
-        """Maxima by key (device tensors, combined with ``max``; :class:`MaxAccumulator`)."""
-        return OrderedDict(self._max)
+        """Maxima by key (device tensors, combined with ``max``; :class:`MaxAccumulator`); ``-inf`` for a
+        layer that did not run."""
+        empty = lambda device: torch.full((), -math.inf, dtype=torch.float64, device=device)
+        return OrderedDict((k, self._max[k] if k in self._max else empty(d)) for k, d in self._expected_max.items())
 
     def values(self) -> Dict[str, float]:
         """Every statistic as its metric name and value, read in one copy (:func:`read_values`)."""
-        return read_values(self._sums, self._max)
+        return read_values(self.sums(), self.maxima())
 
 
 def read_values(sums: Mapping[str, Tensor], maxima: Mapping[str, Tensor]) -> Dict[str, float]:
@@ -250,7 +277,12 @@ def all_reduce_max(values: Dict[str, Tensor]) -> Dict[str, Tensor]:
 
 
 def metrics(kind: str, rest: str, total: Tensor) -> List[Tuple[str, float]]:
-    """The metric names and values of one summed logging-output entry ``<kind>|<rest>`` (a float64 CPU tensor)."""
+    """The metric names and values of one summed logging-output entry ``<kind>|<rest>`` (a float64 CPU tensor);
+    none for a layer that ran on no rank (no token counted, a maximum of ``-inf``)."""
+    if kind in ("stream", "angle") and float(total.reshape(-1)[0]) == 0:
+        return []
+    if kind in MAX_KINDS and float(total.reshape(-1)[0]) == -math.inf:
+        return []
     if kind == "stream":
         s = depth_stats.stream_statistics(total)
         return [(f"diag_stream_norm/{rest}", s["norm"]), (f"diag_stream_var/{rest}", s["var"])]
