@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""ScaleNorm and RMSNorm against LayerNorm, side by side: speed per call and kernels per call.
+"""ScaleNorm, RMSNorm, DyT and Derf against LayerNorm, side by side: speed per call and kernels per call.
 
 One norm module per case, forward + backward on a ``(T, B, d)`` input (fairseq's layout) with a
 fixed cotangent, ``--calls`` calls per trial, ``--rounds`` interleaved rounds (the start rotating,
@@ -12,7 +12,8 @@ way: ``benchmarks/harness/op_counters.py``). No target is asserted: this prints 
 Cases: ``layernorm`` (fairseq's LayerNorm), ``scalenorm`` and ``rmsnorm`` (the plugin's modules as
 they run on ``--device``: on the CPU ScaleNorm takes its hand-written autograd function), and
 ``scalenorm-rms-norm`` (ScaleNorm as the one ``F.rms_norm`` call it is off the CPU, here on
-``--device``: on the CPU torch decomposes it).
+``--device``: on the CPU torch decomposes it), ``dyt`` and ``derf`` (point-wise, no reduction:
+``fairseq_deepinit/modules/dyt.py``).
 
 Usage::
 
@@ -39,9 +40,9 @@ DTYPES = ("fp32", "fp16", "bf16")
 
 def plugin():
     """Every import from fairseq_deepinit in this script (one place, for the package's re-layout)."""
-    from fairseq_deepinit.modules import norms
+    from fairseq_deepinit.modules import dyt, norms
 
-    return norms
+    return norms, dyt
 
 
 def parse_shape(text: str) -> tuple:
@@ -57,7 +58,7 @@ def parse_shape(text: str) -> tuple:
 def cases(d: int):
     import torch.nn as nn
 
-    norms = plugin()
+    norms, dyt = plugin()
 
     class ScaleNormAsRmsNorm(nn.Module):
         def __init__(self) -> None:
@@ -72,6 +73,8 @@ def cases(d: int):
         "scalenorm": lambda: norms.ScaleNorm(d),
         "rmsnorm": lambda: norms.RMSNorm(d),
         "scalenorm-rms-norm": ScaleNormAsRmsNorm,
+        "dyt": lambda: dyt.DyT(d),
+        "derf": lambda: dyt.Derf(d),
     }
 
 

@@ -60,9 +60,9 @@ WORK = REPO / "work-data" / "speed"
 def plugin() -> SimpleNamespace:
     """Every import from fairseq_deepinit in this script (one place, for the package's re-layout)."""
     import fairseq_deepinit
-    from fairseq_deepinit.modules.attention import use_sdpa
+    from fairseq_deepinit.modules.attention import SDPAMultiheadAttention
 
-    return SimpleNamespace(package=fairseq_deepinit, use_sdpa=use_sdpa)
+    return SimpleNamespace(package=fairseq_deepinit, use_sdpa=SDPAMultiheadAttention.like)
 
 
 def configs(experiment: str, device: str, shape: Shape) -> dict:

@@ -1,16 +1,17 @@
 """fairseq-deepinit: deep-Transformer initialisation, normalisation and residual schemes as a
 fairseq ``--user-dir`` plugin.
 
-Importing the package registers the ``deepinit`` model and its named architectures, the MAtt layer
-type, Admin's residual scaling and task, the diagnostics criterion, the ``tfixup`` lr scheduler and
-the ``radam`` optimizer; makes fairseq checkpoints loadable under torch >= 2.6; and makes checkpoint
-saving and resuming survive a killed run.
+Importing the package registers the ``deepinit`` and ``deepinit_lm`` models and their named
+architectures (every method of :mod:`.methods`), Admin's profiling tasks, the diagnostics criteria,
+the ``translation_deepinit`` task, the ``tfixup`` lr scheduler and the ``radam`` / ``adam_foreach``
+optimizers; makes fairseq checkpoints loadable under torch >= 2.6; and makes checkpoint saving and
+resuming survive a killed run.
 
-Layout: :mod:`.modules` (norms, FixNorm, residual scaling, attention, layers), :mod:`.schemes` (one
-module per initialisation paper), :mod:`.admin`, :mod:`.matt`, :mod:`.diagnostics`,
-:mod:`.checkpoints`, :mod:`.training` (tasks, optimizer, scheduler), :mod:`.lm` (decoder-only
-language models: ``deepinit_lm``); :mod:`.options` and
-:mod:`.errors` are the one home of the model's options and the plugin's errors.
+Layout (docs/architecture.md has the picture): :mod:`.errors`; :mod:`.modules` (plain building
+blocks: norms, FixNorm, residual modules, attention, the layers); :mod:`.matt` (MAtt's layer);
+:mod:`.methods` (one record per method); :mod:`.options`, :mod:`.architectures` and :mod:`.plan`
+(computed from the records); :mod:`.model` and :mod:`.lm` (the models); :mod:`.admin` (Admin's
+profiling, tasks and export), :mod:`.diagnostics`, :mod:`.checkpoints`, :mod:`.training`.
 """
 
 from . import errors
@@ -23,24 +24,19 @@ errors.install()
 compat.install()
 resume.install()  # atomic checkpoint copies, resume fallback, one-line errors for damaged checkpoints
 
-# isort: off
-# the model must be registered before its architectures
-from . import model  # noqa: E402,F401
-from . import architectures  # noqa: E402,F401
-from . import admin  # noqa: E402,F401  (Admin: --residual-scale admin, --task translation_admin, export)
-from . import matt  # noqa: E402,F401  (registers --decoder-layer-type matt before args are parsed)
-from .modules import b2t, normformer, subln  # noqa: E402,F401  (B2T, NormFormer, Sub-LN options)
+# fairseq registrations (models, architectures, tasks, criteria, optimizers, schedulers); which import
+# registers what is independent of their order: each module imports what it needs
+from . import architectures, intercepts, lm, model  # noqa: E402,F401  (deepinit, deepinit_lm and their --arch)
+from .admin import task  # noqa: E402,F401  (--task translation_admin)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from .training import adam_foreach, autocast, radam, tfixup_schedule  # noqa: E402,F401  (task, optimizers, lr scheduler)
-from . import lm  # noqa: E402,F401  (decoder-only language models: deepinit_lm, after every family)
-from .training import distributed  # noqa: E402  (last: every architecture is registered by now)
-from . import intercepts  # noqa: E402
-# isort: on
+from .training import adam_foreach, autocast, distributed, radam, tfixup_schedule  # noqa: E402,F401
 
 adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
 
-distributed.guard_architectures("deepinit_lm")
-distributed.guard_architectures()  # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py)
+# refuse --ddp-backend fully_sharded right after parsing (training/distributed.py); after every
+# architecture is registered (above)
+distributed.guard_architectures(lm.model.MODEL_NAME)
+distributed.guard_architectures(model.MODEL_NAME)
 intercepts.install()  # task/architecture mismatch, empty splits, data of another dictionary: one line (intercepts.py)
 
 __version__ = "0.2.0.dev0"

@@ -42,9 +42,10 @@ from fairseq.tasks.language_modeling import LanguageModelingTask
 from fairseq.tasks.translation import TranslationTask
 
 from .architectures import FAMILIES
+from .checkpoints.config_check import DEEPINIT_MODELS
 from .errors import DataConfigError, DeepInitConfigError
 
-PLUGIN_MODELS = ("deepinit", "deepinit_lm")
+PLUGIN_MODELS = DEEPINIT_MODELS
 PREPROCESS_FLAG = {"train": "--trainpref", "valid": "--validpref", "test": "--testpref"}
 
 _ORIGINAL: Dict[str, Callable] = {}

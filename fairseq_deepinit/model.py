@@ -1,15 +1,19 @@
 """The ``deepinit`` fairseq model: fairseq's TransformerModel with four independent axes.
 
 - norm position per stack: fairseq's ``--encoder-normalize-before`` / ``--decoder-normalize-before``
-  (Post-LN "v1" when off, Pre-LN "v2"/T2T when on; Xu et al. 2020 eq. 1-2);
-- norm type: ``--norm-type`` (:mod:`fairseq_deepinit.norms`), plus ``--fixnorm`` embeddings;
-- residual scaling: ``--residual-scale`` (:mod:`fairseq_deepinit.residual`);
-- init scheme: ``--init-scheme`` (:mod:`fairseq_deepinit.schemes`), applied once after building.
+  (Post-LN "v1" when off, Pre-LN "v2"/T2T when on; Xu et al. 2020 eq. 1-2), a value per layer;
+- norm type: ``--norm-type`` (:mod:`fairseq_deepinit.modules.norms`), plus ``--fixnorm`` embeddings;
+- residual scaling: ``--residual-scale`` (:mod:`fairseq_deepinit.modules.residual`);
+- init scheme: ``--init-scheme``, applied once after building;
 
-Everything is wired through fairseq's extension points (``build_embedding``,
-``build_encoder``/``build_decoder``, ``build_*_layer``, ``build_output_projection``,
-``residual_connection``); the forward passes are fairseq's own, except for one step in each stack,
-where fairseq makes the host read device data (a GPU sync) on every call:
+each value contributed by a method's record (:mod:`fairseq_deepinit.methods`), read at build time through
+:mod:`fairseq_deepinit.plan`.
+
+Everything is built through fairseq's extension points (``build_embedding``,
+``build_encoder``/``build_decoder``, ``build_*_layer``, ``build_output_projection``); the layers have
+their own explicit forward (:mod:`fairseq_deepinit.modules.layers`). The stacks' forwards are fairseq's,
+except for one step in each stack, where fairseq makes the host read device data (a GPU sync) on every
+call; they are the one place where a stack loops over its layers:
 
 - the encoder's ``forward_scriptable`` re-reads ``has_pads`` (a device tensor) once per layer
   (fairseq ``transformer_encoder.py:205-216, 229-232``): :meth:`DeepInitEncoder.forward_scriptable`
@@ -38,18 +42,21 @@ from fairseq.models.transformer import (
 )
 from torch import Tensor
 
-from . import options
+from . import options, plan
 from .checkpoints import config_check
-from .modules.attention import declare_target_padding, future_mask
-from .modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
-from .modules.layers import DECODER_LAYER_TYPES, DeepInitEncoderLayer
+from .modules.attention import declare_target_padding
+from .modules.fixnorm import FixNormOutputProjection
+from .modules.layers import DeepInitEncoderLayer
+from .modules.masks import future_mask
 from .modules.norms import build_optional_norm
 from .modules.padding import target_padding
-from .schemes import apply_init_scheme
+from .modules.stacks import ENCODER, decoder_kind
 from .training import distributed
 from .training.activation_checkpoint import checkpoint_wrapper
 
 logger = logging.getLogger(__name__)
+
+MODEL_NAME = config_check.TRANSLATION_MODEL
 
 
 def _wrap_layer(cfg, layer):
@@ -89,7 +96,8 @@ class DeepInitEncoder(TransformerEncoderBase):
 
     def build_encoder_layer(self, cfg):
         self._built_layers += 1
-        return _wrap_layer(cfg, DeepInitEncoderLayer(cfg, self._built_layers, return_fc=self.return_fc))
+        layer_plan = plan.layer_plan(cfg, ENCODER, self._built_layers)
+        return _wrap_layer(cfg, DeepInitEncoderLayer(cfg, layer_plan, return_fc=self.return_fc))
 
     def upgrade_state_dict_named(self, state_dict, name):
         _keep_version(self, state_dict, name)
@@ -172,12 +180,13 @@ class DeepInitDecoder(TransformerDecoderBase):
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
         self._built_layers += 1
-        layer_cls = DECODER_LAYER_TYPES[cfg.decoder_layer_type]
-        return _wrap_layer(cfg, layer_cls(cfg, self._built_layers, no_encoder_attn=no_encoder_attn))
+        layer_plan = plan.layer_plan(cfg, decoder_kind(cross_attention=not no_encoder_attn), self._built_layers)
+        layer_cls = plan.decoder_layer_class(cfg)
+        return _wrap_layer(cfg, layer_cls(cfg, layer_plan, no_encoder_attn=no_encoder_attn))
 
     def buffered_future_mask(self, tensor):
         """fairseq's cached ``triu(-inf, 1)`` (transformer_decoder.py, ``buffered_future_mask``), built by
-        :func:`~fairseq_deepinit.modules.attention.future_mask` in ``tensor``'s dtype and device, so that
+        :func:`~fairseq_deepinit.modules.masks.future_mask` in ``tensor``'s dtype and device, so that
         the SDPA attention knows it is the causal mask without reading it back (a device sync)."""
         dim = tensor.size(0)
         mask = self._future_mask
@@ -311,8 +320,9 @@ class DeepInitDecoder(TransformerDecoderBase):
         return x, {"attn": [attn], "inner_states": inner_states}
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
-        if cfg.fixnorm:
-            self.output_projection = FixNormOutputProjection(embed_tokens)
+        projection = plan.build_output_projection(cfg, embed_tokens)
+        if projection is not None:
+            self.output_projection = projection
             return
         super().build_output_projection(cfg, dictionary, embed_tokens)
 
@@ -335,7 +345,7 @@ class DeepInitDecoder(TransformerDecoderBase):
         return state_dict
 
 
-@register_model("deepinit")
+@register_model(MODEL_NAME)
 class DeepInitTransformerModel(TransformerModel):
     """fairseq's ``transformer`` with composable deep-Transformer schemes (see the README)."""
 
@@ -351,17 +361,14 @@ class DeepInitTransformerModel(TransformerModel):
         options.resolve_and_validate(args)
         model = super().build_model(args, task)
         model.decoder.set_target_padding(target_padding(task))  # the task that batches the data
-        apply_init_scheme(model, TransformerConfig.from_namespace(args))
+        plan.apply_init(model, TransformerConfig.from_namespace(args))
         logger.info(options.describe(args))
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        if getattr(args, "fixnorm", False):
-            if path:
-                raise ValueError("--fixnorm learns its own normalised embeddings; drop --*-embed-path")
-            return FixNormEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
-        return super().build_embedding(args, dictionary, embed_dim, path)
+        embedding = plan.build_embedding(args, dictionary, embed_dim, path)
+        return embedding if embedding is not None else super().build_embedding(args, dictionary, embed_dim, path)
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):

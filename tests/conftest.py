@@ -58,6 +58,16 @@ def run_cli(
     return proc
 
 
+def run_script(script: str | os.PathLike, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python <script> args...`` (a benchmark script) with one torch thread, stdout and stderr merged into
+    ``.stdout``; asserts exit status 0, showing the output's tail otherwise."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc
+
+
 def write_synthetic_corpus(
     folder: Path, n_train: int = 2000, n_valid: int = 100, n_test: int = 100, vocab: int = 40, seed: int = 0
 ) -> Path:
@@ -176,11 +186,32 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 # models): scripts/test.sh runs them a second time on another CPU kernel path (ATEN_CPU_CAPABILITY,
 # MKL_ENABLE_INSTRUCTIONS), so that a tolerance tuned to one machine's kernels fails in CI.
 NUMERIC_MODULES = {
-    "test_adam_foreach", "test_admin", "test_admin_distributed", "test_autocast", "test_cli", "test_compat_v010",
-    "test_deep", "test_diagnostics", "test_hooks", "test_kernels", "test_lm", "test_matt", "test_norms", "test_radam",
-    "test_schedule", "test_schemes", "test_sdpa", "test_successors", "test_very_deep",
-    "test_precision", "test_ports", "test_depth_diagnostics",
-}  # fmt: skip
+    "test_adam_foreach",
+    "test_admin",
+    "test_admin_distributed",
+    "test_autocast",
+    "test_cli",
+    "test_compat_v010",
+    "test_deep",
+    "test_depth_diagnostics",
+    "test_depth_mup",
+    "test_diagnostics",
+    "test_dyt",
+    "test_golden",
+    "test_hooks",
+    "test_kernels",
+    "test_lm",
+    "test_matt",
+    "test_norms",
+    "test_ports",
+    "test_precision",
+    "test_radam",
+    "test_schedule",
+    "test_schemes",
+    "test_sdpa",
+    "test_successors",
+    "test_very_deep",
+}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

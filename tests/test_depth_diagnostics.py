@@ -516,7 +516,7 @@ def test_spikes_reach_the_criterion_through_the_updates_logging_outputs():
     model.eval()  # validation reduces its logging outputs through the same task: not an update
     crit._run.collect = False
     assert crit.take_depth_statistics([{"loss": torch.tensor(1e6), "sample_size": 1}]) is None
-    assert crit._counters.loss.seen == 10
+    assert crit._depth.counters.loss.seen == 10
 
 
 class _FakeFP16:
@@ -532,12 +532,37 @@ class _FakeFP16:
         self.scaler.update()  # what the optimizer step after a finite norm does (fp16_optimizer.py:225-226)
         return torch.tensor(norm)
 
+    def zero_grad(self):
+        pass
+
+
+class _FakeAMP:
+    """torch's GradScaler keeps its scale on the device: a non-finite norm is a drop (amp_optimizer.py:52-69)."""
+
+    scaler = object()
+
+    def __init__(self):
+        self.norms = [torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(float("nan"))]
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        return self.norms.pop(0)
+
+    def zero_grad(self):
+        pass
+
 
 def test_loss_scale_drops_are_counted_for_fp16_and_amp():
-    counters = training_counters.TrainingCounters(4, 6.0)
+    """Through the criterion's ``clip_grad_norm`` tap (:func:`taps.wrap_optimizer`), as fairseq's trainer calls it."""
+    from fairseq.tasks.translation import TranslationTask
+
+    model, args = build_model("deepinit_tiny")
+    d = make_dictionary()
+    crit = DiagnosticsCriterion(
+        TranslationTask(args, d, d), False, 0.1, diagnostics_stats="counters", no_divergence_guard=True
+    )
     opt = _FakeFP16(DynamicLossScaler(init_scale=8.0, scale_window=2, min_loss_scale=1.0))
-    counters.wrap_optimizer(opt)
-    counters.wrap_optimizer(opt)  # once per optimizer
+    crit.begin_update(0, model, opt, {})
+    crit.begin_update(0, model, opt, {})  # wrapped once per optimizer
     opt.norms = [1.0, float("inf"), 2.0, float("nan"), float("inf")]
     outcomes = []
     for _ in range(5):
@@ -550,24 +575,34 @@ def test_loss_scale_drops_are_counted_for_fp16_and_amp():
             outcomes.append("min")
     assert outcomes == ["ok", "overflow", "ok", "overflow", "min"]
     assert opt.scaler.loss_scale == 2.0  # 8 -> 4 -> 2; the last overflow would reach the minimum 1: restored
+    counters = crit._depth.counters
     counters.loss.observe(torch.tensor(1.0))
     assert counters.take()[training_counters.SCALE_DROPS].item() == 2.0
     assert counters.take()[training_counters.SCALE_DROPS].item() == 0.0  # reset
 
-    class _FakeAMP:  # torch's GradScaler keeps its scale on the device: a non-finite norm is a drop
-        scaler = object()
-
-        def __init__(self):
-            self.norms = [torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(float("nan"))]
-
-        def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-            return self.norms.pop(0)
-
     amp = _FakeAMP()
-    counters.wrap_optimizer(amp)
+    crit.begin_update(1, model, amp, {})
     for _ in range(3):
         amp.clip_grad_norm(0.0)
     assert counters.take()[training_counters.SCALE_DROPS].item() == 2.0
+
+
+def test_counters_off_leave_clip_grad_norm_alone():
+    """Without ``counters`` (or with ``--diagnostics-interval 0``) the tap reads no loss scale and counts nothing."""
+    from fairseq.tasks.translation import TranslationTask
+
+    model, args = build_model("deepinit_tiny")
+    d = make_dictionary()
+    for kwargs in (dict(diagnostics_stats="var,stream"), dict(diagnostics_interval=0)):
+        crit = DiagnosticsCriterion(TranslationTask(args, d, d), False, 0.1, no_divergence_guard=True, **kwargs)
+        assert crit._depth.counters is None
+        opt = _FakeFP16(DynamicLossScaler(init_scale=8.0, scale_window=2, min_loss_scale=1.0))
+        crit.begin_update(0, model, opt, {})
+        opt.norms = [float("inf")]
+        with pytest.raises(OverflowError):
+            opt.clip_grad_norm(0.0)
+        assert crit._depth.loss_scale(opt) is None
+        assert crit._depth.take(model.train(), 0, True, [{"loss": torch.tensor(1.0)}], None) is None
 
 
 def test_bad_counter_options_are_refused():

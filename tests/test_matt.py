@@ -249,18 +249,18 @@ def test_beam_search_scores_equal_full_forward(branch):
 
 
 def _schemes():
-    from fairseq_deepinit.schemes import SCHEMES
+    from fairseq_deepinit.methods import INIT_SCHEMES
 
-    return sorted(SCHEMES)
+    return sorted(INIT_SCHEMES)
 
 
 @pytest.mark.parametrize("scheme", _schemes())
 def test_every_scheme_builds_and_decodes_incrementally(scheme):
-    from fairseq_deepinit.schemes import SCHEMES
+    from fairseq_deepinit.methods import INIT_SCHEMES
 
-    spec = SCHEMES[scheme]
+    spec = INIT_SCHEMES[scheme]
     extra = ["--init-scheme", scheme]
-    if not spec.needs_post_ln and spec.residual == "none":
+    if spec.placement != "post" and spec.residual == "none":
         extra.append("--decoder-normalize-before")
     model, args = _matt("aan", False, *extra)
     assert args.decoder_layer_type == "matt"
@@ -281,7 +281,7 @@ def test_norm_types_apply_to_matt_norms(norm):
 
 def test_tfixup_scales_shared_output_projection_once():
     """W_o serves both branches but is one matrix: T-Fixup scales it by (9 N_d)^(-1/4) once, not twice."""
-    from fairseq_deepinit.schemes.tfixup import tfixup_factors
+    from fairseq_deepinit.methods.tfixup import tfixup_factors
 
     base, _ = _matt("aan", False, "--init-scheme", "xavier", seed=7)
     fix, args = _matt("aan", False, "--init-scheme", "t-fixup", seed=7)
@@ -298,9 +298,9 @@ def test_own_value_projection_initialised_as_a_value_projection(scheme):
     """DeepNorm: W_v ~ xavier_normal(beta_dec); SmallInit: W_v ~ N(0, sqrt(2/(5d))), like attention v_proj."""
     import math
 
-    from fairseq_deepinit.modules.residual import deepnorm_beta
+    from fairseq_deepinit.methods.deepnorm import deepnorm_beta
+    from fairseq_deepinit.methods.twt import smallinit_std
     from fairseq_deepinit.modules.stacks import DECODER
-    from fairseq_deepinit.schemes.smallinit import smallinit_std
 
     model, args = _matt("aan", False, "--init-scheme", scheme, "--decoder-embed-dim", "256",
                         "--decoder-ffn-embed-dim", "256", "--encoder-embed-dim", "256")  # fmt: skip
@@ -316,7 +316,7 @@ def test_own_value_projection_initialised_as_a_value_projection(scheme):
 
 def test_dsinit_bounds_cover_matt_weights():
     """DS-Init eq. 15 on every MAtt matrix: |W| <= gamma / sqrt(l), W_v and the gate included."""
-    from fairseq_deepinit.schemes.dsinit import ds_init_bound
+    from fairseq_deepinit.methods.dsinit import ds_init_bound
 
     model, _ = _matt("gated-aan", False, "--init-scheme", "ds-init")
     for depth, layer in enumerate(model.decoder.layers, start=1):

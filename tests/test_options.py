@@ -11,9 +11,9 @@ import pickle
 import pytest
 
 from conftest import USER_DIR, build_model, run_cli
+from fairseq_deepinit.methods import INIT_SCHEMES as SCHEMES
 from fairseq_deepinit.modules.norms import NORM_TYPES
 from fairseq_deepinit.options import DeepInitConfigError, resolve_and_validate
-from fairseq_deepinit.schemes import SCHEMES
 
 
 def parse(*cli: str, arch: str = "deepinit_tiny") -> argparse.Namespace:
@@ -298,3 +298,23 @@ def test_normalize_before_without_a_norm_is_reported(caplog):
     with caplog.at_level("WARNING", logger="fairseq_deepinit.options"):
         validated(arch="tfixup_iwslt_de_en")
     assert "no effect" not in caplog.text
+
+
+def test_option_table_is_every_model_option_with_type_default_and_choices():
+    """options.option_table() (what a config dataclass is generated from) lists exactly the options
+    add_model_args adds, each with a default of its type that its choices allow."""
+    from fairseq_deepinit import options
+
+    parser = argparse.ArgumentParser()
+    options.add_model_args(parser)
+    dests = {a.dest for a in parser._actions} - {"help", *options.ARCH_BOOL_FLAGS}
+    table = options.option_table()
+    assert sorted(r["name"] for r in table) == sorted(dests)
+    for row in table:
+        assert row["type"] in (bool, int, float, str), row
+        if row["default"] is not None:
+            assert isinstance(row["default"], row["type"]), row
+        if row["choices"] is not None and row["default"] is not None:
+            assert row["default"] in row["choices"], row
+        assert row["help"] and (row["owner"] is None or row["owner"][0] in ("init_scheme", "residual_scale",
+                                                                            "decoder_layer_type")), row  # fmt: skip

@@ -24,7 +24,8 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import TINY_DIMS, USER_DIR, build_model, make_dictionary
 from fairseq_deepinit.modules import attention as sdpa_attention
-from fairseq_deepinit.modules.attention import SDPAMultiheadAttention, is_future_mask, use_sdpa
+from fairseq_deepinit.modules.attention import SDPAMultiheadAttention
+from fairseq_deepinit.modules.masks import is_future_mask
 from fairseq_deepinit.options import DeepInitConfigError, resolve_and_validate
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -54,7 +55,7 @@ def pair(kdim=None, seed=0, **kwargs):
         for name, p in ref.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.2)
-    fast = use_sdpa(copy.deepcopy(ref))
+    fast = SDPAMultiheadAttention.like(ref)
     assert type(fast) is SDPAMultiheadAttention and type(ref) is MultiheadAttention
     return ref, fast
 
@@ -508,8 +509,6 @@ def test_option_defaults_and_validation():
     xf.attention_impl, xf.decoder_xformers_att_config = "sdpa", '{"name": "scaled_dot_product"}'
     with pytest.raises(DeepInitConfigError, match="--decoder-xformers-att-config selects xFormers"):
         resolve_and_validate(xf)
-    with pytest.raises(TypeError, match="not SDPAMultiheadAttention|not Foo"):
-        use_sdpa(type("Foo", (MultiheadAttention,), {})(E, H))
 
 
 # --- fairseq-train + fairseq-generate -------------------------------------------------------------

@@ -1,19 +1,19 @@
-"""Admin, adaptive model initialisation (Liu et al. 2020): ``--residual-scale admin``.
+"""Admin's machinery beyond the model (Liu et al. 2020): profiling, profile files, tasks, export.
 
-- :mod:`.residual`: x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1})), the residual module, the ``admin``
-  init scheme and the ``admin_<size>`` architectures;
-- :mod:`.options`: ``--admin-*`` options and their validation;
+The method itself (options, validation, the ``admin`` init scheme and residual scale, the closed form
+set at build time, the ``admin_<size>`` architectures) is its record, :mod:`fairseq_deepinit.methods.admin`;
+its residual module is :class:`~fairseq_deepinit.modules.residual.AdminResidual`. Here:
+
+- :mod:`.residual`: the model helpers (Admin's residual modules in a model, profiled or not) and the
+  profile constants;
 - :mod:`.profiling`: omega from the variances of the first batch (released code's or paper's formula);
 - :mod:`.profile_file`: the JSON profile of the two-step workflow;
 - :mod:`.profiling_task`: the profiling lifecycle inside fairseq-train, on every rank (one mixin for
   every profiling task);
-- :mod:`.task`: ``--task translation_admin``;
-- :mod:`.export`: ``deepinit-export-admin``, omega folded into a stock Post-LN checkpoint.
-
-Importing the package registers all of it.
+- :mod:`.task`: ``--task translation_admin`` (registered when the plugin imports it);
+- :mod:`.fold` and :mod:`.export`: ``deepinit-export-admin``, omega folded into a stock Post-LN checkpoint.
 """
 
-from . import options, task  # noqa: F401  (registration)
 from .profile_file import apply_profile, check_profile_destination, check_profile_rows, load_profile, save_profile
 from .profiling import code_ratio, log_profile, paper_omegas, profile_model, refresh_master_params
 from .profiling_task import AdminProfilingMixin

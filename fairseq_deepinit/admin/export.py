@@ -2,7 +2,7 @@
 
 ``deepinit-export-admin ADMIN.pt OUT.pt`` (or ``python -m fairseq_deepinit.admin.export``) writes a
 checkpoint of fairseq's own ``transformer`` that stock ``fairseq-generate`` loads without
-``--user-dir`` and that computes the same function. The derivation, per stack, for sub-layers
+``--user-dir`` and that computes the same function (the fold: :mod:`.fold`). The derivation, per stack, for sub-layers
 k = 1..K in forward order, with LN_k the norm after sub-layer k (gamma_k, beta_k)::
 
     Admin:     x_k  = LN_k(x_{k-1} * w_k + f_k(x_{k-1}))
@@ -39,196 +39,21 @@ import logging
 import os
 import sys
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, List
 
 import torch
+from fairseq.models import build_model
+from omegaconf import OmegaConf
 
-from .. import errors, options
+from .. import errors
 from ..checkpoints.integrity import torch_load_checked
 from ..errors import AdminExportError
+from ..model import DeepInitTransformerModel
+from .fold import _primitive, check_exportable, export_args, fold_state_dict
+
+__all__ = ["check_exportable", "export_args", "export_checkpoint", "fold_state_dict", "main", "verify"]
 
 logger = logging.getLogger(__name__)
-
-SUBLAYER_NORMS = {
-    "self_attn": "self_attn_layer_norm",
-    "encoder_attn": "encoder_attn_layer_norm",
-    "ffn": "final_layer_norm",
-}
-SUBLAYER_INPUTS = {
-    ("encoder", "self_attn"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("encoder", "ffn"): ("fc1",),
-    ("decoder", "self_attn"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("decoder", "encoder_attn"): ("encoder_attn.q_proj",),
-    ("decoder", "ffn"): ("fc1",),
-}
-
-
-def _deepinit_option_names() -> set:
-    """Every ``dest`` the deepinit model adds to fairseq's parser (dropped from the exported args)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    options.add_model_args(parser)
-    return {a.dest for a in parser._actions if a.dest != "help"}
-
-
-def check_exportable(args) -> None:
-    """Clear errors for configurations a stock ``transformer`` cannot represent."""
-    if getattr(args, "residual_scale", None) != "admin":
-        raise AdminExportError(
-            f"this checkpoint uses --residual-scale {getattr(args, 'residual_scale', None)}, not Admin; "
-            "nothing to fold (only Admin checkpoints can be exported)"
-        )
-    problems = []
-    if args.norm_type != "layernorm":
-        problems.append(f"--norm-type {args.norm_type} (stock transformer has LayerNorm)")
-    if args.norm_eps != 1e-5:
-        problems.append(f"--norm-eps {args.norm_eps} (stock transformer's LayerNorm uses 1e-5)")
-    if args.encoder_normalize_before or args.decoder_normalize_before:
-        problems.append("Pre-LN")
-    if args.fixnorm:
-        problems.append("--fixnorm")
-    if args.decoder_layer_type != "standard":
-        problems.append(f"--decoder-layer-type {args.decoder_layer_type}")
-    for flag in ("adaptive_input", "cross_self_attention", "no_cross_attention", "adaptive_softmax_cutoff"):
-        if getattr(args, flag, None):
-            problems.append("--" + flag.replace("_", "-"))
-    if getattr(args, "quant_noise_pq", 0):
-        problems.append("--quant-noise-pq")
-    if getattr(args, "decoder_input_dim", args.decoder_embed_dim) != args.decoder_embed_dim:
-        problems.append("--decoder-input-dim different from --decoder-embed-dim")
-    if getattr(args, "decoder_output_dim", args.decoder_embed_dim) != args.decoder_embed_dim:
-        problems.append("--decoder-output-dim different from --decoder-embed-dim")
-    if problems:
-        raise AdminExportError("cannot fold Admin into a stock transformer with: " + "; ".join(problems))
-
-
-def _omega_groups(sd: Dict[str, torch.Tensor]) -> Dict[str, List[Tuple[str, str]]]:
-    """Per stack, ``(layer prefix, sub-layer)`` in forward order, read from the omega keys."""
-    found: Dict[str, Dict[int, List[str]]] = {"encoder": {}, "decoder": {}}
-    for key in sd:
-        if key.endswith(".omega") and ".residuals." in key:
-            prefix, sub = key[: -len(".omega")].split(".residuals.")
-            stack, _, idx = prefix.split(".")
-            found[stack].setdefault(int(idx), []).append(sub)
-    order = {"encoder": ("self_attn", "ffn"), "decoder": ("self_attn", "encoder_attn", "ffn")}
-    out = {}
-    for stack, layers in found.items():
-        out[stack] = [(f"{stack}.layers.{i}", sub) for i in sorted(layers) for sub in order[stack] if sub in layers[i]]
-    return out
-
-
-def fold_state_dict(
-    sd: Dict[str, torch.Tensor], args, dtype: torch.dtype = torch.float32
-) -> Tuple[Dict[str, torch.Tensor], dict]:
-    """The plain Post-LN state dict (floating tensors in ``dtype``) and the argument changes.
-
-    See the module docstring for the derivation; the arithmetic is done in float64.
-    """
-    sd = {k: v.detach().to(torch.float64).clone() if v.is_floating_point() else v.clone() for k, v in sd.items()}
-    changes: dict = {}
-    groups = _omega_groups(sd)
-    pad = 1  # fairseq's Dictionary: <s>=0, <pad>=1
-
-    def omega(prefix: str, sub: str) -> torch.Tensor:
-        w = sd[f"{prefix}.residuals.{sub}.omega"]
-        if not torch.isfinite(w).all() or (w == 0).any():
-            raise AdminExportError(f"omega of {prefix}.{sub} has zero or non-finite entries; it cannot be folded")
-        return w
-
-    first = {}
-    for stack, subs in groups.items():
-        for k, (prefix, sub) in enumerate(subs):
-            w = omega(prefix, sub)
-            for proj in SUBLAYER_INPUTS[(stack, sub)]:
-                sd[f"{prefix}.{proj}.weight"] = sd[f"{prefix}.{proj}.weight"] / w[None, :]
-            if k == 0:
-                first[stack] = w
-            else:
-                prev_prefix, prev_sub = subs[k - 1]
-                for p in ("weight", "bias"):
-                    key = f"{prev_prefix}.{SUBLAYER_NORMS[prev_sub]}.{p}"
-                    sd[key] = sd[key] * w
-
-    # the embeddings carry the first sub-layer's omega
-    ln_emb = bool(getattr(args, "layernorm_embedding", False))
-    shared = bool(getattr(args, "share_all_embeddings", False))  # absent for a language model
-    tied = bool(args.share_decoder_input_output_embed or shared)
-    unshare = shared and not ln_emb and not torch.equal(first["encoder"], first["decoder"])
-    if unshare:
-        changes.update(share_all_embeddings=False, share_decoder_input_output_embed=True)
-    for stack, w in first.items():
-        if ln_emb:
-            for p in ("weight", "bias"):
-                key = f"{stack}.layernorm_embedding.{p}"
-                sd[key] = sd[key] * w
-            continue
-        if bool((w == 1).all()):
-            continue
-        emb_key = f"{stack}.embed_tokens.weight"
-        sd[emb_key] = sd[emb_key] * w[None, :]
-        if not getattr(args, "no_token_positional_embeddings", False):
-            pos_key = f"{stack}.embed_positions.weight"
-            if getattr(args, f"{stack}_learned_pos", False):
-                sd[pos_key] = sd[pos_key] * w[None, :]
-            else:
-                from fairseq.modules import SinusoidalPositionalEmbedding
-
-                max_pos = args.max_source_positions if stack == "encoder" else args.max_target_positions
-                table = SinusoidalPositionalEmbedding.get_embedding(max_pos + pad + 1, w.numel(), pad)
-                sd[pos_key] = table.to(torch.float64) * w[None, :]
-                changes[f"{stack}_learned_pos"] = True
-        if stack == "decoder" and tied:
-            sd["decoder.output_projection.weight"] = sd[emb_key]
-            last_prefix, last_sub = groups["decoder"][-1]
-            for p in ("weight", "bias"):
-                key = f"{last_prefix}.{SUBLAYER_NORMS[last_sub]}.{p}"
-                sd[key] = sd[key] / w
-    if shared and not unshare:
-        # one embedding for both stacks, scaled by the same omega_1 (or not at all)
-        sd["decoder.embed_tokens.weight"] = sd["encoder.embed_tokens.weight"]
-        sd["decoder.output_projection.weight"] = sd["encoder.embed_tokens.weight"]
-
-    if getattr(args, "lipschitz_bias_free", None):
-        # the bias-free variant keeps these biases as non-persistent zero buffers; stock layers have them
-        for key in [k for k in sd if k.endswith(("_proj.weight", "fc2.weight")) and ".layers." in k]:
-            bias = key[: -len("weight")] + "bias"
-            if bias not in sd:
-                sd[bias] = torch.zeros(sd[key].size(0), dtype=torch.float64)
-
-    out = {k: v for k, v in sd.items() if ".residuals." not in k}  # omega and the profiled flags
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}, changes
-
-
-def export_args(args, changes: dict) -> dict:
-    """Plain, fairseq-``transformer`` model arguments (a dict of primitives, no Namespace)."""
-    drop = _deepinit_option_names()
-    out = {}
-    for key, value in vars(args).items():
-        if key in drop or key.startswith("_"):
-            continue
-        if isinstance(value, tuple):
-            value = list(value)
-        if not (value is None or isinstance(value, (str, int, float, bool, list, dict))):
-            value = str(value)
-        out[key] = value
-    out.update(changes)
-    out.update(_name="transformer", arch="transformer", task="translation", user_dir=None)
-    out["checkpoint_activations"] = False
-    out["offload_activations"] = False
-    return out
-
-
-def _primitive(obj):
-    if isinstance(obj, argparse.Namespace):
-        return _primitive(vars(obj))
-    if isinstance(obj, dict):
-        return {k: _primitive(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_primitive(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    if torch.is_tensor(obj):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
-    return str(obj)
 
 
 def _load(path: str) -> dict:
@@ -359,11 +184,6 @@ def _dictionary(size: int):
 
 def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, seed: int = 0) -> float:
     """Build both models, run them on one random batch (with padding), compare log-probabilities."""
-    from fairseq.models import build_model
-    from omegaconf import OmegaConf
-
-    from ..model import DeepInitTransformerModel
-
     src_dict = _dictionary(admin_sd["encoder.embed_tokens.weight"].size(0))
     tgt_dict = (
         src_dict if admin_args.share_all_embeddings else _dictionary(admin_sd["decoder.embed_tokens.weight"].size(0))

@@ -18,7 +18,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from ..diagnostics.hooks import _N, _QB, _QS, _SB, _SS, ResidualStatistics
+from ..diagnostics.hooks import ResidualStatistics, element_count, residual_variance_tensors
 from ..errors import AdminConfigError
 from ..modules.attention import exact_padding_rows
 from .residual import FORMULAS, PROFILE_FORMAT, AdminResidual, admin_residuals, model_shape, stacks_of
@@ -42,15 +42,6 @@ def paper_omegas(var_branches: List) -> List:
             out.append(1.0 if i == 0 else math.sqrt(total))
         total = total + v
     return out
-
-
-def _variance(moments: torch.Tensor) -> tuple:
-    """``(Var(skip), Var(branch))`` as device scalars (NaN without elements) from raw moments."""
-    n = moments[_N]
-    n = torch.where(n > 0, n, torch.full_like(n, float("nan")))
-    branch = moments[_QB] / n - (moments[_SB] / n) ** 2
-    skip = moments[_QS] / n - (moments[_SS] / n) ** 2
-    return skip, branch
 
 
 def _dist_group():
@@ -105,7 +96,7 @@ class _ProgressiveOmega:
             else:
                 if prev not in self.stats.moments:
                     raise RuntimeError(f"Admin profiling: {prev} did not run before {name}")
-                var_skip, var_branch = _variance(self.reduce_moments(prev))
+                var_skip, var_branch = residual_variance_tensors(self.reduce_moments(prev))
                 ratio = torch.sqrt(var_skip + var_branch)  # code_ratio, on the device
             self.ratios[name] = ratio
             with torch.no_grad():
@@ -179,7 +170,7 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
     elif _world_size(group) > 1:
         stats.all_reduce(group)
 
-    variances = {name: _variance(stats.moments[name]) for name in residuals}
+    variances = {name: residual_variance_tensors(stats.moments[name]) for name in residuals}
     omegas: Dict[str, torch.Tensor | float] = {}
     if formula == "code":
         omegas = {name: progressive.ratios[name] for name in residuals}
@@ -191,7 +182,7 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
 
     def row(n: str) -> torch.Tensor:
         omega = torch.as_tensor(omegas[n], dtype=torch.float64, device=device)
-        return torch.stack([*variances[n], stats.moments[n][_N], omega])
+        return torch.stack([*variances[n], element_count(stats.moments[n]), omega])
 
     rows = torch.stack([row(n) for n in residuals]).tolist()
     read = dict(zip(residuals, rows, strict=True))

@@ -1,12 +1,10 @@
-"""Admin: adaptive model initialisation (Liu et al. 2020, "Understanding the Difficulty of Training
-Transformers", sec. 4.3 and appendix C; released code: LiyuanLucasLiu/Transformer-Clinic).
+"""Admin's model helpers: its residual modules in a model, whether they are profiled, the profile constants.
 
-Every Post-LN sub-layer i of a stack scales its skip path by a per-dimension vector omega_i::
-
-    x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))                              (Liu et al. 2020, sec. 4.3)
-
-omega_i starts at 1 and is set once, before the first update, from the variances of the residual
-branches on the first training batch ("profiling"). Two formulas:
+Admin (Liu et al. 2020, sec. 4.3): every Post-LN sub-layer i scales its skip path by a learned vector
+omega_i, ``x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))``
+(:class:`~fairseq_deepinit.modules.residual.AdminResidual`; the method's record is
+:mod:`fairseq_deepinit.methods.admin`). omega_i starts at 1 and is set once, before the first update,
+from the variances of the residual branches on the first training batch ("profiling"). Two formulas:
 
 - ``code`` (default, the released code; METHODS "decision"): per stack, in forward order, with a
   running ratio r that starts at 1 for the encoder and again for the decoder::
@@ -30,10 +28,9 @@ before any variance is taken, so every rank sets the same omega. omega is an ``n
 unless ``--admin-freeze-omega``) and each residual module carries a ``profiled`` buffer, so checkpoints
 hold everything: generation needs no profile file and a resumed run does not profile again.
 
-This module holds the residual module and registers ``--residual-scale admin``, the ``admin`` init
-scheme and the ``admin_<size>`` architectures; the ``--admin-*`` options are :mod:`.options`,
-profiling :mod:`.profiling`, profile files :mod:`.profile_file`, profiling inside fairseq-train
-:mod:`.task`, folding omega into a plain Post-LN checkpoint :mod:`.export`.
+Profiling is :mod:`.profiling`, profile files :mod:`.profile_file`, profiling inside fairseq-train
+:mod:`.profiling_task` and :mod:`.task`, folding omega into a plain Post-LN checkpoint :mod:`.fold` and
+:mod:`.export`.
 """
 
 from __future__ import annotations
@@ -41,20 +38,14 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from typing import Dict, Iterable, List
 
-import torch
 import torch.nn as nn
 
-from .. import options
-from ..architectures import register_family
-from ..diagnostics.hooks import sublayer_name
-from ..errors import AdminConfigError, AdminNotProfiledError
-from ..modules.residual import Residual, register_residual
-from ..modules.stacks import StackKind
-from ..schemes import WITH_NORM, SchemeSpec, iter_layers, register_post_init_hook, register_scheme
-from ..schemes.baseline import apply_baseline
-from .closed_form import CLOSED_FORM, closed_form_omega
+from ..errors import AdminConfigError
+from ..methods.admin import FORMULAS, LM_TASK, PROFILING_TASKS, TRANSLATION_TASK
+from ..modules.residual import AdminResidual, sublayer_name
 
-FORMULAS = ("code", "paper")
+__all__ = ["FORMULAS", "LM_TASK", "PROFILING_TASKS", "TRANSLATION_TASK", "AdminResidual"]
+
 PROFILE_FORMAT = "fairseq-deepinit admin profile v1"
 # The omega a profile file may set. Both formulas give a square root of accumulated variances of
 # LayerNorm-ed sub-layers: ``code`` starts at 1 and only grows (r_{i+1} = sqrt(Var[x * omega_i] +
@@ -67,129 +58,6 @@ PROFILE_FORMAT = "fairseq-deepinit admin profile v1"
 # (a hand edit, a profile of diverged statistics), not a setting.
 OMEGA_MIN = 1e-4
 OMEGA_MAX = 1e4
-# tasks that profile omega before the first update (the task module adds its name)
-PROFILING_TASKS: set = set()
-
-
-class AdminResidual(Residual):
-    """``x_{i-1} * omega + f_i(x_{i-1})`` with ``omega`` a learned vector of size d starting at 1.
-
-    ``profiled`` (a buffer, so it travels in checkpoints) records whether omega was set by profiling
-    or from a profile file. fairseq's training step calls ``set_num_updates`` on every module before
-    its forward; a training-mode forward after that with omega never profiled is an error (the model
-    would silently train as Post-LN with omega = 1, e.g. under ``--task translation``).
-
-    The host keeps a copy of the flag (:meth:`is_profiled`), so that no training step reads the
-    buffer back from the device: set by :meth:`mark_profiled` and by loading a state dict, kept
-    across ``.to()``, and valid while the buffer's version counter (bumped by any in-place write)
-    is the one it was taken at; after any other write the buffer is read once.
-    """
-
-    def __init__(self, dim: int, trainable: bool = True) -> None:
-        super().__init__()
-        self.omega = nn.Parameter(torch.ones(dim), requires_grad=trainable)
-        self.register_buffer("profiled", torch.zeros((), dtype=torch.uint8))
-        self._remember(False)
-        self._in_fairseq_training = False
-        self._profiling = False
-
-    def _remember(self, flag: bool) -> None:
-        self.host_profiled = flag  # the host's copy of ``profiled`` ...
-        self._host_version = self.profiled._version  # ... taken at this version of the buffer
-
-    def is_profiled(self) -> bool:
-        """The ``profiled`` flag, from the host's copy while it is current (otherwise read once)."""
-        if self._host_version != self.profiled._version:
-            self._remember(bool(self.profiled))
-        return self.host_profiled
-
-    def mark_profiled(self) -> None:
-        """Record that omega is set (by profiling, a profile file or the closed form)."""
-        with torch.no_grad():
-            self.profiled.fill_(1)
-        self._remember(True)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        # a checkpoint's flag (fairseq loads checkpoints on the CPU: reading it waits for no device)
-        flag = state_dict.get(prefix + "profiled")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if flag is not None:
-            self._remember(bool(flag))
-
-    def _apply(self, fn, *args, **kwargs):
-        # .to() / .cuda() / .to_empty() make a new buffer (a new version counter): the flag is the same
-        current = self._host_version == self.profiled._version
-        out = super()._apply(fn, *args, **kwargs)
-        if current:
-            self._remember(self.host_profiled)
-        return out
-
-    def skip(self, residual: torch.Tensor) -> torch.Tensor:
-        return residual * self.omega
-
-    def set_num_updates(self, num_updates: int) -> None:
-        self._in_fairseq_training = True
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # a plain attribute first: once profiled, the check reads no tensor state (nor does torch.compile)
-        if (
-            self.training
-            and self._in_fairseq_training
-            and not (self._profiling or self.host_profiled or self.is_profiled())
-        ):
-            raise AdminNotProfiledError(
-                "Admin's omega was never profiled, so this would train plain Post-LN with omega = 1. "
-                "Train with --task translation_admin (language_modeling_admin for a language model; it "
-                "profiles before the first update), or load a profile with --admin-profile-path under that task."
-            )
-        return super().forward(x, residual)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.omega.numel()}, trainable={self.omega.requires_grad}"
-
-
-def _build_admin_residual(cfg, kind: StackKind, sublayer: str, layer_idx: int) -> AdminResidual:
-    dim = cfg.encoder.embed_dim if kind.stack == "encoder" else cfg.decoder.embed_dim
-    return AdminResidual(dim, trainable=not getattr(cfg, "admin_freeze_omega", None))
-
-
-@torch.no_grad()
-def set_closed_form_omega(model: nn.Module, cfg) -> None:
-    """Post-init hook: profiling-free Admin (closed_form.py), omega from the depth, so it counts as profiled.
-
-    n is counted per stack over the residual modules its layers were built with (one per sub-layer
-    of each layer: 2N encoder, 3M decoder with cross-attention, 2M decoder-only), admin-torch's
-    "total number of residual layers" (admin_torch/admin.py:64).
-    """
-    if getattr(cfg, "residual_scale", None) != "admin" or getattr(cfg, "admin_formula", None) != CLOSED_FORM:
-        return
-    stacks: Dict[str, List[nn.Module]] = defaultdict(list)
-    for stack, _l, layer in iter_layers(model):
-        stacks[stack] += list(layer.residuals.values())
-    for modules in stacks.values():
-        omega = closed_form_omega(len(modules), cfg.admin_output_change)
-        for res in modules:
-            res.omega.fill_(omega)
-            res.mark_profiled()
-
-
-register_residual("admin", _build_admin_residual)
-register_post_init_hook(set_closed_form_omega)
-options.POST_LN_RESIDUALS.add("admin")
-register_scheme(
-    SchemeSpec(
-        "admin",
-        apply_baseline,  # omega starts at 1; profiling sets it before the first update
-        "Admin (Liu et al. 2020): LN(x*omega + f(x)), omega profiled on the first batch, Post-LN",
-        allowed_norms=WITH_NORM,
-        norm_reason="Admin is a Post-LN method: x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))",
-        residual="admin",
-        needs_post_ln=True,
-    )
-)
-register_family("admin", dict(init_scheme="admin"))
-# profiling-free Admin (admin-torch's closed form, O(logn)); trains under --task translation
-register_family("admin_closed", dict(init_scheme="admin", admin_formula=CLOSED_FORM))
 
 
 # --- model helpers

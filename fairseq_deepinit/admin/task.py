@@ -16,10 +16,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..training.autocast import AutocastConfig, AutocastTaskMixin
 from .profiling_task import AdminProfilingMixin, rows_within
-from .residual import PROFILING_TASKS
-
-TASK_NAME = "translation_admin"
-PROFILING_TASKS.add(TASK_NAME)
+from .residual import TRANSLATION_TASK as TASK_NAME
 
 
 def _pad_to(tokens: torch.Tensor, width: int, pad: int, left: bool) -> torch.Tensor:

@@ -4,6 +4,10 @@ Before any state is loaded, the options that define the model (:data:`CHECKED_OP
 ``auto`` values resolved as the model build resolves them) are compared with the checkpoint's; a
 difference stops the run with :class:`~fairseq_deepinit.errors.ConfigChangeError` listing them,
 unless ``--allow-config-change`` (or a fine-tuning reset flag) says it is on purpose.
+
+:data:`CHECKED_OPTIONS` is fairseq's options that shape the model (:data:`FAIRSEQ_MODEL_OPTIONS`) plus
+every option of every method record that a resumed run must keep (``Option.resume``,
+:func:`fairseq_deepinit.options.all_options`): a method's new option is checked without being listed here.
 """
 
 from __future__ import annotations
@@ -22,17 +26,11 @@ logger = logging.getLogger(__name__)
 
 ALLOW_FLAG = "--allow-config-change"
 
-# model options whose change on resume gives a different model (checked for the deepinit model)
-CHECKED_OPTIONS: Tuple[str, ...] = (
+# fairseq's model options whose change on resume gives a different model
+FAIRSEQ_MODEL_OPTIONS: Tuple[str, ...] = (
     "arch",
-    "init_scheme",
-    "norm_type",
-    "norm_eps",
     "encoder_normalize_before",
     "decoder_normalize_before",
-    "residual_scale",
-    "fixnorm",
-    "decoder_layer_type",
     "encoder_layers",
     "decoder_layers",
     "encoder_embed_dim",
@@ -43,12 +41,9 @@ CHECKED_OPTIONS: Tuple[str, ...] = (
     "decoder_attention_heads",
     "share_all_embeddings",
     "share_decoder_input_output_embed",
-    "lipschitz_bias_free",
-    "ds_init_variant",
-    "ds_init_alpha",
-    "matt_share_v",
-    "matt_self_branch",
 )
+# ... and every method option a resumed run must keep (checked for the deepinit models)
+CHECKED_OPTIONS: Tuple[str, ...] = FAIRSEQ_MODEL_OPTIONS + tuple(o.name for o, _m in options.all_options() if o.resume)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +56,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# the plugin's models (the language model adds ``deepinit_lm``)
-DEEPINIT_MODELS: set = {"deepinit"}
+# the plugin's models: translation (fairseq_deepinit.model) and language model (fairseq_deepinit.lm.model)
+TRANSLATION_MODEL = "deepinit"
+LM_MODEL = "deepinit_lm"
+DEEPINIT_MODELS = (TRANSLATION_MODEL, LM_MODEL)
 
 
 def _is_deepinit(args: argparse.Namespace | None) -> bool:

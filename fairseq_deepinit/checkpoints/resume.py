@@ -9,7 +9,7 @@ Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.
    plain ``PathManager.copy`` (``save_checkpoint``, line 139). A SIGKILL during that copy leaves
    a truncated file. :func:`install` replaces the module attribute ``checkpoint_utils.PathManager``
    (and only that one: the rest of fairseq keeps the original class) with
-   :class:`AtomicCopyPathManager`, whose ``copy`` is :func:`atomic_copy` (temporary file in the
+   :class:`AtomicCopyPathManager`, whose ``copy`` is :func:`.atomic.atomic_copy` (temporary file in the
    same folder, fsync, ``os.replace``) and whose ``rename`` also fsyncs the file it renames, so
    fairseq's own atomic write survives a power cut, not only a kill.
 2. **Failed saves.** ``checkpoint_utils.torch_persistent_save`` (line 578), ``save_checkpoint``

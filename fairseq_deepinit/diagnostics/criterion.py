@@ -14,6 +14,12 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
    - ``diag_scalenorm_g/<norm>``: ScaleNorm's learned g (Nguyen & Salazar 2019, Fig. 3);
    - ``diag_gnorm/<layer>``: the l2 norm of the gradient of each layer's parameters (DS-Init Fig. 1),
      taken before clipping, with fairseq's own ``gnorm`` as the total.
+   - over depth (issue 24; :mod:`.depth_stats` has the formulas, :mod:`.depth_hooks` the hooks):
+     ``diag_stream_norm|var|max/<stack>.<layer>``, the residual stream after every layer;
+     ``diag_angle/`` and ``diag_angle_last/``, the angular distance each layer moves it;
+     ``diag_max_logit/<attention>`` and ``diag_max_logit/all``, the maximum attention logit;
+   - counters since the last such update (:mod:`.training_counters`): ``diag_loss_spikes``,
+     ``diag_gnorm_spikes``, ``diag_loss_scale_drops``.
 
    Moments travel in the logging outputs and are combined in :meth:`reduce_metrics`, so gradient
    accumulation and data parallelism give exact statistics. On other updates nothing is computed.
@@ -33,118 +39,37 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
    ``crash.pt`` and replays the update; the guard steps in there (:meth:`DiagnosticsCriterion.check_unfinished_update`).
 
 Gradients exist only after the backward pass, which fairseq's task runs; the criterion therefore
-gives the task a small mixin (:class:`DiagnosticsTaskMixin`) that tells it the update number, and
-wraps the optimizer's ``clip_grad_norm`` — the one point where the gradients of an update are
-complete (summed over accumulation steps and ranks, divided by the sample size) and where fairseq
-decides that they are non-finite.
+gives the task a small mixin that tells it the update number, and wraps the optimizer's
+``clip_grad_norm`` — the one point where the gradients of an update are complete and where fairseq
+decides that they are non-finite: both in :mod:`.taps`, with the fairseq lines they attach to. The
+guard's state and report are :mod:`.guard`.
 """
 
-import difflib
 import logging
 import math
 from collections import OrderedDict
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
 import torch.nn as nn
 from fairseq.criterions import register_criterion
-from fairseq.criterions.label_smoothed_cross_entropy import (
-    LabelSmoothedCrossEntropyCriterion,
-    LabelSmoothedCrossEntropyCriterionConfig,
-)
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.logging import metrics
 
 from ..errors import DeepInitConfigError, DivergenceError
 from ..training.autocast_state import AutocastState
 from . import depth_hooks, hooks, training_counters
-from .stats import _grad_squares, first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
+from .criterion_config import DEFAULT_STATS, STATS, DiagnosticsCriterionConfig
+from .depth_criterion import DepthDiagnostics
+from .guard import RunState, _parse_inject, check_inject_target, divergence_report, unwrap_model
+from .stats import _grad_squares, nonfinite_parameters
+from .taps import install_task_mixin, wrap_optimizer
 
 logger = logging.getLogger(__name__)
 
-STATS = ("var", "norm", "residual", "scalenorm", "grad", *depth_hooks.STATS, "counters")  # depth_hooks: issue 24
-DEFAULT_STATS = ",".join(STATS)
 _KEY = "_diag|"  # logging-output keys that carry raw moments
 PRIORITY = 2000  # after fairseq's own metrics in a log line
-
-
-@dataclass
-class DiagnosticsCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    diagnostics_interval: int = field(
-        default=100,
-        metadata={
-            "help": "log per-sub-layer statistics every N updates, on updates N, 2N, ... (0: never; the "
-            "divergence guard stays on). A multiple of --log-interval puts them on a log line."
-        },
-    )
-    diagnostics_stats: str = field(
-        default=DEFAULT_STATS,
-        metadata={
-            "help": "comma-separated statistics to log: var (residual-branch variance), norm (norm-layer "
-            "input norm), residual (Admin omega, ReZero alpha), scalenorm (ScaleNorm g), grad (gradient "
-            "norm per layer), stream (residual-stream norm, variance, max|x| after every layer), angle (angular "
-            "distance between consecutive layers), logit (max attention logit per layer), counters (loss and "
-            "gnorm spikes, fp16 loss-scale drops)"
-        },
-    )
-    no_divergence_guard: bool = field(
-        default=False, metadata={"help": "do not stop training on non-finite loss, gradients or weights"}
-    )
-    diagnostics_inject_nan: str = field(
-        default="",
-        metadata={
-            "help": "for testing the divergence guard only: 'UPDATE:PARAM' fills parameter PARAM with NaN "
-            "before update UPDATE; 'UPDATE:PARAM:after' does it after that update's optimizer step"
-        },
-    )
-    diagnostics_spike_window: int = field(
-        default=training_counters.DEFAULT_WINDOW,
-        metadata={
-            "help": "counters: a loss (gnorm) spike is a value above mean + T * std of the previous N updates' "
-            "values, T = --diagnostics-spike-threshold (OLMo-core's StabilityMonitor rule and default)"
-        },
-    )
-    diagnostics_spike_threshold: float = field(
-        default=training_counters.DEFAULT_THRESHOLD,
-        metadata={"help": "counters: T of the spike rule, in standard deviations (OLMo-core's default)"},
-    )
-
-
-class _RunState:
-    """Per-run state kept outside ``nn.Module`` attributes (a model stored on the criterion would
-    become one of its sub-modules, and fairseq would save and all-reduce it as the criterion's)."""
-
-    def __init__(self) -> None:
-        self.update_num = -1
-        self.collect = False
-        self.samples: List[dict] = []
-        self.model: nn.Module | None = None
-        self.optimizer = None
-        self.last_loss: torch.Tensor | None = None
-        self.precision: AutocastState | None = None  # autocast state of the update's forward, for the replay
-        self.grad_norm: torch.Tensor | float | None = None  # the last clip's total norm, on the device
-        self.step_open = False  # clipped, optimizer step not yet taken
-        self.grad_stats: Dict[str, torch.Tensor] | None = None  # this update's per-layer norms (device)
-        self.diverged = False
-        self.injected = False
-        self.warned_sharded = False
-        self.metrics_dirty = False
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The fairseq model inside DDP / ModuleProxy wrappers."""
-    from fairseq.models import BaseFairseqModel
-
-    while not isinstance(model, BaseFairseqModel) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
-def _data_parallel_size() -> int:
-    """Number of ranks whose gradients are averaged into this one's (1 outside distributed training)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _drop_printed_meters() -> bool:
@@ -166,37 +91,6 @@ def _drop_printed_meters() -> bool:
             for k in stale:
                 OrderedDict.__delitem__(meters, k)
     return remaining
-
-
-def _parse_inject(spec: str) -> tuple | None:
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if len(parts) not in (2, 3) or not parts[0].isdigit() or int(parts[0]) < 1 or not parts[1]:
-        raise DeepInitConfigError(
-            f"--diagnostics-inject-nan {spec!r}: expected UPDATE:PARAM or UPDATE:PARAM:after with UPDATE >= 1, "
-            "e.g. 5:encoder.layers.0.fc1.weight"
-        )
-    when = parts[2] if len(parts) == 3 else "before"
-    if when not in ("before", "after"):
-        raise DeepInitConfigError(
-            f"--diagnostics-inject-nan {spec!r}: the third field must be 'after' (or absent), e.g. "
-            f"{parts[0]}:{parts[1]}:after"
-        )
-    return int(parts[0]), parts[1], when
-
-
-def check_inject_target(model: nn.Module, p_name: str) -> None:
-    """Refuse a ``--diagnostics-inject-nan`` parameter the model does not have, naming close matches."""
-    names = [n for n, _ in unwrap_model(model).named_parameters()]
-    if p_name in names:
-        return
-    close = difflib.get_close_matches(p_name, names, n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}?" if close else f"names look like {', '.join(names[:3])}."
-    raise DeepInitConfigError(
-        f"--diagnostics-inject-nan: the model has no parameter {p_name!r}; {hint} Give UPDATE:PARAM with a "
-        "parameter name of this model (as model.named_parameters() lists them)"
-    )
 
 
 @register_criterion("label_smoothed_cross_entropy_diagnostics", dataclass=DiagnosticsCriterionConfig)
@@ -233,13 +127,11 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         self.stats = stats
         self.guard = not no_divergence_guard
         self.inject = _parse_inject(diagnostics_inject_nan)
-        self._run = _RunState()
-        # statistics over depth and instability counters (issue 24): depth_hooks.py, training_counters.py
-        self._depth_max = depth_hooks.MaxAccumulator()
-        training_counters.check_options(diagnostics_spike_window, diagnostics_spike_threshold)
-        self._counters = None
-        if self.interval > 0 and "counters" in stats:
-            self._counters = training_counters.TrainingCounters(diagnostics_spike_window, diagnostics_spike_threshold)
+        self._run = RunState()
+        # statistics over depth and instability counters (issue 24)
+        self._depth = DepthDiagnostics(
+            stats, self.interval, diagnostics_spike_window, diagnostics_spike_threshold, _KEY
+        )
         install_task_mixin(task, self)
 
     # ---- called by the task mixin -------------------------------------------------------------
@@ -260,9 +152,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         run.metrics_dirty |= run.collect
         if optimizer is not None and run.optimizer is not optimizer:
             run.optimizer = optimizer
-            self._wrap_optimizer(optimizer)
-            if self._counters is not None:
-                self._counters.wrap_optimizer(optimizer)
+            wrap_optimizer(optimizer, self._clip, self._zero_grad)
         self._maybe_inject(update_num, "before")
 
     def after_step(self, update_num: int) -> None:
@@ -326,8 +216,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         net = unwrap_model(model)
         res = hooks.ResidualStatistics(net) if "var" in self.stats and hooks.residual_modules(net) else None
         nrm = hooks.NormInputStatistics(net) if "norm" in self.stats else None
-        depth_stats = [s for s in depth_hooks.STATS if s in self.stats]
-        depth = depth_hooks.DepthStatistics(net, sample["net_input"], depth_stats) if depth_stats else None
+        depth = self._depth.collector(net, sample["net_input"])
         with ExitStack() as stack:
             for s in (res, nrm, depth):
                 if s is not None:
@@ -335,9 +224,8 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
             loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         run.last_loss = loss.detach()
         logging_output.update(self._statistics(net, res, nrm))
-        if depth is not None:  # moments sum over logging outputs; maxima wait for reduce (take_depth_statistics)
-            logging_output.update({_KEY + k: v for k, v in depth.sums().items()})
-            self._depth_max.add(run.update_num, depth.maxima())
+        if depth is not None:
+            self._depth.add(run.update_num, depth, logging_output)
         return loss, sample_size, logging_output
 
     def _statistics(self, net: nn.Module, res, nrm) -> Dict[str, torch.Tensor]:
@@ -397,28 +285,22 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     # ---- gradients: per-layer norms and the guard ---------------------------------------------
 
-    def _wrap_optimizer(self, optimizer) -> None:
-        original_clip, original_zero_grad = optimizer.clip_grad_norm, optimizer.zero_grad
-
-        def clip_grad_norm(max_norm, aggregate_norm_fn=None):
-            return self._clip(original_clip, max_norm, aggregate_norm_fn)
-
-        def zero_grad():
-            # fairseq's trainer discards an update that failed its finiteness check here, on every rank,
-            # before its NanDetector replay (whose hooks a replay of the guard's cannot run under)
-            self.check_unfinished_update()
-            return original_zero_grad()
-
-        optimizer.clip_grad_norm, optimizer.zero_grad = clip_grad_norm, zero_grad
+    def _zero_grad(self) -> None:
+        # fairseq's trainer discards an update that failed its finiteness check here, on every rank,
+        # before its NanDetector replay (whose hooks a replay of the guard's cannot run under)
+        self.check_unfinished_update()
 
     def _clip(self, original, max_norm, aggregate_norm_fn):
         run = self._run
+        grad_norm, scale = None, self._depth.loss_scale(run.optimizer)
         try:
             grad_norm = original(max_norm, aggregate_norm_fn)
         except FloatingPointError as e:  # fp16/AMP: the minimum loss scale was reached
             if self.guard and not run.diverged:
                 self._diverge(f"fairseq's loss scaling gave up ({e})", replay=True)
             raise
+        finally:  # --fp16 lowers its scale and raises OverflowError (the trainer skips the update)
+            self._depth.clipped(run.optimizer, scale, grad_norm)
         # no host read here: fairseq's trainer checks the norm next (see check_unfinished_update)
         run.grad_norm, run.step_open = grad_norm, True
         if run.collect and "grad" in self.stats:
@@ -427,7 +309,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _grad_norm_statistics(self, grad_norm, sharded: bool) -> Dict[str, torch.Tensor] | None:
         """Per-layer gradient norms as a logging output, on the device (the task reduces them with the
-        update's other statistics, :meth:`DiagnosticsTaskMixin.reduce_metrics`)."""
+        update's other statistics, :meth:`.taps.DiagnosticsTaskMixin.reduce_metrics`)."""
         run = self._run
         if sharded:  # FSDP: each rank holds a shard of every gradient
             if not run.warned_sharded:
@@ -453,19 +335,10 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         return stats
 
     def take_depth_statistics(self, logging_outputs) -> Dict[str, torch.Tensor] | None:
-        """A training update's maxima over depth and, on updates that log, the instability counters, for the
-        task's ``reduce_metrics`` (validation, with the model in eval mode, is not an update)."""
+        """A training update's maxima over depth and counters, for the task's ``reduce_metrics``
+        (:meth:`.depth_criterion.DepthDiagnostics.take`)."""
         run = self._run
-        if run.model is None or not run.model.training:
-            return None
-        if self._counters is not None:
-            self._counters.observe_update(logging_outputs, run.grad_norm)
-        if not run.collect:
-            return None
-        out = {f"{_KEY}{k}": v for k, v in self._depth_max.take(run.update_num).items()}
-        if self._counters is not None:
-            out.update({f"{_KEY}scalar|{k}": v for k, v in self._counters.take().items()})
-        return out or None
+        return self._depth.take(run.model, run.update_num, run.collect, logging_outputs, run.grad_norm)
 
     # ---- divergence ---------------------------------------------------------------------------
 
@@ -484,61 +357,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         logger.warning(f"diagnostics: filled {p_name} with NaN {when} update {k} (--diagnostics-inject-nan)")
 
     def _diverge(self, reason: str, replay: bool) -> None:
-        run = self._run
-        run.diverged = True
-        run.collect = False
-        model = run.model
-        lines = [f"divergence guard: training stopped at update {run.update_num + 1}: {reason}."]
-        culprit = None
-        first_sub = None
-        if replay and run.samples and model is not None:
-            res = hooks.ResidualStatistics(model) if hooks.residual_modules(model) else None
-            with ExitStack() as stack:
-                if res is not None:
-                    stack.enter_context(res)
-                if run.precision is not None:  # a bf16/fp16-only overflow must overflow again
-                    stack.enter_context(run.precision.applied())
-                culprit = first_nonfinite_output(model, lambda: [model(**s["net_input"]) for s in run.samples])
-            if res is not None:
-                for sub, v in res.variances().items():
-                    if not (math.isfinite(v["branch"]) and math.isfinite(v["skip"])):
-                        first_sub = (sub, v)
-                        break
-        # say so when the replay ran under autocast: the same batch may be finite in fp32
-        under = f"replayed under {run.precision.describe()}" if run.precision and run.precision.enabled else ""
-        if culprit is not None:
-            line = f"First layer whose statistics went non-finite (forward order): {layer_key(culprit + '._')}"
-            line += f" (first module with a NaN/Inf output: {culprit}"
-            if first_sub is not None:
-                sub, v = first_sub
-                line += f"; first sub-layer: {sub}, Var(branch)={v['branch']:.4g}, Var(skip)={v['skip']:.4g}"
-            lines.append(line + (f"; {under}" if under else "") + ").")
-        elif model is not None:
-            grads = grad_norms_per_layer(model)
-            bad = [k for k, v in grads.items() if not math.isfinite(v)]
-            if bad:
-                lines.append(
-                    f"The forward pass is finite{f' ({under})' if under else ''}; the gradients first go non-finite "
-                    f"(forward order) in layer "
-                    f"{bad[0]} ({len(bad)} of {len(grads)} layers affected)."
-                )
-                world = _data_parallel_size()
-                if world > 1:
-                    # DDP all-reduces gradients, so another rank's batch or weights can be the source
-                    lines.append(
-                        f"This rank's forward pass is finite, but its gradients are averaged over {world} "
-                        "data-parallel ranks: the other ranks' reports name the source."
-                    )
-        bad_params = nonfinite_parameters(model) if model is not None else []
-        if bad_params:
-            more = f" and {len(bad_params) - 5} more" if len(bad_params) > 5 else ""
-            lines.append(f"Non-finite weights: {', '.join(bad_params[:5])}{more}.")
-        lines.append(
-            "No checkpoint is written from this state, so checkpoint_last.pt (if any) holds the last good one. "
-            "To go on, resume from it with a lower --lr, a longer --warmup-updates, --clip-norm, or a "
-            "deep-Transformer scheme (see docs/diagnostics.md)."
-        )
-        msg = "\n".join(lines)
+        msg = divergence_report(self._run, reason, replay)
         logger.error(msg)
         raise DivergenceError(msg)
 
@@ -558,54 +377,3 @@ def _read_all(totals: List) -> List[torch.Tensor]:
         out.append(torch.tensor(values[start : start + t.numel()], dtype=torch.float64))
         start += t.numel()
     return out
-
-
-class DiagnosticsTaskMixin:
-    """Put in front of the task's class by :func:`install_task_mixin`: reports the update number to
-    the criterion before fairseq's forward/backward, hands it the update's gradient statistics in
-    ``reduce_metrics``, and lets it veto checkpoints of a diverged model."""
-
-    _deepinit_criterion: DiagnosticsCriterion
-
-    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
-        self._deepinit_criterion.begin_update(update_num, model, optimizer, sample)
-        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
-
-    def optimizer_step(self, optimizer, model, update_num):
-        super().optimizer_step(optimizer, model, update_num)
-        self._deepinit_criterion.after_step(update_num)
-
-    def begin_epoch(self, epoch, model):
-        # fairseq's Trainer.begin_epoch, before the epoch's first batch: the first point where the
-        # criterion sees the model outside the training step
-        self._deepinit_criterion.check_model(model)
-        super().begin_epoch(epoch, model)
-
-    def reduce_metrics(self, logging_outputs, criterion):
-        # fairseq's trainer reduces an update's logging outputs after its optimizer step: the
-        # per-layer gradient norms join them there, so one device read serves all statistics
-        grad_stats = self._deepinit_criterion.take_grad_statistics()
-        if grad_stats:
-            logging_outputs = [*logging_outputs, grad_stats]
-        depth_stats = self._deepinit_criterion.take_depth_statistics(logging_outputs)
-        if depth_stats:
-            logging_outputs = [*logging_outputs, depth_stats]
-        return super().reduce_metrics(logging_outputs, criterion)
-
-    def state_dict(self):
-        # fairseq's Trainer.state_dict() asks the task for its state on every checkpoint save
-        self._deepinit_criterion.check_before_save()
-        return super().state_dict()
-
-
-_MIXED: Dict[type, type] = {}
-
-
-def install_task_mixin(task, criterion: DiagnosticsCriterion) -> None:
-    """Give ``task`` (an instance of any fairseq task) the :class:`DiagnosticsTaskMixin` behaviour."""
-    cls = task.__class__
-    if not issubclass(cls, DiagnosticsTaskMixin):
-        if cls not in _MIXED:
-            _MIXED[cls] = type(f"Diagnostics{cls.__name__}", (DiagnosticsTaskMixin, cls), {"__module__": __name__})
-        task.__class__ = _MIXED[cls]
-    task._deepinit_criterion = criterion

@@ -1,6 +1,6 @@
 """Residual-branch statistics gathered by forward hooks, shared by Admin profiling and diagnostics.
 
-Every sub-layer of a ``deepinit`` layer ends in one :class:`~fairseq_deepinit.residual.Residual`
+Every sub-layer of a ``deepinit`` layer ends in one :class:`~fairseq_deepinit.modules.residual.Residual`
 module called as ``residual_module(x, residual)``, with ``x`` the (dropped-out) branch output
 f_i(x_{i-1}) and ``residual`` the sub-layer input x_{i-1}. A forward hook on those modules sees
 exactly the two quantities the papers reason about, without touching any layer's code path:
@@ -24,20 +24,21 @@ import torch
 import torch.nn as nn
 
 from ..modules.norms import ScaleNorm, is_norm
-from ..modules.residual import Residual
+from ..modules.residual import Residual, residual_modules, sublayer_name
 
-# moment slots: element count, sum and sum of squares of the branch, then of the skip term
+__all__ = [
+    "NormInputStatistics",
+    "ResidualStatistics",
+    "element_count",
+    "residual_modules",
+    "residual_variance_tensors",
+    "residual_variances",
+    "sublayer_name",
+]
+
+# moment slots of ResidualStatistics: element count, sum and sum of squares of the branch, then of the
+# skip term (read them through element_count / residual_variance_tensors / residual_variances)
 _N, _SB, _QB, _SS, _QS = range(5)
-
-
-def residual_modules(model: nn.Module) -> OrderedDict[str, Residual]:
-    """Every residual module of ``model`` by name (``encoder.layers.0.residuals.self_attn``), module order."""
-    return OrderedDict((name, m) for name, m in model.named_modules() if isinstance(m, Residual))
-
-
-def sublayer_name(module_name: str) -> str:
-    """``encoder.layers.3.residuals.ffn`` -> ``encoder.layers.3.ffn`` (wrappers' prefixes dropped)."""
-    return module_name.replace("._checkpoint_wrapped_module", "").replace(".residuals.", ".")
 
 
 class _ForwardHookStatistics:
@@ -168,7 +169,7 @@ class ResidualStatistics(_ForwardHookStatistics):
 def _fused_layernorm_classes() -> tuple:
     """apex's FusedLayerNorm, which fairseq's ``LayerNorm()`` returns on GPU when apex is installed.
 
-    It derives from ``nn.Module``, not ``nn.LayerNorm``, so :func:`fairseq_deepinit.norms.is_norm`
+    It derives from ``nn.Module``, not ``nn.LayerNorm``, so :func:`fairseq_deepinit.modules.norms.is_norm`
     alone would miss every sub-layer norm of a model built on such a machine.
     """
     from fairseq.modules import layer_norm
@@ -260,6 +261,21 @@ def norm_input_statistics(moments: torch.Tensor) -> Dict[str, float]:
         "var": (moments[_NQ] / e - (moments[_NX] / e) ** 2).item(),
         "count": n,
     }
+
+
+def element_count(moments: torch.Tensor) -> torch.Tensor:
+    """The number of elements behind one row of :class:`ResidualStatistics` moments (a device scalar)."""
+    return moments[_N]
+
+
+def residual_variance_tensors(moments: torch.Tensor) -> tuple:
+    """``(Var(skip), Var(branch))`` of one row of :class:`ResidualStatistics` moments, as device scalars
+    (NaN without elements): for computations that must not read the device (Admin's recurrence)."""
+    n = moments[_N]
+    n = torch.where(n > 0, n, torch.full_like(n, float("nan")))
+    branch = moments[_QB] / n - (moments[_SB] / n) ** 2
+    skip = moments[_QS] / n - (moments[_SS] / n) ** 2
+    return skip, branch
 
 
 def residual_variances(moments: torch.Tensor) -> Dict[str, float]:

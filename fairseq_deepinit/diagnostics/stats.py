@@ -9,11 +9,11 @@
   step (Admin, Fig. 4 and Theorem 2: O(N) growth with depth N under Post-LN, O(log N) under Pre-LN),
   and :func:`fit_growth` to turn several depths into fitted slopes;
 - :func:`first_nonfinite_output`, :func:`nonfinite_parameters`: where a diverged model first went
-  non-finite (the divergence guard of :mod:`fairseq_deepinit.diagnostics_criterion`).
+  non-finite (the divergence guard of :mod:`fairseq_deepinit.diagnostics.criterion`).
 
 Definitions used for DS-Init's Table 1 (the paper describes, in words, the gradient passing back
 through the layer normalisation and then the residual connection of each sub-layer). For a
-sub-layer with input ``x`` (the ``residual`` argument of its :class:`~fairseq_deepinit.residual.Residual`),
+sub-layer with input ``x`` (the ``residual`` argument of its :class:`~fairseq_deepinit.modules.residual.Residual`),
 residual output ``r = skip(x) + f(x)`` and sub-layer output ``y`` (``y = LN(r)`` under Post-LN,
 ``y = r`` under Pre-LN or without norms)::
 
@@ -109,7 +109,9 @@ class GradientFlow:
         for name in self.residuals:
             parent = name.rsplit(".residuals.", 1)[0]
             layer = model.get_submodule(parent) if ".residuals." in name else None
-            self._post_ln[name] = not bool(getattr(layer, "normalize_before", False))
+            # the layer's norm placement (modules/sublayer.py); fairseq's flag for a layer without one
+            placement = getattr(layer, "placement", None)
+            self._post_ln[name] = placement == "post" if placement else not getattr(layer, "normalize_before", False)
         self.order: List[str] = []
         # per sub-layer: squared gradient norms of x, r, y and moments of r (count, sum, sum of squares)
         self.acc: Dict[str, Dict[str, float]] = {}

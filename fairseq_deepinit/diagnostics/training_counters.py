@@ -100,7 +100,6 @@ class TrainingCounters:
         self.gnorm = SpikeDetector(window, threshold)
         self.fp16_drops = 0  # host: fairseq's DynamicLossScaler keeps its scale on the host
         self.amp_drops: Tensor | None = None  # device: GradScaler's scale is a device tensor
-        self._wrapped: set = set()
 
     # ---- every update ---------------------------------------------------------------------------
 
@@ -112,27 +111,17 @@ class TrainingCounters:
         if torch.is_tensor(grad_norm):
             self.gnorm.observe(grad_norm)
 
-    def wrap_optimizer(self, optimizer) -> None:
-        """Count loss-scale drops around ``optimizer.clip_grad_norm`` (where fairseq's scalers react)."""
-        if id(optimizer) in self._wrapped:
-            return
-        self._wrapped.add(id(optimizer))
-        inner = optimizer.clip_grad_norm
-
-        def clip_grad_norm(max_norm, aggregate_norm_fn=None):
-            scaler = getattr(optimizer, "scaler", None)
-            before = getattr(scaler, "loss_scale", None)  # DynamicLossScaler (--fp16): a host float
-            try:
-                grad_norm = inner(max_norm, aggregate_norm_fn)
-            finally:
-                if before is not None and scaler.loss_scale < before:
-                    self.fp16_drops += 1
-            if scaler is not None and before is None and torch.is_tensor(grad_norm):  # GradScaler (--amp)
-                dropped = (~torch.isfinite(grad_norm)).to(torch.float64).reshape(())
-                self.amp_drops = dropped if self.amp_drops is None else self.amp_drops + dropped
-            return grad_norm
-
-        optimizer.clip_grad_norm = clip_grad_norm
+    def clipped(self, optimizer, scale_before: float | None, grad_norm) -> None:
+        """After fairseq's ``optimizer.clip_grad_norm`` (where its scalers react), also when it raised:
+        ``scale_before`` is the ``--fp16`` scaler's ``loss_scale`` before the call (None otherwise),
+        ``grad_norm`` its result (None when it raised)."""
+        scaler = getattr(optimizer, "scaler", None)
+        if scale_before is not None:  # DynamicLossScaler (--fp16): a host float
+            if scaler.loss_scale < scale_before:
+                self.fp16_drops += 1
+        elif scaler is not None and torch.is_tensor(grad_norm):  # GradScaler (--amp)
+            dropped = (~torch.isfinite(grad_norm)).to(torch.float64).reshape(())
+            self.amp_drops = dropped if self.amp_drops is None else self.amp_drops + dropped
 
     # ---- diagnostic updates ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ fixes the dimensions, those of fairseq's ``transformer_lm`` architectures plus d
 
 Every value is only a default; command-line options win. fairseq's ``base_lm_architecture`` forces
 Pre-LN; here the family decides (Post-LN unless the family is Pre-LN, as the translation model).
-Families using ``--decoder-layer-type matt`` are not registered (MAtt needs cross-attention).
+Families whose ``--decoder-layer-type`` needs cross-attention (MAtt) are not registered.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fairseq.models.transformer_lm import (
 )
 
 from ..architectures import FAMILIES
+from ..plan import cross_attention_layer_types
 from .model import MODEL_NAME
 
 TINY_DIMS = dict(decoder_embed_dim=64, decoder_ffn_embed_dim=256, decoder_attention_heads=4, decoder_layers=2)
@@ -76,7 +77,7 @@ def lm_arch(size_fn: Callable, dims: dict, axes: dict) -> Callable:
 
 def register_lm_family(family: str, axes: dict) -> None:
     """Register ``<family>_<size>`` for every size of :data:`LM_SIZES`."""
-    if axes.get("decoder_layer_type", "standard") != "standard":
+    if axes.get("decoder_layer_type", "standard") in cross_attention_layer_types():
         return  # MAtt needs cross-attention (lm/model.py refuses it)
     LM_FAMILIES[family] = lm_axes(axes)
     for size, (size_fn, dims) in LM_SIZES.items():

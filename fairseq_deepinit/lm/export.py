@@ -3,7 +3,7 @@
 ``deepinit-export-admin-lm ADMIN_LM.pt OUT.pt`` (or ``python -m fairseq_deepinit.lm.export``) writes a
 checkpoint of fairseq's own ``transformer_lm`` that stock ``fairseq-eval-lm`` / ``fairseq-interactive``
 load without ``--user-dir`` and that computes the same function. The fold is the translation one
-(:func:`fairseq_deepinit.admin.export.fold_state_dict`, whose docstring has the derivation) over the one
+(:func:`fairseq_deepinit.admin.fold.fold_state_dict`, whose docstring has the derivation) over the one
 decoder stack: each sub-layer's input projections (self-attention q, k, v; FFN fc1) take 1/omega_k,
 the preceding norm omega_k, the embedding and positions the first omega (sinusoidal positions become a
 learned table), and a tied output projection is compensated in the last norm.
@@ -33,16 +33,14 @@ from ..admin.export import (
     _dictionary,
     _load,
     _model_args,
-    _primitive,
     check_destination,
-    check_exportable,
     check_profiled,
     export_parser,
-    fold_state_dict,
     run_export,
     save_export,
     stock_checkpoint,
 )
+from ..admin.fold import _primitive, check_exportable, fold_state_dict
 from ..errors import AdminExportError
 from .model import DeepInitLanguageModel
 

@@ -1,12 +1,14 @@
 """The ``deepinit_lm`` fairseq model: fairseq's ``transformer_lm`` with the plugin's independent axes.
 
 fairseq's :class:`~fairseq.models.transformer_lm.TransformerLanguageModel` (a decoder without
-cross-attention, ``--task language_modeling``) extended through the same hooks as the ``deepinit``
-translation model (:mod:`fairseq_deepinit.model`): ``build_embedding`` (FixNorm), ``build_decoder``
-(the plugin's :class:`~fairseq_deepinit.model.DeepInitDecoder`, whose ``build_decoder_layer`` and
-``build_output_projection`` place the norm type, residual scaling and FixNorm), then the init scheme.
-The options are the translation model's (:func:`fairseq_deepinit.options.add_model_args`),
-resolved and validated by the same :func:`~fairseq_deepinit.options.resolve_and_validate`.
+cross-attention, ``--task language_modeling``) built with the ``deepinit`` translation model's pieces
+(:mod:`fairseq_deepinit.model`): ``build_embedding`` (FixNorm), the plugin's
+:class:`~fairseq_deepinit.model.DeepInitDecoder` (whose ``build_decoder_layer`` and
+``build_output_projection`` place the norm type, residual scaling and FixNorm), then the init scheme
+(:mod:`fairseq_deepinit.plan`). fairseq's ``build_model`` has no hook for its decoder: see
+:meth:`DeepInitLanguageModel.build_model`. The options are the translation model's
+(:func:`fairseq_deepinit.options.add_model_args`), resolved and validated by the same
+:func:`~fairseq_deepinit.options.resolve_and_validate`.
 
 A decoder-only model is stored with ``encoder_layers = 0`` (what the option checks read as "no
 encoder", :func:`fairseq_deepinit.options.has_encoder`). Its layers are built without
@@ -34,22 +36,16 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
 
-from .. import options
+from .. import options, plan
 from ..checkpoints import config_check
 from ..errors import DeepInitConfigError
 from ..model import DeepInitDecoder
-from ..modules.fixnorm import FixNormEmbedding
 from ..modules.padding import target_padding
-from ..schemes import apply_init_scheme
 from ..training import distributed
 
 logger = logging.getLogger(__name__)
 
-MODEL_NAME = "deepinit_lm"
-config_check.DEEPINIT_MODELS.add(MODEL_NAME)
-
-# init schemes that re-initialise the word-embedding matrix itself (``embed_tokens.weight``)
-EMBEDDING_SCHEMES = ("lipschitz", "t-fixup")
+MODEL_NAME = config_check.LM_MODEL
 
 
 def validate_lm_args(args) -> None:
@@ -61,7 +57,7 @@ def validate_lm_args(args) -> None:
     - ``--adaptive-input`` / ``--character-embeddings`` replace the word-embedding matrix that FixNorm
       normalises and that Lipschitz and T-Fixup re-initialise / scale.
     """
-    if getattr(args, "decoder_layer_type", None) == "matt":
+    if getattr(args, "decoder_layer_type", None) in plan.cross_attention_layer_types():
         raise DeepInitConfigError(
             "--decoder-layer-type matt merges the average-attention branch into the encoder-decoder attention, "
             "which a decoder-only language model does not have; use --decoder-layer-type standard (or the "
@@ -74,7 +70,7 @@ def validate_lm_args(args) -> None:
             raise DeepInitConfigError(
                 f"--fixnorm normalises the word-embedding matrix, which {flag} replaces; drop one"
             )
-        if getattr(args, "init_scheme", None) in EMBEDDING_SCHEMES:
+        if getattr(args, "init_scheme", None) in plan.embedding_schemes():
             raise DeepInitConfigError(
                 f"--init-scheme {args.init_scheme} initialises the word-embedding matrix, which {flag} replaces; "
                 "drop it or use another --init-scheme"
@@ -102,7 +98,18 @@ class DeepInitLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
-        """fairseq's ``TransformerLanguageModel.build_model`` with the decoder built by :meth:`build_decoder`."""
+        """fairseq's ``TransformerLanguageModel.build_model`` (fairseq/models/transformer_lm.py:269-317) with
+        the plugin's decoder.
+
+        fairseq's method builds its decoder by calling the class ``TransformerDecoder`` directly (lines
+        314-316), with no ``build_decoder`` hook to override, so it cannot build the plugin's decoder: this
+        method repeats its steps with :meth:`build_decoder` in that place. Calling fairseq's and replacing
+        the decoder afterwards would build (and draw the random init of) a second, unused decoder, which
+        changes every weight drawn after it. What it repeats: ``--decoder-layers-to-keep`` and the default
+        ``--max-target-positions`` (lines 272-278), the input embedding (:meth:`build_lm_embedding`, lines
+        280-302, through fairseq's ``build_embedding`` hook for the plain table), and the
+        ``--tie-adaptive-weights`` checks (lines 304-312, here one error instead of asserts).
+        """
         distributed.check_ddp_backend(args)
         resolve_lm_args(args)
         if args.decoder_layers_to_keep:
@@ -124,7 +131,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
         model.decoder.set_target_padding(target_padding(task))
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
-        apply_init_scheme(model, TransformerConfig.from_namespace(args))
+        plan.apply_init(model, TransformerConfig.from_namespace(args))
         logger.info(options.describe(args))
         return model
 
@@ -154,9 +161,8 @@ class DeepInitLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        if getattr(args, "fixnorm", False):
-            return FixNormEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
-        return super().build_embedding(args, dictionary, embed_dim, path)
+        embedding = plan.build_embedding(args, dictionary, embed_dim, path)
+        return embedding if embedding is not None else super().build_embedding(args, dictionary, embed_dim, path)
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens) -> DeepInitDecoder:

@@ -21,12 +21,9 @@ import torch
 from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
-from ..admin import PROFILING_TASKS, AdminProfilingMixin
-from ..admin.profiling_task import rows_within
+from ..admin.profiling_task import AdminProfilingMixin, rows_within
+from ..admin.residual import LM_TASK as TASK_NAME
 from ..training.autocast import AutocastConfig, AutocastTaskMixin
-
-TASK_NAME = "language_modeling_admin"
-PROFILING_TASKS.add(TASK_NAME)
 
 
 def merge_and_cap_lm(net_inputs: List[dict], pad: int, max_tokens: int) -> Tuple[dict, int]:

@@ -1,15 +1,13 @@
-"""Merged attention (MAtt), Zhang, Titov & Sennrich 2019: the ``matt`` decoder layer type.
+"""Merged attention (MAtt), Zhang, Titov & Sennrich 2019: the layer and its parameter counts.
 
 - :mod:`.layer`: the layer (SAAN + cross-attention through one shared W_o, then the FFN) and its
   average branch with O(1) incremental state;
-- :mod:`.options`: ``--matt-self-branch``, ``--matt-share-v`` and their validation;
-- :mod:`.params`: parameter counts in closed form and the paper's 72.3M -> 66.0M;
-- :mod:`.architectures`: ``dsinit_matt_<size>``, ``matt_<size>``, ``dsinit_matt_iwslt_de_en_12l``.
+- :mod:`.params`: parameter counts in closed form and the paper's 72.3M -> 66.0M.
 
-Importing the package registers the layer type, its options and the architectures.
+The method's record (``--decoder-layer-type matt``, ``--matt-*``, the ``matt_<size>`` and
+``dsinit_matt_<size>`` architectures) is :mod:`fairseq_deepinit.methods.matt`.
 """
 
-from . import architectures, options  # noqa: F401  (registration)
 from .layer import SELF_BRANCHES, AverageBranch, MAttDecoderLayer, SharedOutputProjection
 from .params import (
     encoder_layer_params,

@@ -39,11 +39,11 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.modules import LayerNorm
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor
 
-from ..modules.layers import DeepInitLayerMixin, drop_bias, register_decoder_layer_type
-from ..modules.stacks import DECODER
+from ..modules.layers import DeepInitDecoderLayer, LayerPlan
+from ..modules.linear import drop_bias
+from ..modules.sublayer import sublayer_input, sublayer_output
 
 SELF_BRANCHES = ("aan", "self-attn", "gated-aan")
 # fairseq (NormFormer) options that change the standard layer's sub-layers; MAtt has no counterpart
@@ -149,26 +149,28 @@ class AverageBranch(nn.Module):
         return incremental_state
 
 
-class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
+class MAttDecoderLayer(DeepInitDecoderLayer):
     """A MAtt decoder layer: sub-layers ``matt`` (self branch + cross-attention, shared W_o) and ``ffn``.
 
-    Reuses fairseq's builders (``build_encoder_attention``, ``build_self_attention``,
-    ``build_fc1``/``build_fc2``) and forward conventions (``(x, attn, None)``), and the plugin's
-    axes through :class:`~fairseq_deepinit.layers.DeepInitLayerMixin`: ``--norm-type`` norms,
-    Post-/Pre-LN from ``--decoder-normalize-before``, one residual module per sub-layer (so
-    DeepNorm/ReZero/Admin scaling and :mod:`~fairseq_deepinit.hooks` statistics apply).
+    Built with fairseq's builders (``build_encoder_attention``, ``build_self_attention``,
+    ``build_fc1``/``build_fc2``; the attentions in the ``--attention-impl`` class as in
+    :class:`~fairseq_deepinit.modules.layers.DeepInitDecoderLayer`), called as fairseq's decoder layer
+    (``(x, attn, None)``), and given the layer plan as every plugin layer (``--norm-type`` norms, the
+    placement, one residual module per sub-layer, the methods' set-ups), so DeepNorm/ReZero/Admin
+    scaling and the :mod:`~fairseq_deepinit.diagnostics.hooks` statistics apply.
 
     Attributes seen by the init schemes: ``encoder_attn`` (fairseq MultiheadAttention; its
     ``out_proj`` is the shared W_o, its ``v_proj`` also W_v unless ``--no-matt-share-v``),
     ``self_branch`` (:class:`AverageBranch` with ``v_proj`` = W_v and ``gate``, or a fairseq
     MultiheadAttention for the ``self-attn`` ablation, its ``out_proj`` weight tied to W_o),
-    ``self_attn = None`` (there is no separate self-attention sub-layer), ``fc1``, ``fc2``.
+    ``self_attn = None`` (there is no separate self-attention sub-layer), ``fc1``, ``fc2``; and the layer
+    interface :meth:`attention_projections` and :meth:`own_value_projections`.
     """
 
     SUBLAYERS = ("matt", "ffn")
-    _norm_attrs = ("matt_layer_norm", "final_layer_norm")
+    NORMS = ("matt_layer_norm", "final_layer_norm")
 
-    def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False) -> None:
+    def __init__(self, cfg, plan: LayerPlan, no_encoder_attn: bool = False) -> None:
         # fairseq's __init__ would build a self-attention and three norms MAtt does not have;
         # everything is built here with fairseq's own build_* methods instead
         nn.Module.__init__(self)
@@ -177,6 +179,7 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
                 "--decoder-layer-type matt merges the self branch into the encoder-decoder attention and needs "
                 "cross-attention; drop --no-cross-attention or use --decoder-layer-type standard"
             )
+        self._attention_impl = plan.attention_impl
         self.embed_dim = cfg.decoder.embed_dim
         # absent when a config is built without options.resolve_and_validate: the paper's defaults
         self.self_branch_type = getattr(cfg, "matt_self_branch", None) or "aan"
@@ -235,20 +238,26 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
         self.final_layer_norm = LayerNorm(self.embed_dim, export=cfg.export)
         self.need_attn = True
         self.onnx_trace = False
-        # a decoder layer with cross-attention (DeepNorm's and Sub-LN's encoder-decoder constants),
-        # with two residual sub-layers of its own (closed-form Admin counts those)
-        self._setup_axes(cfg, layer_idx, DECODER, self.SUBLAYERS)  # norm type, residual modules, bias-free
-        if getattr(cfg, "lipschitz_bias_free", None):
-            # the released Lipschitz code drops the biases of every attention projection: W_v and
-            # the self-attention ablation's q/k/v are attention projections
-            branch = self.self_branch
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                if getattr(branch, proj, None) is not None:
-                    drop_bias(getattr(branch, proj))
+        # a decoder layer with cross-attention (DeepNorm's and Sub-LN's encoder-decoder constants), with
+        # two residual sub-layers of its own (closed-form Admin counts those)
+        self._apply_plan(cfg, plan, self.SUBLAYERS)
 
     def value_projection(self) -> nn.Module:
         """W_v of the average branch: the cross-attention's (default), or its own under ``--no-matt-share-v``."""
         return self.encoder_attn.v_proj if self.share_v else self.self_branch.v_proj
+
+    def attention_projections(self) -> list:
+        """The cross-attention's q/k/v/W_o and the self branch's projections (the ablation's q/k/v/out, or W_v)."""
+        out = super().attention_projections()
+        branch = self.self_branch
+        return out + [getattr(branch, p) for p in ("q_proj", "k_proj", "v_proj") if getattr(branch, p, None)]
+
+    def own_value_projections(self) -> list:
+        """MAtt's own W_v (``--no-matt-share-v`` with an average branch): computed like an attention's value
+        projection, so the schemes that treat v_proj specially (T-Fixup, DeepNorm, SmallInit) treat it alike.
+        A shared W_v is the cross-attention's v_proj and is reached through it."""
+        v = getattr(self.self_branch, "v_proj", None)
+        return [v] if isinstance(v, nn.Linear) and not hasattr(self.self_branch, "q_proj") else []
 
     def forward(
         self,
@@ -268,17 +277,17 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
             raise NotImplementedError("MAtt keeps a running sum, not key/value states; prev_*_state is unsupported")
         if need_head_weights:
             need_attn = True
-        self._start_forward(list(self.SUBLAYERS))
+        layer_input = x
 
-        residual = x
-        if self.normalize_before:
-            x = self.matt_layer_norm(x)
+        # merged attention: W_o (self branch + cross-attention)
+        skip = x
+        h = sublayer_input(self.placement, x, self.matt_layer_norm)
         if self.self_branch_type == "self-attn":
             # W_o (heads) without bias: the tied out_proj of the self-attention
             branch, _ = self.self_branch(
-                query=x,
-                key=x,
-                value=x,
+                query=h,
+                key=h,
+                value=h,
                 key_padding_mask=self_attn_padding_mask,
                 incremental_state=incremental_state,
                 need_weights=False,
@@ -289,7 +298,7 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
             # fairseq passes no causal mask only for full-context alignment training
             causal = incremental_state is not None or self_attn_mask is not None
             branch = self.self_branch(
-                x, self.value_projection()(x), self_attn_padding_mask, incremental_state, causal=causal
+                h, self.value_projection()(h), self_attn_padding_mask, incremental_state, causal=causal
             )
             pending = branch
         w_o = self.encoder_attn.out_proj
@@ -298,7 +307,7 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
             w_o.pending = pending
             try:
                 out, attn = self.encoder_attn(
-                    query=x,
+                    query=h,
                     key=encoder_out,
                     value=encoder_out,
                     key_padding_mask=encoder_padding_mask,
@@ -313,22 +322,8 @@ class MAttDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
                 out = out + branch
         else:  # no encoder output (decoder used alone): only the self branch
             out = w_o(branch) if pending is not None else branch + w_o.bias
-        x = self.dropout_module(out)
-        x = self.residual_connection(x, residual)
-        if not self.normalize_before:
-            x = self.matt_layer_norm(x)
+        h = self.dropout_module(out)
+        x = sublayer_output(self.placement, h, skip, self.matt_layer_norm, self.residuals["matt"], layer_input)
 
-        residual = x
-        if self.normalize_before:
-            x = self.final_layer_norm(x)
-        x = self.activation_fn(self.fc1(x))
-        x = self.activation_dropout_module(x)
-        x = self.fc2(x)
-        x = self.dropout_module(x)
-        x = self.residual_connection(x, residual)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
+        x, _ = self._ffn_sublayer(x, layer_input)
         return x, attn, None
-
-
-register_decoder_layer_type("matt", MAttDecoderLayer)

@@ -12,7 +12,7 @@ from typing import Dict
 
 
 def norm_params(norm_type: str, d: int) -> int:
-    """Parameters of one ``--norm-type`` norm of width d (:mod:`fairseq_deepinit.norms`)."""
+    """Parameters of one ``--norm-type`` norm of width d (:mod:`fairseq_deepinit.modules.norms`)."""
     return {"layernorm": 2 * d, "rmsnorm": d, "scalenorm": 1, "none": 0}[norm_type]
 
 

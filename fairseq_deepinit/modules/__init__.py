@@ -1,4 +1,6 @@
-"""Building blocks of a deepinit layer, one axis each: the norm type (:mod:`.norms`), FixNorm
-(:mod:`.fixnorm`), residual scaling (:mod:`.residual`), the attention implementation
-(:mod:`.attention`) and the layers that put them together through fairseq's ``build_*`` hooks
-(:mod:`.layers`)."""
+"""Plain building blocks, each knowing no method by name and importing nothing above this package (only
+torch, fairseq, :mod:`fairseq_deepinit.errors` and each other): the norm types (:mod:`.norms`), FixNorm
+(:mod:`.fixnorm`), the residual modules (:mod:`.residual`), the attention on PyTorch's fused kernel and its
+masks (:mod:`.attention`, :mod:`.masks`), the Linear with a norm on its input (:mod:`.linear`), one
+sub-layer's norm placement (:mod:`.sublayer`), the kinds of stack (:mod:`.stacks`), the decoder input's
+padding side (:mod:`.padding`), and the layers with their explicit forwards (:mod:`.layers`)."""

@@ -18,8 +18,8 @@ explicit ``bmm -> softmax -> dropout -> bmm``. What it changes, per call site of
   the loss ignores them, and nothing at a real position depends on them, so real outputs, the loss
   and every gradient are the masked path's (to float round-off). Where padding rows are *read*
   (Admin's profiling statistics count them), :func:`exact_padding_rows` restores the masked path.
-  Whether a mask is the future mask is known without reading it (:func:`future_mask`,
-  :func:`is_causal_mask`): no device sync, nothing read on the ``meta`` device, no graph break;
+  Whether a mask is the future mask is known without reading it (:func:`.masks.future_mask`,
+  :func:`.masks.is_causal_mask`): no device sync, nothing read on the ``meta`` device, no graph break;
 - encoder-decoder attention (always fairseq's explicit path, as it passes ``static_kv``) and
   incremental decoding: the fused kernel, with fairseq's key/value cache in fairseq's own layout
   (``prev_key``/``prev_value`` ``(B, H, S, d_head)``, ``prev_key_padding_mask``), so
@@ -44,7 +44,6 @@ outputs and gradients to 1e-5). Attention dropout (``--attention-dropout``) is t
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Dict, Iterator, Tuple
 
 import torch
@@ -52,7 +51,7 @@ import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor, nn
 
-from ..errors import DeepInitConfigError
+from .masks import kernel_mask
 
 ATTENTION_IMPLS = ("fairseq", "sdpa")
 DEFAULT_IMPL = "fairseq"
@@ -61,8 +60,8 @@ DEFAULT_IMPL = "fairseq"
 class SDPAMultiheadAttention(MultiheadAttention):
     """fairseq's MultiheadAttention whose forward runs ``F.scaled_dot_product_attention``.
 
-    Build it with :func:`use_sdpa` from a freshly built fairseq MultiheadAttention (what the
-    layers' ``build_self_attention`` / ``build_encoder_attention`` return).
+    The layers' ``build_self_attention`` / ``build_encoder_attention`` construct it with fairseq's
+    arguments when ``--attention-impl sdpa`` (:func:`attention_class`).
     """
 
     #: a plugin decoder's causal self-attention (:func:`declare_target_padding`): the only ``attn_mask``
@@ -71,6 +70,26 @@ class SDPAMultiheadAttention(MultiheadAttention):
     #: ... and its key padding marks only the end of each row (right-padded targets): the future mask
     #: is then ``is_causal`` for every real query
     causal_right_padded: bool = False
+
+    @classmethod
+    def like(cls, attn: MultiheadAttention) -> SDPAMultiheadAttention:
+        """A new fused-path attention configured as ``attn`` (dims, heads, dropout, biases, kind) and holding
+        a copy of its parameters; for comparing the two paths on the same weights (quant-noise is not
+        carried over)."""
+        new = cls(
+            attn.embed_dim,
+            attn.num_heads,
+            kdim=attn.kdim,
+            vdim=attn.vdim,
+            dropout=attn.dropout_module.p,
+            bias=attn.k_proj.bias is not None,
+            add_bias_kv=attn.bias_k is not None,
+            add_zero_attn=attn.add_zero_attn,
+            self_attention=attn.self_attention,
+            encoder_decoder_attention=attn.encoder_decoder_attention,
+        ).to(device=attn.k_proj.weight.device, dtype=attn.k_proj.weight.dtype)
+        new.load_state_dict(attn.state_dict())
+        return new
 
     def forward(
         self,
@@ -189,7 +208,7 @@ class SDPAMultiheadAttention(MultiheadAttention):
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None  # fairseq's TorchScript workaround for "no mask"
 
-        mask, is_causal = _kernel_mask(
+        mask, is_causal = kernel_mask(
             attn_mask,
             key_padding_mask,
             tgt_len,
@@ -218,136 +237,6 @@ class SDPAMultiheadAttention(MultiheadAttention):
         # (B, H, T, d) -> (T, B, H*d); out_proj is called as a module (MAtt's shared W_o hooks in there)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
         return self.out_proj(out)
-
-
-def _kernel_mask(
-    attn_mask: Tensor | None,
-    key_padding_mask: Tensor | None,
-    tgt_len: int,
-    src_len: int,
-    dtype: torch.dtype,
-    declared_future: bool = False,
-    right_padded: bool = False,
-) -> Tuple[Tensor | None, bool]:
-    """fairseq's ``attn_mask`` (additive float, or bool/byte with True = masked) and key-padding mask
-    (``(B, S)``, nonzero = padding) as one mask for the kernel, or ``is_causal`` where that is exact.
-
-    ``declared_future``: the caller is a decoder's causal self-attention, whose ``attn_mask`` is its
-    decoder's future mask (:func:`is_causal_mask`). ``right_padded``: the key padding marks only the
-    end of each row. Both are the caller's build-time knowledge, never read from the masks (a device
-    sync per call); with a future mask over the same positions, ``is_causal`` is then exact for every
-    query row that is not padding.
-
-    Returns ``(mask, is_causal)``: ``mask`` is None, boolean ``True = attend`` or additive float in
-    the query's dtype, broadcastable to ``(B, H, T, S)``.
-    """
-    if (
-        attn_mask is not None
-        and tgt_len == src_len
-        and (key_padding_mask is None or right_padded)
-        and is_causal_mask(attn_mask, declared_future)
-    ):
-        return None, True
-    mask: Tensor | None = None
-    if attn_mask is not None:
-        mask = attn_mask.to(dtype) if attn_mask.is_floating_point() else ~attn_mask.bool()
-    if key_padding_mask is not None:
-        keep = ~key_padding_mask.bool().view(key_padding_mask.size(0), 1, 1, src_len)
-        if mask is None:
-            mask = keep
-        elif mask.dtype == torch.bool:
-            mask = mask & keep
-        else:
-            mask = mask.masked_fill(~keep, float("-inf"))
-    return mask, False
-
-
-# masks known to be (or not to be) fairseq's future mask, by storage:
-# StorageImpl address -> (weakref(root tensor), root._version, result). fairseq's decoder hands every
-# layer a top-left slice of one buffer (``buffered_future_mask``), and ``--checkpoint-activations``
-# hands the recomputed layer a detached alias of that slice: both share the root's storage (and its
-# version counter), so one entry per buffer version answers every layer call without a device sync.
-# While the root is alive its storage is, so no other storage can have that address.
-_VERIFIED_MASKS: Dict[int, tuple] = {}
-
-
-def _storage_key(t: Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _lookup(mask: Tensor) -> bool | None:
-    entry = _VERIFIED_MASKS.get(_storage_key(mask))
-    if entry is None:
-        return None
-    root = entry[0]()
-    if (
-        root is None
-        or root._version != entry[1]
-        or mask._version != root._version
-        or mask.storage_offset() != root.storage_offset()
-        or mask.stride() != root.stride()
-        or mask.size(0) > root.size(0)
-        or mask.dtype != root.dtype
-    ):
-        return None
-    return entry[2]  # a top-left square of a future mask is a future mask
-
-
-def _remember(root: Tensor, result: bool) -> None:
-    if len(_VERIFIED_MASKS) > 64:
-        for key in [k for k, e in _VERIFIED_MASKS.items() if e[0]() is None]:
-            del _VERIFIED_MASKS[key]
-    _VERIFIED_MASKS[_storage_key(root)] = (weakref.ref(root), root._version, result)
-
-
-def is_future_mask(mask: Tensor) -> bool:
-    """Whether ``mask`` is exactly fairseq's causal mask ``triu(-inf, 1)`` (so ``is_causal`` is exact).
-
-    A mask made by :func:`future_mask` (the plugin's decoders build theirs with it), a slice or an
-    alias of one, is known without reading it; any other is compared once per version (one device
-    sync) and remembered.
-    """
-    if mask.dim() != 2 or mask.size(0) != mask.size(1) or not mask.is_floating_point():
-        return False
-    known = _lookup(mask)
-    if known is not None:
-        return known
-    root = mask._base
-    # check (and remember) the whole buffer a top-left slice was cut from: later slices then hit the entry
-    if not (
-        root is not None
-        and root.dim() == 2
-        and root.size(0) == root.size(1)
-        and mask.storage_offset() == root.storage_offset()
-        and mask.stride() == root.stride()
-    ):
-        root = mask
-    result = bool(torch.equal(root, torch.full_like(root, float("-inf")).triu(1)))
-    _remember(root, result)
-    return result
-
-
-def is_causal_mask(mask: Tensor, declared: bool = False) -> bool:
-    """Whether ``mask`` is fairseq's future mask, for the kernel's ``is_causal``.
-
-    ``declared``: the caller's decoder declared its self-attention masks to be its future mask
-    (:func:`declare_target_padding`). Eager PyTorch checks anyway (:func:`is_future_mask`: a lookup,
-    no device read, for the plugin decoders' masks); a graph being compiled cannot look at values
-    and identities, so there the declaration stands for the check (no graph break).
-    """
-    if declared and torch.compiler.is_compiling():
-        return mask.dim() == 2 and mask.is_floating_point()
-    return is_future_mask(mask)
-
-
-def future_mask(size: int, like: Tensor) -> Tensor:
-    """fairseq's decoder future mask ``triu(-inf, 1)`` of ``size x size`` in ``like``'s dtype and device,
-    remembered as such: :func:`is_future_mask` answers for it, its slices and aliases without a
-    device read (on a GPU, no sync; on the ``meta`` device, where nothing can be read, at all)."""
-    mask = torch.full((size, size), float("-inf"), dtype=like.dtype, device=like.device).triu(1)
-    if not torch.compiler.is_compiling():  # a compiled graph relies on the declaration (is_causal_mask)
-        _remember(mask, True)
-    return mask
 
 
 def declare_target_padding(decoder: nn.Module, side: str) -> None:
@@ -383,75 +272,25 @@ def exact_padding_rows(model: nn.Module) -> Iterator[None]:
             m.causal_right_padded = True
 
 
-def use_sdpa(attn: MultiheadAttention) -> SDPAMultiheadAttention:
-    """Switch a freshly built fairseq MultiheadAttention to the fused forward, in place.
+def attention_class(impl: str | None) -> type:
+    """The attention class a layer builds for ``--attention-impl`` (default: fairseq's own).
 
-    Only the class changes (it adds a forward, no state): fairseq's constructor has set every
-    parameter exactly as for ``--attention-impl fairseq``, which keeps the state dict identical.
+    :class:`SDPAMultiheadAttention` adds a forward and no state, so both build the same parameters
+    from the same arguments (and the same random draws): checkpoints are interchangeable.
     """
-    if type(attn) is SDPAMultiheadAttention:
-        return attn
-    if type(attn) is not MultiheadAttention:
-        raise TypeError(f"--attention-impl sdpa replaces fairseq's MultiheadAttention, not {type(attn).__name__}")
-    attn.__class__ = SDPAMultiheadAttention
-    return attn
-
-
-def build_attention(attn: MultiheadAttention, cfg) -> MultiheadAttention:
-    """The attention a layer builder returns under ``cfg.attention_impl`` (default: fairseq's)."""
-    impl = getattr(cfg, "attention_impl", None) or DEFAULT_IMPL
+    impl = impl or DEFAULT_IMPL
     if impl == "sdpa":
-        return use_sdpa(attn)
+        return SDPAMultiheadAttention
     if impl != "fairseq":
         raise ValueError(f"unknown --attention-impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
-    return attn
-
-
-# --- options ------------------------------------------------------------------------------------
-
-
-def add_args(group) -> None:
-    group.add_argument(
-        "--attention-impl",
-        choices=ATTENTION_IMPLS,
-        help="multi-head attention implementation: fairseq (its own bmm/softmax path, default) or sdpa "
-        "(torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient kernels on GPU; same "
-        "parameters and checkpoints, outputs equal to float round-off)",
-    )
-
-
-def validate(args) -> None:
-    """Resolve ``--attention-impl`` (default fairseq) and refuse what the fused path cannot serve."""
-
-    impl = getattr(args, "attention_impl", None)
-    if impl is None:
-        impl = args.attention_impl = DEFAULT_IMPL
-    if impl not in ATTENTION_IMPLS:
-        raise DeepInitConfigError(f"unknown --attention-impl {impl!r}; choose from {', '.join(ATTENTION_IMPLS)}")
-    if impl != "sdpa":
-        return
-    if not hasattr(F, "scaled_dot_product_attention"):
-        raise DeepInitConfigError(
-            f"--attention-impl sdpa needs torch >= 2.0 (found {torch.__version__}); use --attention-impl fairseq"
-        )
-    for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
-        if getattr(args, name, None):
-            raise DeepInitConfigError(
-                f"--{name.replace('_', '-')} selects xFormers attention and --attention-impl sdpa selects PyTorch's "
-                "fused kernel; use one of them"
-            )
+    return MultiheadAttention
 
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "DEFAULT_IMPL",
     "SDPAMultiheadAttention",
-    "add_args",
-    "build_attention",
+    "attention_class",
     "declare_target_padding",
     "exact_padding_rows",
-    "future_mask",
-    "is_causal_mask",
-    "is_future_mask",
-    "use_sdpa",
-    "validate",
 ]

@@ -1,193 +1,330 @@
-"""fairseq's Transformer layers with the plugin's axes plugged into fairseq's own hooks.
+"""fairseq's Transformer layers, built by fairseq's ``__init__`` and ``build_*`` hooks, with a forward per step.
 
-Nothing here re-implements a forward pass: the layers keep fairseq's ``forward`` and change
-only what fairseq exposes for extension:
+fairseq builds each layer (its attentions through ``build_self_attention`` / ``build_encoder_attention``,
+its FFN through ``build_fc1`` / ``build_fc2``, its norms); the plugin then applies the layer's
+:class:`LayerPlan`, which the model computes from the selected methods
+(:mod:`fairseq_deepinit.plan`): the sub-layer norms of ``--norm-type``, one residual module per
+sub-layer (``layer.residuals``), the layer's norm placement and each method's layer set-up (modules it
+adds or replaces; e.g. Sub-LN's inner norms, NormFormer's encoder scales, Lipschitz's bias-free
+projections). Nothing here knows a method by name.
 
-- the sub-layer norms (``self_attn_layer_norm``, ``encoder_attn_layer_norm``,
-  ``final_layer_norm``) are swapped for ``--norm-type`` after construction; their position
-  (Post-LN "v1" / Pre-LN "v2", Xu et al. 2020 eq. 1-2) is fairseq's ``--*-normalize-before``;
-- ``residual_connection(x, residual)`` dispatches to one :mod:`~fairseq_deepinit.residual`
-  module per sub-layer (DeepNorm, ReZero, Admin);
-- ``build_fc2`` / attention builders drop biases for the bias-free Lipschitz variant;
-- every layer carries its :class:`~.stacks.StackKind` (``layer.kind``: encoder, decoder with
-  cross-attention, decoder-only), set here from what the layer is built with; the depth-dependent
-  formulas (DeepNorm, Sub-LN, closed-form Admin) read it from the layer;
-- NormFormer's four operations (Shleifer et al. 2021) are attributes of both layers, as fairseq's
-  decoder layer has them (``c_attn``, ``attn_ln``, ``ffn_layernorm``, ``w_resid``; None when off).
-  fairseq applies them in its decoder layer's ``forward`` only (fairseq/modules/transformer_layer.py:
-  460-466 and 508-514); an encoder layer with any of them runs that same forward, without
-  cross-attention and without a causal mask, so the encoder's NormFormer computation is fairseq's own
-  and its parameters are the layer's (a deep copy computes with its own).
+The forwards replace fairseq's (``fairseq/modules/transformer_layer.py:163-227`` encoder,
+``384-529`` decoder) with the same computation written out per sub-layer (:mod:`.sublayer`)::
+
+    h = branch(sublayer_input(placement, x, norm)); h = dropout(h)
+    x = sublayer_output(placement, h, x, norm, residuals[<sub-layer>], layer_input)
+
+so that the residual module of each sub-layer is called by name (fairseq calls one
+``residual_connection`` per sum), the placement is a value per layer (``layer.placement``,
+``"post"`` or ``"pre"``), and NormFormer's operations (Shleifer et al. 2021; fairseq's decoder-layer
+attributes ``c_attn``, ``attn_ln``, ``ffn_layernorm``, ``w_resid``, None when off) are steps of both
+layers' forwards, as fairseq's decoder layer has them (lines 460-466, 508-514). The operations, their
+order and their operands are fairseq's, so the outputs are fairseq's bit for bit.
+
+Every layer carries its :class:`~.stacks.StackKind` (``layer.kind``: encoder, decoder with
+cross-attention, decoder-only) and its depth ``layer.layer_idx`` (from 1, per stack), from which the
+depth-dependent formulas read their constants.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Type
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
-from fairseq.modules.transformer_layer import (
-    TransformerDecoderLayerBase,
-    TransformerEncoderLayerBase,
-)
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from torch import Tensor
 
-from .attention import build_attention
-from .norms import build_norm
-from .residual import LayerInputResidual, build_residuals
-from .stacks import ENCODER, StackKind, decoder_kind
+from .attention import DEFAULT_IMPL, attention_class
+from .stacks import ENCODER, StackKind
+from .sublayer import check_placement, sublayer_input, sublayer_output
+
+LayerSetup = Callable[[nn.Module, object], None]
 
 
-def drop_bias(linear: nn.Module) -> None:
-    """Make ``linear`` bias-free without breaking fairseq's fused attention call.
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the selected methods decide for one layer (computed by :mod:`fairseq_deepinit.plan`).
 
-    fairseq's MultiheadAttention concatenates ``q/k/v_proj.bias`` for
-    ``F.multi_head_attention_forward`` and fails on ``None``; a zero *buffer* keeps that call
-    working while leaving no trainable (and no unused) bias parameter.
+    ``norm(dim)`` builds a sub-layer norm (``--norm-type``); ``residual(sublayer)`` builds the residual
+    module of a sub-layer (``--residual-scale``); ``placement`` is ``"post"`` or ``"pre"``;
+    ``setup`` are the methods' layer set-ups, ``fn(layer, cfg)``, run in method order once the layer
+    is built.
     """
-    inner = getattr(linear, "module", linear)  # quant-noise wraps nothing here, but be safe
-    bias = inner.bias
-    if bias is None or not isinstance(bias, nn.Parameter):
-        return
-    del inner.bias
-    inner.register_buffer("bias", torch.zeros_like(bias.data), persistent=False)
-
-
-# run at the end of every layer's setup, in registration order: fn(layer, cfg); features that add
-# modules to fairseq's layers (Sub-LN, NormFormer) register here
-LayerSetupHook = Callable[[nn.Module, object], None]
-LAYER_SETUP_HOOKS: List[LayerSetupHook] = []
-
-
-def register_layer_setup_hook(hook: LayerSetupHook) -> None:
-    LAYER_SETUP_HOOKS.append(hook)
-
-
-class DeepInitLayerMixin:
-    """Shared post-construction setup and residual dispatch of encoder and decoder layers."""
 
     kind: StackKind
+    index: int
+    placement: str
+    norm: Callable[[int], nn.Module]
+    residual: Callable[[str], nn.Module]
+    attention_impl: str = DEFAULT_IMPL
+    setup: Tuple[LayerSetup, ...] = ()
+
+
+class DeepInitLayer:
+    """What every plugin layer has: the plan applied after fairseq's ``__init__``, and the layer's interface
+    to the methods (:meth:`attention_modules`, :meth:`attention_projections`, :meth:`own_value_projections`)."""
+
+    kind: StackKind
+    layer_idx: int
+    placement: str
     residuals: nn.ModuleDict
-    _sublayer_names: List[str]
-    _norm_attrs: tuple = ()
+    NORMS: Tuple[str, ...] = ()  # attributes holding the sub-layer norms fairseq built
+    _attention_impl: str = DEFAULT_IMPL
 
     @property
     def stack(self) -> str:
         """The model attribute holding this layer's stack (``encoder`` / ``decoder``)."""
         return self.kind.stack
 
-    def _setup_axes(self, cfg, layer_idx: int, kind: StackKind, sublayers: tuple) -> None:
-        self.layer_idx = layer_idx  # 1-based depth within the stack (DS-Init's l)
-        self.kind = kind
-        for attr in self._norm_attrs:
-            if getattr(self, attr, None) is not None:
-                setattr(self, attr, build_norm(cfg.norm_type, self.embed_dim, cfg.norm_eps, cfg.export))
-        self.residuals = build_residuals(cfg, kind, sublayers, layer_idx)
-        self._sublayer_names = list(sublayers)
-        self._next_sublayer = 0
-        if getattr(cfg, "lipschitz_bias_free", None):
-            # Xu et al. 2020, released code ("ease_optimization"): no bias in q/k/v/out and fc2
-            for attn_name in ("self_attn", "encoder_attn"):
-                attn = getattr(self, attn_name, None)
-                if attn is not None:
-                    for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                        drop_bias(getattr(attn, proj))
-            drop_bias(self.fc2)
-        for hook in LAYER_SETUP_HOOKS:
-            hook(self, cfg)
+    def _apply_plan(self, cfg, plan: LayerPlan, sublayers: Tuple[str, ...]) -> None:
+        self.layer_idx = plan.index  # 1-based depth within the stack (DS-Init's l)
+        self.kind = plan.kind
+        self.placement = check_placement(plan.placement)
+        self.normalize_before = self.placement == "pre"  # fairseq's attribute, read by fairseq's tools
+        for attr in self.NORMS:
+            if getattr(self, attr, None) is not None:  # in fairseq's slot: the parameter order stays
+                setattr(self, attr, plan.norm(self.embed_dim))
+        self.residuals = nn.ModuleDict({name: plan.residual(name) for name in sublayers})
+        for setup in plan.setup:
+            setup(self, cfg)
 
-    # fairseq's layer __init__ builds its attentions through these hooks; --attention-impl picks the forward
-    def build_self_attention(self, embed_dim, cfg, **kwargs):
-        return build_attention(super().build_self_attention(embed_dim, cfg, **kwargs), cfg)
+    def attention_modules(self) -> List[nn.Module]:
+        """The layer's fairseq attention sub-layers (self-attention, then cross-attention), as the init
+        schemes treat them."""
+        return [a for a in (getattr(self, "self_attn", None), getattr(self, "encoder_attn", None)) if a is not None]
 
-    def build_encoder_attention(self, embed_dim, cfg):
-        return build_attention(super().build_encoder_attention(embed_dim, cfg), cfg)
+    def attention_projections(self) -> List[nn.Module]:
+        """Every q/k/v/out projection of every attention of the layer (Lipschitz's bias-free set)."""
+        return [getattr(a, p) for a in self.attention_modules() for p in ("q_proj", "k_proj", "v_proj", "out_proj")]
 
-    def _start_forward(self, names: List[str]) -> None:
-        self._sublayer_names = names
-        self._next_sublayer = 0
+    def own_value_projections(self) -> List[nn.Module]:
+        """Value projections outside a fairseq attention module (MAtt's own W_v); none here."""
+        return []
 
-    def residual_connection(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        index = self._next_sublayer
-        name = self._sublayer_names[index]
-        self._next_sublayer += 1
-        module = self.residuals[name]
-        if index == 0:
-            self._layer_input = residual  # the first sub-layer's skip input is the layer's input
-        if isinstance(module, LayerInputResidual):
-            out = module(x, residual, self._layer_input)
-        else:
-            out = module(x, residual)
-        if self._next_sublayer == len(self._sublayer_names):
-            self._layer_input = None  # no reference to a finished forward's tensor
-        return out
+    def _normformer_attention_output(self, x: Tensor) -> Tensor:
+        """NormFormer on a self-attention's output: HeadScale ``c_attn`` on the heads of the output
+        projection's result, then ``attn_ln`` (fairseq transformer_layer.py:460-466)."""
+        if self.c_attn is not None:
+            tgt_len, bsz = x.size(0), x.size(1)
+            x = x.view(tgt_len, bsz, self.nh, self.head_dim)
+            x = torch.einsum("tbhd,h->tbhd", x, self.c_attn)
+            x = x.reshape(tgt_len, bsz, self.embed_dim)
+        if self.attn_ln is not None:
+            x = self.attn_ln(x)
+        return x
+
+    def _ffn_sublayer(self, x: Tensor, layer_input: Tensor) -> Tuple[Tensor, Tensor]:
+        """The FFN sub-layer (fairseq transformer_layer.py:206-222 encoder, 490-514 decoder); returns
+        ``(output, fc2's output before dropout)``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
+        ``w_resid`` on the skip path."""
+        skip = x
+        h = sublayer_input(self.placement, x, self.final_layer_norm)
+        h = self.activation_fn(self.fc1(h))
+        h = self.activation_dropout_module(h)
+        if self.ffn_layernorm is not None:
+            h = self.ffn_layernorm(h)
+        h = self.fc2(h)
+        fc_result = h
+        h = self.dropout_module(h)
+        if self.w_resid is not None:
+            skip = torch.mul(self.w_resid, skip)
+        out = sublayer_output(self.placement, h, skip, self.final_layer_norm, self.residuals["ffn"], layer_input)
+        return out, fc_result
 
 
-class DeepInitEncoderLayer(DeepInitLayerMixin, TransformerEncoderLayerBase):
-    """fairseq's encoder layer; sub-layers ``self_attn`` and ``ffn``; NormFormer as fairseq's decoder has it."""
+class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
+    """fairseq's encoder layer; sub-layers ``self_attn`` and ``ffn``; NormFormer's operations when set up."""
 
     SUBLAYERS = ENCODER.sublayers
-    _norm_attrs = ("self_attn_layer_norm", "final_layer_norm")
+    NORMS = ("self_attn_layer_norm", "final_layer_norm")
 
-    def __init__(self, cfg, layer_idx: int, return_fc: bool = False) -> None:
+    def __init__(self, cfg, plan: LayerPlan, return_fc: bool = False) -> None:
+        self._attention_impl = plan.attention_impl  # read by build_self_attention inside fairseq's __init__
         super().__init__(cfg, return_fc=return_fc)
-        # NormFormer's operations under fairseq's decoder-layer names (transformer_layer.py:277-325);
-        # a layer setup hook (modules/normformer.py) builds those that are switched on
+        # NormFormer's operations under fairseq's decoder-layer names (transformer_layer.py:277-325): None
+        # unless a method's set-up builds them
         self.c_attn: nn.Parameter | None = None
         self.attn_ln: nn.Module | None = None
         self.ffn_layernorm: nn.Module | None = None
         self.w_resid: nn.Parameter | None = None
         self.nh, self.head_dim = self.self_attn.num_heads, self.self_attn.head_dim
-        # what fairseq's decoder-layer forward reads besides those: no cross-attention, no
-        # encoder-prefixed self-attention, no ONNX state
-        self.encoder_attn = None
-        self.cross_self_attention = False
-        self.onnx_trace = False
-        self._setup_axes(cfg, layer_idx, ENCODER, self.SUBLAYERS)
-        if self.return_fc and self.has_normformer():
-            raise ValueError("NormFormer's encoder layer runs fairseq's decoder-layer forward, which has no return_fc")
+        self._apply_plan(cfg, plan, self.SUBLAYERS)
 
-    def has_normformer(self) -> bool:
-        """Whether any of NormFormer's operations is on (then fairseq's decoder-layer forward applies them)."""
-        return any(m is not None for m in (self.c_attn, self.attn_ln, self.ffn_layernorm, self.w_resid))
-
-    def forward(self, x, encoder_padding_mask: torch.Tensor | None, attn_mask=None):
-        self._start_forward(list(self.SUBLAYERS))
-        if not self.has_normformer():
-            return super().forward(x, encoder_padding_mask, attn_mask=attn_mask)
-        if attn_mask is not None:
-            # what fairseq's encoder layer does with a boolean mask before its self-attention
-            # (transformer_layer.py:189-192); the decoder-layer forward passes masks through as given
-            attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
-        # fairseq's NormFormer layer forward (transformer_layer.py:384-529): self-attention, then
-        # c_attn and attn_ln on its output, ffn_layernorm before fc2, w_resid on the FFN's residual
-        x, _attn, _state = TransformerDecoderLayerBase.forward(
-            self, x, self_attn_mask=attn_mask, self_attn_padding_mask=encoder_padding_mask
+    def build_self_attention(self, embed_dim, cfg):
+        """fairseq's encoder self-attention (transformer_layer.py:135-144) in the ``--attention-impl`` class."""
+        return attention_class(self._attention_impl)(
+            embed_dim,
+            cfg.encoder.attention_heads,
+            dropout=cfg.attention_dropout,
+            self_attention=True,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+            xformers_att_config=cfg.encoder.xformers_att_config,
         )
+
+    def forward(self, x: Tensor, encoder_padding_mask: Tensor | None, attn_mask: Tensor | None = None):
+        """fairseq's ``TransformerEncoderLayerBase.forward`` (transformer_layer.py:163-227), per sub-layer."""
+        if attn_mask is not None:
+            # fairseq's masked value (lines 184-192): -inf could give NaN rows for padded queries
+            attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
+        layer_input = x
+
+        skip = x
+        h = sublayer_input(self.placement, x, self.self_attn_layer_norm)
+        h, _ = self.self_attn(
+            query=h, key=h, value=h, key_padding_mask=encoder_padding_mask, need_weights=False, attn_mask=attn_mask
+        )
+        h = self._normformer_attention_output(h)
+        h = self.dropout_module(h)
+        x = sublayer_output(
+            self.placement, h, skip, self.self_attn_layer_norm, self.residuals["self_attn"], layer_input
+        )
+
+        x, fc_result = self._ffn_sublayer(x, layer_input)
+        if self.return_fc and not torch.jit.is_scripting():
+            return x, fc_result
         return x
 
 
-class DeepInitDecoderLayer(DeepInitLayerMixin, TransformerDecoderLayerBase):
-    """fairseq's decoder layer; sub-layers ``self_attn``, ``encoder_attn`` and ``ffn``."""
+class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
+    """fairseq's decoder layer; sub-layers ``self_attn``, ``encoder_attn`` (with cross-attention) and ``ffn``."""
 
-    _norm_attrs = ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
+    NORMS = ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
 
-    def __init__(self, cfg, layer_idx: int, no_encoder_attn: bool = False) -> None:
+    def __init__(self, cfg, plan: LayerPlan, no_encoder_attn: bool = False) -> None:
+        self._attention_impl = plan.attention_impl
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
-        kind = decoder_kind(cross_attention=not no_encoder_attn)
-        self._setup_axes(cfg, layer_idx, kind, kind.sublayers)
+        self._apply_plan(cfg, plan, plan.kind.sublayers)
 
-    def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None, *args, **kwargs):
-        # fairseq skips cross-attention when there is no encoder output
-        skip_cross = self.encoder_attn is None or encoder_out is None
-        self._start_forward([s for s in self.residuals.keys() if not (skip_cross and s == "encoder_attn")])
-        return super().forward(x, encoder_out, encoder_padding_mask, incremental_state, *args, **kwargs)
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        """fairseq's decoder self-attention (transformer_layer.py:350-363) in the ``--attention-impl`` class."""
+        return attention_class(self._attention_impl)(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            dropout=cfg.attention_dropout,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            self_attention=not cfg.cross_self_attention,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+            xformers_att_config=cfg.decoder.xformers_att_config,
+        )
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        """fairseq's cross-attention (transformer_layer.py:365-376) in the ``--attention-impl`` class."""
+        return attention_class(self._attention_impl)(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            kdim=cfg.encoder.embed_dim,
+            vdim=cfg.encoder.embed_dim,
+            dropout=cfg.attention_dropout,
+            encoder_decoder_attention=True,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+            xformers_att_config=cfg.encoder.xformers_att_config,
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        encoder_out: Tensor | None = None,
+        encoder_padding_mask: Tensor | None = None,
+        incremental_state: Dict[str, Dict[str, Tensor | None]] | None = None,
+        prev_self_attn_state: List[Tensor] | None = None,
+        prev_attn_state: List[Tensor] | None = None,
+        self_attn_mask: Tensor | None = None,
+        self_attn_padding_mask: Tensor | None = None,
+        need_attn: bool = False,
+        need_head_weights: bool = False,
+    ):
+        """fairseq's ``TransformerDecoderLayerBase.forward`` (transformer_layer.py:384-529), per sub-layer;
+        returns ``(x, cross-attention weights or None, self-attention state under ONNX tracing or None)``."""
+        if need_head_weights:
+            need_attn = True
+        layer_input = x
+
+        # self-attention (fairseq lines 407-473)
+        skip = x
+        h = sublayer_input(self.placement, x, self.self_attn_layer_norm)
+        if prev_self_attn_state is not None:
+            self.self_attn._set_input_buffer(incremental_state, _saved_state(prev_self_attn_state))
+        kv, self_attn_mask, self_attn_padding_mask = self._self_attention_keys(
+            h, encoder_out, encoder_padding_mask, incremental_state, self_attn_mask, self_attn_padding_mask
+        )
+        h, attn = self.self_attn(
+            query=h,
+            key=kv,
+            value=kv,
+            key_padding_mask=self_attn_padding_mask,
+            incremental_state=incremental_state,
+            need_weights=False,
+            attn_mask=self_attn_mask,
+        )
+        h = self._normformer_attention_output(h)
+        h = self.dropout_module(h)
+        x = sublayer_output(
+            self.placement, h, skip, self.self_attn_layer_norm, self.residuals["self_attn"], layer_input
+        )
+
+        # cross-attention (fairseq lines 475-503), skipped without an encoder output
+        if self.encoder_attn is not None and encoder_out is not None:
+            skip = x
+            h = sublayer_input(self.placement, x, self.encoder_attn_layer_norm)
+            if prev_attn_state is not None:
+                self.encoder_attn._set_input_buffer(incremental_state, _saved_state(prev_attn_state))
+            h, attn = self.encoder_attn(
+                query=h,
+                key=encoder_out,
+                value=encoder_out,
+                key_padding_mask=encoder_padding_mask,
+                incremental_state=incremental_state,
+                static_kv=True,
+                need_weights=need_attn or (not self.training and self.need_attn),
+                need_head_weights=need_head_weights,
+            )
+            h = self.dropout_module(h)
+            x = sublayer_output(
+                self.placement, h, skip, self.encoder_attn_layer_norm, self.residuals["encoder_attn"], layer_input
+            )
+
+        x, _ = self._ffn_sublayer(x, layer_input)
+
+        if self.onnx_trace and incremental_state is not None:  # fairseq lines 515-528
+            saved_state = self.self_attn._get_input_buffer(incremental_state)
+            assert saved_state is not None
+            self_attn_state = [saved_state["prev_key"], saved_state["prev_value"]]
+            if self_attn_padding_mask is not None:
+                self_attn_state.append(saved_state["prev_key_padding_mask"])
+            return x, attn, self_attn_state
+        return x, attn, None
+
+    def _self_attention_keys(
+        self, x, encoder_out, encoder_padding_mask, incremental_state, self_attn_mask, self_attn_padding_mask
+    ):
+        """Keys/values of the self-attention and its masks: ``x`` itself, or under ``--cross-self-attention``
+        the encoder output followed by ``x`` (fairseq transformer_layer.py:420-445)."""
+        buffer = self.self_attn._get_input_buffer(incremental_state)
+        if not self.cross_self_attention or (
+            incremental_state is not None and buffer is not None and "prev_key" in buffer
+        ):
+            return x, self_attn_mask, self_attn_padding_mask
+        if self_attn_mask is not None:
+            assert encoder_out is not None
+            self_attn_mask = torch.cat((x.new_zeros(x.size(0), encoder_out.size(0)), self_attn_mask), dim=1)
+        if self_attn_padding_mask is not None:
+            if encoder_padding_mask is None:
+                assert encoder_out is not None
+                encoder_padding_mask = self_attn_padding_mask.new_zeros(encoder_out.size(1), encoder_out.size(0))
+            self_attn_padding_mask = torch.cat((encoder_padding_mask, self_attn_padding_mask), dim=1)
+        assert encoder_out is not None
+        return torch.cat((encoder_out, x), dim=0), self_attn_mask, self_attn_padding_mask
 
 
-# ``--decoder-layer-type`` registry: name -> layer class taking (cfg, layer_idx, no_encoder_attn)
-DECODER_LAYER_TYPES: Dict[str, Type[nn.Module]] = {"standard": DeepInitDecoderLayer}
-
-
-def register_decoder_layer_type(name: str, cls: Type[nn.Module]) -> None:
-    if name in DECODER_LAYER_TYPES:
-        raise ValueError(f"decoder layer type {name!r} is already registered")
-    DECODER_LAYER_TYPES[name] = cls
+def _saved_state(prev_state: List[Tensor]) -> Dict[str, Tensor | None]:
+    """fairseq's ``prev_*_state`` list as an attention's input buffer (transformer_layer.py:410-418, 479-487)."""
+    saved: Dict[str, Tensor | None] = {"prev_key": prev_state[0], "prev_value": prev_state[1]}
+    if len(prev_state) >= 3:
+        saved["prev_key_padding_mask"] = prev_state[2]
+    return saved

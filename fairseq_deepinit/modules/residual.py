@@ -1,40 +1,43 @@
-"""Residual scaling, one axis of the model (``--residual-scale``).
+"""Residual modules: the sum that closes every sub-layer, ``residual + x`` and its scaled forms.
 
-Each sub-layer of each layer owns one :class:`Residual` module; fairseq's
-``residual_connection(x, residual)`` hook calls it with the (dropped-out) branch output ``x`` and
-the sub-layer input ``residual``. Because it is a module of its own, forward hooks on it see
-exactly the two tensors the papers' statistics are about (Admin profiling, diagnostics).
+Each sub-layer of each layer owns one :class:`Residual` module (``layer.residuals[<sub-layer>]``); the
+layer's forward calls it with the (dropped-out) branch output ``x`` and the sub-layer's skip input
+``residual`` (:func:`~fairseq_deepinit.modules.sublayer.sublayer_output`). Because it is a module of its
+own, forward hooks on it see exactly the two tensors the papers' statistics are about (Admin
+profiling, diagnostics). Which module a sub-layer gets is the ``--residual-scale`` method's choice
+(:mod:`fairseq_deepinit.methods`); the modules here are the plain building blocks:
 
-- ``none``: ``residual + x`` (Vaswani et al. 2017).
-- ``deepnorm``: ``alpha * residual + x`` (Wang et al. 2022, DeepNet eq. (2), Table 1: alpha_enc =
-  0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4) in an encoder-decoder model, (2M)^(1/4) decoder-only;
-  the layer's :class:`~.stacks.StackKind` picks the row).
-- ``rezero``: ``residual + a * x`` with one learned scalar ``a`` per sub-layer initialised to 0
-  (Bachlechner et al. 2020, eq. (5); the Admin paper's Table 3 baseline).
-- ``b2t``: B2T connection (Takase et al. 2022, eq. (5)-(6)): plain residuals, plus the layer's input
-  added before the layer's last norm, ``LN(x_l + h + FFN(h))`` with ``h`` the output of the layer's
-  earlier sub-layers (released code: takase/b2t_connection @ c8e2ad4,
+- :class:`Residual`: ``residual + x`` (Vaswani et al. 2017);
+- :class:`ConstantResidual`: ``alpha * residual + x`` with a constant alpha (DeepNorm, Wang et al.
+  2022, eq. (2));
+- :class:`ReZeroResidual`: ``residual + a * x`` with one learned scalar ``a`` starting at 0
+  (Bachlechner et al. 2020, eq. (5));
+- :class:`AdminResidual`: ``residual * omega + x`` with a learned vector omega that profiling sets
+  before the first update (Liu et al. 2020, sec. 4.3; :mod:`fairseq_deepinit.admin`);
+- :class:`B2TResidual`: the plain sum, plus the layer's input on the layer's last sub-layer (Takase et
+  al. 2022, eq. (5)-(6); released code takase/b2t_connection @ c8e2ad4,
   fairseq/modules/transformer_layer.py:104-105 and 136-141 (encoder), 278-279 and 368-373 (decoder)).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 
-from .stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
-
-RESIDUAL_SCALES = ("none", "deepnorm", "rezero", "b2t")
+from ..errors import AdminNotProfiledError
 
 
 class Residual(nn.Module):
     """``residual + x``.
 
     Subclasses scale either term by overriding :meth:`skip` (the scaled sub-layer input) or
-    :meth:`forward`; :mod:`fairseq_deepinit.hooks` reads :meth:`skip` to measure the skip path.
+    :meth:`forward`; :mod:`fairseq_deepinit.diagnostics.hooks` reads :meth:`skip` to measure the skip
+    path. ``reads_layer_input``: the layer passes its own input as a third argument (B2T).
     """
+
+    reads_layer_input = False
 
     def skip(self, residual: torch.Tensor) -> torch.Tensor:
         """The skip-path term as it enters the sum (``residual`` scaled as this module does)."""
@@ -91,6 +94,8 @@ class ReZeroResidual(Residual):
 class LayerInputResidual(Residual):
     """A residual that also reads the layer's input (the layer passes it as a third argument)."""
 
+    reads_layer_input = True
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -114,59 +119,88 @@ class B2TResidual(LayerInputResidual):
         return f"top={self.top}"
 
 
-def deepnorm_alpha(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
-    """DeepNet (Wang et al. 2022) Table 1: the residual alpha of a layer of ``kind``.
+class AdminResidual(Residual):
+    """``x_{i-1} * omega + f_i(x_{i-1})`` with ``omega`` a learned vector of size d starting at 1.
 
-    Encoder-decoder: alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4); decoder-only:
-    (2M)^(1/4) (torchscale @ 4d1e0e8, architecture/encoder.py:78-87, decoder.py:89-93).
+    ``profiled`` (a buffer, so it travels in checkpoints) records whether omega was set by profiling
+    or from a profile file. fairseq's training step calls ``set_num_updates`` on every module before
+    its forward; a training-mode forward after that with omega never profiled is an error (the model
+    would silently train as Post-LN with omega = 1, e.g. under ``--task translation``).
+
+    The host keeps a copy of the flag (:meth:`is_profiled`), so that no training step reads the
+    buffer back from the device: set by :meth:`mark_profiled` and by loading a state dict, kept
+    across ``.to()``, and valid while the buffer's version counter (bumped by any in-place write)
+    is the one it was taken at; after any other write the buffer is read once.
     """
-    n, m = encoder_layers, decoder_layers
-    if kind == ENCODER:
-        return 0.81 * (n**4 * m) ** (1.0 / 16)
-    if kind == DECODER:
-        return (3.0 * m) ** 0.25
-    if kind == DECODER_ONLY:
-        return (2.0 * m) ** 0.25
-    raise ValueError(f"DeepNorm has no constants for a {kind} layer")
+
+    def __init__(self, dim: int, trainable: bool = True) -> None:
+        super().__init__()
+        self.omega = nn.Parameter(torch.ones(dim), requires_grad=trainable)
+        self.register_buffer("profiled", torch.zeros((), dtype=torch.uint8))
+        self._remember(False)
+        self._in_fairseq_training = False
+        self._profiling = False
+
+    def _remember(self, flag: bool) -> None:
+        self.host_profiled = flag  # the host's copy of ``profiled`` ...
+        self._host_version = self.profiled._version  # ... taken at this version of the buffer
+
+    def is_profiled(self) -> bool:
+        """The ``profiled`` flag, from the host's copy while it is current (otherwise read once)."""
+        if self._host_version != self.profiled._version:
+            self._remember(bool(self.profiled))
+        return self.host_profiled
+
+    def mark_profiled(self) -> None:
+        """Record that omega is set (by profiling, a profile file or the closed form)."""
+        with torch.no_grad():
+            self.profiled.fill_(1)
+        self._remember(True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # a checkpoint's flag (fairseq loads checkpoints on the CPU: reading it waits for no device)
+        flag = state_dict.get(prefix + "profiled")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if flag is not None:
+            self._remember(bool(flag))
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .to_empty() make a new buffer (a new version counter): the flag is the same
+        current = self._host_version == self.profiled._version
+        out = super()._apply(fn, *args, **kwargs)
+        if current:
+            self._remember(self.host_profiled)
+        return out
+
+    def skip(self, residual: torch.Tensor) -> torch.Tensor:
+        return residual * self.omega
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self._in_fairseq_training = True
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # a plain attribute first: once profiled, the check reads no tensor state (nor does torch.compile)
+        if (
+            self.training
+            and self._in_fairseq_training
+            and not (self._profiling or self.host_profiled or self.is_profiled())
+        ):
+            raise AdminNotProfiledError(
+                "Admin's omega was never profiled, so this would train plain Post-LN with omega = 1. "
+                "Train with --task translation_admin (language_modeling_admin for a language model; it "
+                "profiles before the first update), or load a profile with --admin-profile-path under that task."
+            )
+        return super().forward(x, residual)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.omega.numel()}, trainable={self.omega.requires_grad}"
 
 
-def deepnorm_beta(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
-    """DeepNet (Wang et al. 2022) Table 1: the init gain beta of a layer of ``kind``.
-
-    Encoder-decoder: beta_enc = 0.87 (N^4 M)^(-1/16), beta_dec = (12M)^(-1/4); decoder-only:
-    (8M)^(-1/4).
-    """
-    n, m = encoder_layers, decoder_layers
-    if kind == ENCODER:
-        return 0.87 * (n**4 * m) ** (-1.0 / 16)
-    if kind == DECODER:
-        return (12.0 * m) ** -0.25
-    if kind == DECODER_ONLY:
-        return (8.0 * m) ** -0.25
-    raise ValueError(f"DeepNorm has no constants for a {kind} layer")
+def residual_modules(model: nn.Module) -> OrderedDict[str, Residual]:
+    """Every residual module of ``model`` by name (``encoder.layers.0.residuals.self_attn``), module order."""
+    return OrderedDict((name, m) for name, m in model.named_modules() if isinstance(m, Residual))
 
 
-ResidualBuilder = Callable[[object, StackKind, str, int], Residual]
-
-# name -> builder(cfg, kind of the layer, sublayer, layer_idx); other modules (Admin) register here too
-RESIDUAL_BUILDERS: Dict[str, ResidualBuilder] = {
-    "none": lambda cfg, kind, sub, idx: Residual(),
-    "deepnorm": lambda cfg, kind, sub, idx: ConstantResidual(
-        deepnorm_alpha(kind, cfg.encoder.layers, cfg.decoder.layers)
-    ),
-    "rezero": lambda cfg, kind, sub, idx: ReZeroResidual(),
-    # the FFN is the last sub-layer of every encoder and decoder layer
-    "b2t": lambda cfg, kind, sub, idx: B2TResidual(top=sub == "ffn"),
-}
-
-
-def register_residual(name: str, builder: ResidualBuilder) -> None:
-    if name in RESIDUAL_BUILDERS:
-        raise ValueError(f"residual scale {name!r} is already registered")
-    RESIDUAL_BUILDERS[name] = builder
-
-
-def build_residuals(cfg, kind: StackKind, sublayers: tuple, layer_idx: int) -> nn.ModuleDict:
-    """One residual module per sub-layer name of a layer of ``kind``, for ``cfg.residual_scale``."""
-    builder = RESIDUAL_BUILDERS[cfg.residual_scale]
-    return nn.ModuleDict({name: builder(cfg, kind, name, layer_idx) for name in sublayers})
+def sublayer_name(module_name: str) -> str:
+    """``encoder.layers.3.residuals.ffn`` -> ``encoder.layers.3.ffn`` (wrappers' prefixes dropped)."""
+    return module_name.replace("._checkpoint_wrapped_module", "").replace(".residuals.", ".")

@@ -1,5 +1,6 @@
 """Depth-scaled initialisation, DS-Init (Zhang, Titov & Sennrich 2019, "Improving Deep
-Transformer with Depth-Scaled Initialization and Merged Attention", eq. 15).
+Transformer with Depth-Scaled Initialization and Merged Attention", eq. 15): ``--init-scheme ds-init``
+(``--ds-init-variant``, ``--ds-init-alpha``). Its merged attention is :mod:`.matt`.
 
 Every weight matrix inside layer l (l counted from 1, separately in encoder and decoder):
 W ~ U(-gamma * alpha / sqrt(l), +gamma * alpha / sqrt(l)), gamma = sqrt(6 / (d_in + d_out)),
@@ -23,8 +24,8 @@ import torch
 import torch.nn as nn
 from fairseq.modules import MultiheadAttention
 
-from .base import SchemeSpec, iter_layers, register_scheme
 from .baseline import apply_baseline
+from .record import InitScheme, Method, Option, iter_layers
 
 
 def ds_init_bound(d_in: int, d_out: int, layer: int, alpha: float = 1.0, variant: str = "paper") -> float:
@@ -68,10 +69,32 @@ def apply_dsinit(model: nn.Module, cfg) -> None:
                 nn.init.uniform_(proj.weight, -b, b)
 
 
-register_scheme(
-    SchemeSpec(
-        "ds-init",
-        apply_dsinit,
-        "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l",
-    )
+def _alpha_problem(alpha: float) -> str | None:
+    return None if 0.0 <= alpha <= 1.0 else f"--ds-init-alpha must lie in [0, 1] (DS-Init eq. 15), got {alpha}"
+
+
+METHOD = Method(
+    name="dsinit",
+    title="DS-Init",
+    paper="Zhang, Titov & Sennrich 2019, eq. 15",
+    summary="U(+-gamma alpha / sqrt(l)) per layer depth l (`code`: the released TF code's "
+    "gamma sqrt(alpha) l^-1/4 with its fused q/k/v fans)",
+    code="bzhangGo/zero models/transformer.py:38-42,124-128",
+    owner=("init_scheme", "ds-init"),
+    options=(
+        Option(
+            "ds_init_variant",
+            str,
+            "paper",
+            "ds-init: 'paper' bound gamma*alpha/sqrt(l) (eq. 15, default) or the released "
+            "code's gamma*sqrt(alpha)*l^(-1/4)",
+            choices=("paper", "code"),
+        ),
+        Option("ds_init_alpha", float, 1.0, "ds-init: alpha in [0, 1] (default 1.0)", check=_alpha_problem),
+    ),
+    init_schemes=(
+        InitScheme("ds-init", apply_dsinit, "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l"),
+    ),
+    describe=lambda args: f"ds-init={args.ds_init_variant},alpha={args.ds_init_alpha}",
+    families={"dsinit": dict(init_scheme="ds-init")},
 )

@@ -1,10 +1,12 @@
 """Lipschitz-constrained initialisation (Xu et al. 2020, "Lipschitz Constrained Parameter
-Initialization for Deep Transformers", sec. 4).
+Initialization for Deep Transformers", sec. 4): ``--init-scheme lipschitz [--lipschitz-bias-free]``.
 
 Every weight with more than one dimension ~ U(-1/sqrt(fan_in), +1/sqrt(fan_in)) (fan_in only,
 independent of depth); embeddings ~ U(-sqrt(2/(V+d)), +sqrt(2/(V+d))) with a zero padding row;
 biases 0; norms at their identity start. ``--lipschitz-bias-free`` also drops the biases of the
-q/k/v/out projections and of fc2, as the released code does ("ease_optimization").
+q/k/v/out projections and of fc2, as the released code does ("ease_optimization"): the layer set-up
+below, on every attention projection the layer lists
+(:meth:`~fairseq_deepinit.modules.layers.DeepInitLayer.attention_projections`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import math
 import torch
 import torch.nn as nn
 
-from .base import SchemeSpec, register_scheme
+from ..modules.linear import drop_bias
 from .baseline import zero_bias
+from .record import InitScheme, Method, Option
 
 
 def lipschitz_bound(fan_in: int) -> float:
@@ -52,11 +55,40 @@ def apply_lipschitz(model: nn.Module, cfg) -> None:
             zero_bias(m)
 
 
-register_scheme(
-    SchemeSpec(
-        "lipschitz",
-        apply_lipschitz,
-        "Lipschitz-constrained init (Xu et al. 2020): U(+-1/sqrt(fan_in)); "
-        "--lipschitz-bias-free for the released variant",
-    )
+def setup_bias_free(layer: nn.Module, cfg) -> None:
+    """Xu et al. 2020, released code ("ease_optimization"): no bias in q/k/v/out and fc2."""
+    if not getattr(cfg, "lipschitz_bias_free", None):
+        return
+    for proj in layer.attention_projections():
+        drop_bias(proj)
+    drop_bias(layer.fc2)
+
+
+METHOD = Method(
+    name="lipschitz",
+    title="Lipschitz-constrained init",
+    paper="Xu et al. 2020, sec. 4",
+    summary="U(+-1/sqrt(fan_in)) weights, U(+-sqrt(2/(V+d))) embeddings; the released code's bias-free projections",
+    code='the paper\'s released code ("ease_optimization")',
+    owner=("init_scheme", "lipschitz"),
+    options=(
+        Option(
+            "lipschitz_bias_free",
+            bool,
+            False,
+            "lipschitz: drop the biases of q/k/v/out projections and fc2 (released code)",
+        ),
+    ),
+    init_schemes=(
+        InitScheme(
+            "lipschitz",
+            apply_lipschitz,
+            "Lipschitz-constrained init (Xu et al. 2020): U(+-1/sqrt(fan_in)); "
+            "--lipschitz-bias-free for the released variant",
+            embeddings=True,
+        ),
+    ),
+    describe=lambda args: "bias-free" if args.lipschitz_bias_free else "",
+    layer_setup=setup_bias_free,
+    families={"lipschitz": dict(init_scheme="lipschitz")},
 )

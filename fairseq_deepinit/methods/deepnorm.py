@@ -1,5 +1,5 @@
-"""DeepNorm initialisation (Wang et al. 2022, "DeepNet: Scaling Transformers to 1,000 Layers",
-Table 1).
+"""DeepNorm (Wang et al. 2022, "DeepNet: Scaling Transformers to 1,000 Layers", eq. (2), Table 1):
+``--init-scheme deepnorm`` (with ``--residual-scale deepnorm``, Post-LN), ``--deepnorm-variant``.
 
 From the baseline, v_proj, out_proj, fc1 and fc2 of every layer ~ xavier_normal with gain
 beta_enc = 0.87 (N^4 M)^(-1/16) (encoder) or beta_dec = (12 M)^(-1/4) (decoder, both attentions),
@@ -30,10 +30,42 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..modules.residual import deepnorm_beta
+from ..modules.residual import ConstantResidual
 from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
-from .base import WITH_NORM, SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
+from .record import WITH_NORM, InitScheme, Method, Option, ResidualScale, iter_layers
+
+
+def deepnorm_alpha(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
+    """DeepNet (Wang et al. 2022) Table 1: the residual alpha of a layer of ``kind``.
+
+    Encoder-decoder: alpha_enc = 0.81 (N^4 M)^(1/16), alpha_dec = (3M)^(1/4); decoder-only:
+    (2M)^(1/4) (torchscale @ 4d1e0e8, architecture/encoder.py:78-87, decoder.py:89-93).
+    """
+    n, m = encoder_layers, decoder_layers
+    if kind == ENCODER:
+        return 0.81 * (n**4 * m) ** (1.0 / 16)
+    if kind == DECODER:
+        return (3.0 * m) ** 0.25
+    if kind == DECODER_ONLY:
+        return (2.0 * m) ** 0.25
+    raise ValueError(f"DeepNorm has no constants for a {kind} layer")
+
+
+def deepnorm_beta(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
+    """DeepNet (Wang et al. 2022) Table 1: the init gain beta of a layer of ``kind``.
+
+    Encoder-decoder: beta_enc = 0.87 (N^4 M)^(-1/16), beta_dec = (12M)^(-1/4); decoder-only:
+    (8M)^(-1/4).
+    """
+    n, m = encoder_layers, decoder_layers
+    if kind == ENCODER:
+        return 0.87 * (n**4 * m) ** (-1.0 / 16)
+    if kind == DECODER:
+        return (12.0 * m) ** -0.25
+    if kind == DECODER_ONLY:
+        return (8.0 * m) ** -0.25
+    raise ValueError(f"DeepNorm has no constants for a {kind} layer")
 
 
 def torchscale_init_scale(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
@@ -54,7 +86,7 @@ def _torchscale_targets(layer: nn.Module) -> tuple:
         if attn is not None:
             linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj]
             divided += [attn.v_proj, attn.out_proj]
-    own_v = own_value_projections(layer)
+    own_v = layer.own_value_projections()
     return linears + own_v, divided + own_v
 
 
@@ -88,19 +120,53 @@ def apply_deepnorm(model: nn.Module, cfg) -> None:
                 # Figure 2: q, k are xavier_normal with gain 1 (not the baseline's uniform 1/sqrt(2))
                 nn.init.xavier_normal_(attn.q_proj.weight, gain=1.0)
                 nn.init.xavier_normal_(attn.k_proj.weight, gain=1.0)
-        targets += own_value_projections(layer)
+        targets += layer.own_value_projections()
         for lin in targets:
             nn.init.xavier_normal_(lin.weight, gain=beta)
 
 
-register_scheme(
-    SchemeSpec(
-        "deepnorm",
-        apply_deepnorm,
-        "DeepNorm (Wang et al. 2022): residual alpha and init gain beta, Post-LN",
-        allowed_norms=WITH_NORM,
-        norm_reason="DeepNorm is a Post-LN scheme",
-        residual="deepnorm",
-        needs_post_ln=True,
-    )
+METHOD = Method(
+    name="deepnorm",
+    title="DeepNorm",
+    paper="Wang et al. 2022 (DeepNet), eq. (2), Table 1, Fig. 2",
+    summary="`LN(alpha x + f(x))` with alpha by depth, init gain beta on v/out/FFN (Post-LN); `torchscale`: the "
+    "released code's nn.Linear init divided by its init_scale",
+    code="microsoft/torchscale @ 4d1e0e8 architecture/encoder.py:78-89,235-252, decoder.py:89-95,286-298",
+    owner=("init_scheme", "deepnorm"),
+    options=(
+        Option(
+            "deepnorm_variant",
+            str,
+            "paper",
+            "deepnorm: the DeepNet paper's init (Table 1, Figure 2; default) or torchscale's released code "
+            "(nn.Linear default init divided by (N^4 M)^(1/16)/1.15 and (12M)^(1/4), decoder-only (8M)^(1/4); "
+            "docs/schemes.md)",
+            choices=("paper", "torchscale"),
+        ),
+    ),
+    init_schemes=(
+        InitScheme(
+            "deepnorm",
+            apply_deepnorm,
+            "DeepNorm (Wang et al. 2022): residual alpha and init gain beta, Post-LN",
+            allowed_norms=WITH_NORM,
+            norm_reason="DeepNorm is a Post-LN scheme",
+            residual="deepnorm",
+            placement="post",
+        ),
+    ),
+    residual_scales=(
+        ResidualScale(
+            "deepnorm",
+            lambda cfg, kind, sub, idx: ConstantResidual(deepnorm_alpha(kind, cfg.encoder.layers, cfg.decoder.layers)),
+            "alpha * x + f(x), alpha by the layer's kind (DeepNet Table 1)",
+            placement="post",
+        ),
+    ),
+    describe=lambda args: f"deepnorm-variant={args.deepnorm_variant}",
+    families={
+        "deepnorm": dict(init_scheme="deepnorm"),
+        # torchscale's DeepNorm constants
+        "deepnorm_torchscale": dict(init_scheme="deepnorm", deepnorm_variant="torchscale"),
+    },
 )

@@ -9,7 +9,8 @@ Layer order, as in torchscale's released code (microsoft/torchscale @ 4d1e0e8)::
 the inner norm of the FFN over its hidden width; cross-attention gets none (multihead_attention.py:51,
 ``subln and self.self_attention``). Init: every weight and bias of fc1, fc2, out_proj and v_proj is
 multiplied by gamma (architecture/encoder.py:254-270, decoder.py:300-314, the decoder skipping its
-cross-attention), gamma by the layer's kind (:mod:`.stacks`; torchscale's ``is_encoder_decoder``)::
+cross-attention), gamma by the layer's kind (:mod:`~fairseq_deepinit.modules.stacks`; torchscale's
+``is_encoder_decoder``)::
 
     encoder (encoder-decoder):            gamma = sqrt(ln(3M) ln(2N) / 3)     encoder.py:255-260
     decoder with cross-attention:         gamma = sqrt(ln(3M))                decoder.py:301-302
@@ -17,10 +18,12 @@ cross-attention), gamma by the layer's kind (:mod:`.stacks`; torchscale's ``is_e
 
 (N, M = encoder, decoder layers). The gain multiplies whatever ``--init-scheme`` set (torchscale's own base init is
 nn.Linear's default; ``--init-scheme fairseq`` is the closest). The inner norms follow ``--norm-type``
-and ``--norm-eps`` (torchscale: LayerNorm, eps 1e-5). fairseq's attention calls its output projection
-as a module only outside its fused ``F.multi_head_attention_forward`` path, so a Sub-LN self-attention
-takes fairseq's explicit path under ``--attention-impl fairseq``; ``--attention-impl sdpa``'s fused path
-calls ``out_proj`` as a module too and serves it (same values).
+and ``--norm-eps`` (torchscale: LayerNorm, eps 1e-5); each is the ``norm`` of a
+:class:`~fairseq_deepinit.modules.linear.NormedLinear` put in the place of the Linear fairseq built
+(``out_proj``, ``fc2``), computing with that Linear's parameters. fairseq's attention calls its output
+projection as a module only outside its fused ``F.multi_head_attention_forward`` path, so a Sub-LN
+self-attention takes fairseq's explicit path under ``--attention-impl fairseq``; ``--attention-impl
+sdpa``'s fused path calls ``out_proj`` as a module too and serves it (same values).
 """
 
 from __future__ import annotations
@@ -29,17 +32,13 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .. import options
-from ..architectures import register_family
 from ..errors import DeepInitConfigError
-from ..schemes import iter_layers, register_post_init_hook
-from .layers import register_layer_setup_hook
-from .norms import build_norm
-from .stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
+from ..modules.linear import NormedLinear
+from ..modules.norms import build_norm
+from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
+from .record import Method, Option, has_encoder, iter_layers
 
-SUBLN_OPTIONS = {"subln": False}
 # init schemes with their own depth-dependent scaling or norm removal, which Sub-LN's gain would compound
 _SCHEME_CONFLICTS = {
     "t-fixup": "T-Fixup removes the norms Sub-LN adds to and scales the same weights by depth",
@@ -49,24 +48,6 @@ _SCHEME_CONFLICTS = {
     "rezero": "ReZero removes the norms",
     "rezero+postln": "ReZero with Post-LN is Post-LN",
 }
-
-
-class SubLNLinear(nn.Linear):
-    """``F.linear(norm(x))``: a Linear whose input first goes through its own norm (``.norm``)."""
-
-    norm: nn.Module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.weight, self.bias)
-
-
-def add_inner_norm(linear: nn.Linear, norm: nn.Module) -> SubLNLinear:
-    """Turn a freshly built ``nn.Linear`` into a :class:`SubLNLinear` in place (same parameters)."""
-    if type(linear) is not nn.Linear:
-        raise DeepInitConfigError(f"--subln adds a norm to a plain nn.Linear, not {type(linear).__name__}")
-    linear.__class__ = SubLNLinear
-    linear.add_module("norm", norm)
-    return linear
 
 
 def subln_gain(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
@@ -81,19 +62,20 @@ def subln_gain(kind: StackKind, encoder_layers: int, decoder_layers: int) -> flo
 
 
 def setup_subln_layer(layer: nn.Module, cfg) -> None:
-    """Layer setup hook: the inner norms of the self-attention and of the FFN."""
+    """Layer set-up: a norm in front of the self-attention's ``out_proj`` and of the FFN's ``fc2``."""
     if not getattr(cfg, "subln", False):
         return
     embed_dim, ffn_dim = layer.embed_dim, layer.fc1.out_features
-    add_inner_norm(layer.self_attn.out_proj, build_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
+    attn = layer.self_attn
+    attn.out_proj = NormedLinear.around(attn.out_proj, build_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
     # off fairseq's F.multi_head_attention_forward (which never calls out_proj as a module); the SDPA path serves it
-    layer.self_attn.skip_embed_dim_check = True
-    add_inner_norm(layer.fc2, build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export))
+    attn.skip_embed_dim_check = True
+    layer.fc2 = NormedLinear.around(layer.fc2, build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export))
 
 
 @torch.no_grad()
 def apply_subln_gain(model: nn.Module, cfg) -> None:
-    """Post-init hook: fc1, fc2, self-attention out_proj and v_proj (weights and biases) times gamma."""
+    """Post-init: fc1, fc2, self-attention out_proj and v_proj (weights and biases) times gamma."""
     if not getattr(cfg, "subln", False):
         return
     for _stack, _l, layer in iter_layers(model):
@@ -102,16 +84,6 @@ def apply_subln_gain(model: nn.Module, cfg) -> None:
             lin.weight.mul_(gamma)
             if isinstance(lin.bias, nn.Parameter):
                 lin.bias.mul_(gamma)
-
-
-def add_subln_args(g) -> None:
-    g.add_argument(
-        "--subln",
-        action="store_true",
-        default=None,
-        help="Sub-LN (Magneto): Pre-LN plus a norm before each self-attention's out_proj and each FFN's fc2, "
-        "and torchscale's depth-dependent init gain (docs/schemes.md)",
-    )
 
 
 def validate_subln_args(args) -> None:
@@ -124,9 +96,9 @@ def validate_subln_args(args) -> None:
         )
     if args.norm_type == "none":
         raise DeepInitConfigError("--subln adds norms inside each sub-layer; --norm-type none removes them. Drop one.")
-    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not options.has_encoder(args))):
+    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))):
         flags = "--decoder-normalize-before"
-        if options.has_encoder(args):
+        if has_encoder(args):
             flags = "--encoder-normalize-before " + flags
         raise DeepInitConfigError(
             f"--subln is Pre-LN with extra norms (Magneto); add {flags} (the subln_* architectures set them)"
@@ -145,14 +117,28 @@ def validate_subln_args(args) -> None:
         raise DeepInitConfigError("--subln does not combine with --lipschitz-bias-free or --quant-noise-pq; drop one")
 
 
-def describe_subln(args) -> str:
-    return "subln" if args.subln else ""
-
-
-options.register_feature_options("subln", SUBLN_OPTIONS, add_subln_args, validate_subln_args, describe_subln)
-register_layer_setup_hook(setup_subln_layer)
-register_post_init_hook(apply_subln_gain)
-register_family(
-    "subln",
-    dict(init_scheme="fairseq", subln=True, encoder_normalize_before=True, decoder_normalize_before=True),
+METHOD = Method(
+    name="subln",
+    title="Sub-LN (Magneto)",
+    paper="Wang et al. 2022 (Foundation Transformers), sec. 2, Fig. 1, Algorithm 1",
+    summary="Pre-LN plus a norm before each self-attention's out_proj and each FFN's fc2; depth-dependent init "
+    "gain gamma",
+    code="microsoft/torchscale @ 4d1e0e8 component/multihead_attention.py:49-53,166-169, "
+    "architecture/encoder.py:254-270, decoder.py:300-314",
+    options=(
+        Option(
+            "subln",
+            bool,
+            False,
+            "Sub-LN (Magneto): Pre-LN plus a norm before each self-attention's out_proj and each FFN's fc2, "
+            "and torchscale's depth-dependent init gain (docs/schemes.md)",
+        ),
+    ),
+    validate=validate_subln_args,
+    describe=lambda args: "subln" if args.subln else "",
+    layer_setup=setup_subln_layer,
+    post_init=apply_subln_gain,
+    families={
+        "subln": dict(init_scheme="fairseq", subln=True, encoder_normalize_before=True, decoder_normalize_before=True)
+    },
 )

@@ -3,14 +3,15 @@ Normalization", sec. 2, Figure 1) on the translation model, both stacks: fairseq
 ``--scale-attn``, ``--scale-fc``, ``--scale-heads``, ``--scale-resids``, which fairseq 0.12 exposes only
 for ``transformer_lm`` (fairseq/models/transformer_lm.py:198-212) and builds only in its decoder layer.
 
-- decoder: fairseq's ``TransformerDecoderLayerBase`` builds and applies them itself
-  (fairseq/modules/transformer_layer.py:277-325 build, 460-466 and 508-514 forward); the plugin only
-  passes the flags through and gives ``attn_ln`` / ``ffn_layernorm`` the ``--norm-type``;
-- encoder: fairseq's encoder layer has none of them, so the plugin adds the same modules under the same
-  names, and the encoder layer applies them by running fairseq's decoder-layer forward (without
-  cross-attention or a causal mask; modules/layers.py): ``c_attn`` (one learned scale per head) and
-  ``attn_ln`` on the self-attention's output, ``ffn_layernorm`` before fc2, ``w_resid`` on the FFN's
-  residual::
+- decoder: fairseq's ``TransformerDecoderLayerBase`` builds them itself
+  (fairseq/modules/transformer_layer.py:277-325); the plugin passes the flags through and gives
+  ``attn_ln`` / ``ffn_layernorm`` the ``--norm-type`` (the layer set-up below);
+- encoder: fairseq's encoder layer has none of them, so the layer set-up adds the same modules under the
+  same names;
+- both: the layers' forwards apply them as fairseq's decoder layer does (its lines 460-466 and
+  508-514; :class:`~fairseq_deepinit.modules.layers.DeepInitLayer`): ``c_attn`` (one learned scale per
+  head) and ``attn_ln`` on the self-attention's output, ``ffn_layernorm`` before fc2, ``w_resid`` on the
+  FFN's residual::
 
       x = x + dropout(attn_ln(c_attn * SelfAttn(LN(x))))
       x = w_resid * x + dropout(fc2(ffn_layernorm(act(fc1(LN(x))))))
@@ -25,23 +26,19 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import options
-from ..architectures import register_family
 from ..errors import DeepInitConfigError
-from .layers import register_layer_setup_hook
-from .norms import build_norm
-from .stacks import ENCODER
+from ..modules.norms import build_norm
+from ..modules.stacks import ENCODER
+from .record import Method, Option, has_encoder
 
 NORMFORMER_FLAGS = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
-NORMFORMER_OPTIONS = {name: False for name in NORMFORMER_FLAGS}
 
 
 def setup_normformer_layer(layer: nn.Module, cfg) -> None:
-    """Layer setup hook: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms.
+    """Layer set-up: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms.
 
     Only builds parameters and modules, under fairseq's decoder-layer names; the layers' forwards
-    apply them (:class:`~fairseq_deepinit.modules.layers.DeepInitEncoderLayer` runs fairseq's
-    decoder-layer forward when it has any of them).
+    apply them (:class:`~fairseq_deepinit.modules.layers.DeepInitLayer`).
     """
     if not any(getattr(cfg, name, False) for name in NORMFORMER_FLAGS):
         return
@@ -58,19 +55,6 @@ def setup_normformer_layer(layer: nn.Module, cfg) -> None:
         layer.ffn_layernorm = build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export)
 
 
-def add_normformer_args(g) -> None:
-    for name, what in (
-        ("scale_attn", "a norm on each self-attention's output (NormFormer)"),
-        ("scale_fc", "a norm on each FFN's hidden layer, before fc2 (NormFormer)"),
-        ("scale_heads", "a learned scale per attention head (NormFormer's HeadScale, fairseq's layout)"),
-        ("scale_resids", "a learned per-dimension scale on each FFN's residual (NormFormer's ResScale)"),
-    ):
-        flag = "--" + name.replace("_", "-")
-        if flag in g._option_string_actions:  # fairseq's transformer_lm defines these four itself
-            continue
-        g.add_argument(flag, action="store_true", default=None, help=what + "; both stacks")
-
-
 def validate_normformer_args(args) -> None:
     given = [n for n in NORMFORMER_FLAGS if getattr(args, n)]
     if not given:
@@ -78,13 +62,13 @@ def validate_normformer_args(args) -> None:
     flags = " ".join("--" + n.replace("_", "-") for n in given)
     if args.norm_type == "none" and (args.scale_attn or args.scale_fc):
         raise DeepInitConfigError(f"{flags}: NormFormer adds norms and --norm-type none removes them; drop one")
-    pre_ln = args.decoder_normalize_before and (args.encoder_normalize_before or not options.has_encoder(args))
+    pre_ln = args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))
     if not pre_ln:
         raise DeepInitConfigError(
             f"{flags}: NormFormer is defined on Pre-LN; add "
             + (
                 "--encoder-normalize-before --decoder-normalize-before"
-                if options.has_encoder(args)
+                if has_encoder(args)
                 else "--decoder-normalize-before"
             )
             + " (the normformer_* architectures set them)"
@@ -102,19 +86,34 @@ def describe_normformer(args) -> str:
     return "normformer=" + "+".join(on) if on else ""
 
 
-options.register_feature_options(
-    "normformer", NORMFORMER_OPTIONS, add_normformer_args, validate_normformer_args, describe_normformer
-)
-register_layer_setup_hook(setup_normformer_layer)
-# NormFormer's paper configuration: the three extra operations (ResScale is its small-model option)
-register_family(
-    "normformer",
-    dict(
-        init_scheme="xavier",
-        scale_attn=True,
-        scale_fc=True,
-        scale_heads=True,
-        encoder_normalize_before=True,
-        decoder_normalize_before=True,
+METHOD = Method(
+    name="normformer",
+    title="NormFormer (both stacks)",
+    paper="Shleifer et al. 2021, sec. 2, Fig. 1",
+    summary="Pre-LN plus a norm on each self-attention's output, a norm before fc2, a learned scale per head "
+    "(and per-dimension residual scale)",
+    code="fairseq 0.12 fairseq/modules/transformer_layer.py:277-325,460-466,508-514",
+    options=tuple(
+        Option(name, bool, False, what + "; both stacks")
+        for name, what in (
+            ("scale_attn", "a norm on each self-attention's output (NormFormer)"),
+            ("scale_fc", "a norm on each FFN's hidden layer, before fc2 (NormFormer)"),
+            ("scale_heads", "a learned scale per attention head (NormFormer's HeadScale, fairseq's layout)"),
+            ("scale_resids", "a learned per-dimension scale on each FFN's residual (NormFormer's ResScale)"),
+        )
     ),
+    validate=validate_normformer_args,
+    describe=describe_normformer,
+    layer_setup=setup_normformer_layer,
+    families={
+        # NormFormer's paper configuration: the three extra operations (ResScale is its small-model option)
+        "normformer": dict(
+            init_scheme="xavier",
+            scale_attn=True,
+            scale_fc=True,
+            scale_heads=True,
+            encoder_normalize_before=True,
+            decoder_normalize_before=True,
+        ),
+    },
 )

@@ -12,7 +12,7 @@ Sec. 3.2 / released code, starting from the fairseq 0.8/0.9 baseline with embedd
 - every LayerNorm removed (``--norm-type none``) and no warmup (``--lr-scheduler tfixup``).
 
 A decoder-only language model (no encoder) gets the decoder rules with N_d its layers: this
-project's extension, see docs/lm.md.
+project's extension, see docs/lm.md. The lr schedule is :mod:`fairseq_deepinit.training.tfixup_schedule`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from .base import SchemeSpec, iter_layers, own_value_projections, register_scheme
 from .baseline import apply_baseline
+from .record import InitScheme, Method, iter_layers
 
 
 def tfixup_factors(stack: str, encoder_layers: int, decoder_layers: int) -> tuple:
@@ -51,7 +51,7 @@ def apply_tfixup(model, cfg) -> None:
             if attn is not None:
                 attn.out_proj.weight.mul_(s)
                 attn.v_proj.weight.mul_(s_v)
-        for w_v in own_value_projections(layer):
+        for w_v in layer.own_value_projections():
             w_v.weight.mul_(s)  # its baseline is xavier with gain 1, so no sqrt(2) to undo
     encoder = getattr(model, "encoder", None)  # absent in a decoder-only language model
     if encoder is not None:
@@ -60,13 +60,40 @@ def apply_tfixup(model, cfg) -> None:
         model.decoder.embed_tokens.weight.mul_(embedding_factor("decoder", n_e, n_d))
 
 
-register_scheme(
-    SchemeSpec(
-        "t-fixup",
-        apply_tfixup,
-        "T-Fixup (Huang et al. 2020): depth-scaled init, no LayerNorm, no warmup",
-        default_norm="none",
-        allowed_norms=("none",),
-        norm_reason="T-Fixup removes every LayerNorm",
-    )
+METHOD = Method(
+    name="tfixup",
+    title="T-Fixup",
+    paper="Huang et al. 2020, sec. 3.2",
+    summary="depth-scaled init of v/out projections, FFN and embeddings; no LayerNorm, no warmup "
+    "(`--lr-scheduler tfixup`)",
+    code="layer6ai-labs/T-Fixup",
+    init_schemes=(
+        InitScheme(
+            "t-fixup",
+            apply_tfixup,
+            "T-Fixup (Huang et al. 2020): depth-scaled init, no LayerNorm, no warmup",
+            default_norm="none",
+            allowed_norms=("none",),
+            norm_reason="T-Fixup removes every LayerNorm",
+            embeddings=True,
+        ),
+    ),
+    families={"tfixup": dict(init_scheme="t-fixup")},
+    architectures={
+        # T-Fixup Fig. 4b: 200 encoder + 200 decoder layers of d=64, FFN 128, 2 heads
+        "tfixup_iwslt_de_en_200l": (
+            "iwslt_de_en",
+            dict(
+                init_scheme="t-fixup",
+                encoder_embed_dim=64,
+                encoder_ffn_embed_dim=128,
+                encoder_attention_heads=2,
+                encoder_layers=200,
+                decoder_embed_dim=64,
+                decoder_ffn_embed_dim=128,
+                decoder_attention_heads=2,
+                decoder_layers=200,
+            ),
+        ),
+    },
 )

@@ -1,0 +1,117 @@
+"""Transformers without Tears (Nguyen & Salazar 2019): PreNorm + ScaleNorm + FixNorm + SmallInit.
+
+- SmallInit (sec. 2.1, ``--init-scheme smallinit``): attention weights (q, k, v, out) ~ N(0, sqrt(2/(5d))),
+  i.e. Xavier normal as if fan_out were 4d, which keeps the attention sub-layer small at the start;
+  FFN weights Xavier normal; biases 0.
+- FixNorm (sec. 2.3, after Nguyen & Chiang 2018; ``--fixnorm``): unit-norm word embeddings and a tied
+  output layer over them (:mod:`fairseq_deepinit.modules.fixnorm`).
+- ScaleNorm (eq. 3) is the norm type ``--norm-type scalenorm`` (:mod:`fairseq_deepinit.modules.norms`);
+  PreNorm is Pre-LN. The ``twt_*`` architectures put the four together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from fairseq.modules import MultiheadAttention
+
+from ..errors import DeepInitConfigError
+from ..modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
+from .baseline import apply_baseline, layer_linears
+from .record import InitScheme, Method, Option, iter_layers
+
+
+def smallinit_std(d: int) -> float:
+    return math.sqrt(2.0 / (5.0 * d))
+
+
+@torch.no_grad()
+def apply_smallinit(model: nn.Module, cfg) -> None:
+    apply_baseline(model, cfg)  # zero biases, as the baseline
+    for _stack, _l, layer in iter_layers(model):
+        for m in layer.modules():
+            if isinstance(m, MultiheadAttention):
+                for proj in (m.q_proj, m.k_proj, m.v_proj, m.out_proj):
+                    nn.init.normal_(proj.weight, 0.0, smallinit_std(m.embed_dim))
+        own_v = layer.own_value_projections()
+        for lin in layer_linears(layer):
+            if lin in own_v:
+                nn.init.normal_(lin.weight, 0.0, smallinit_std(lin.in_features))  # MAtt's W_v: an attention weight
+            else:
+                nn.init.xavier_normal_(lin.weight)
+
+
+def validate_fixnorm(args) -> None:
+    if not args.fixnorm:
+        return
+    if not (args.share_decoder_input_output_embed or getattr(args, "share_all_embeddings", False)):
+        raise DeepInitConfigError(
+            "--fixnorm scores outputs against the normalised input embeddings; add "
+            "--share-decoder-input-output-embed (or --share-all-embeddings)"
+        )
+    if getattr(args, "adaptive_softmax_cutoff", None) or getattr(args, "adaptive_input", False):
+        raise DeepInitConfigError("--fixnorm does not combine with adaptive input/softmax; drop one of them")
+    if args.init_scheme == "t-fixup":
+        # FixNorm divides every embedding row by its norm, which would silently undo T-Fixup's
+        # (9N)^(-1/4) embedding scaling (Huang et al. 2020, sec. 3.2)
+        raise DeepInitConfigError(
+            "--fixnorm normalises the embeddings and would undo T-Fixup's embedding scaling; drop --fixnorm "
+            "or use another --init-scheme"
+        )
+
+
+def fixnorm_embedding(args, dictionary, embed_dim: int, path: str | None = None) -> nn.Module | None:
+    """FixNorm's word embedding (U(-0.01, 0.01), rows used at unit norm), or None without ``--fixnorm``."""
+    if not getattr(args, "fixnorm", False):
+        return None
+    if path:
+        raise ValueError("--fixnorm learns its own normalised embeddings; drop --*-embed-path")
+    return FixNormEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+
+
+def fixnorm_output_projection(cfg, embed_tokens: nn.Module) -> nn.Module | None:
+    """The tied output layer over the normalised embeddings (TwT eq. 5), or None without ``--fixnorm``."""
+    return FixNormOutputProjection(embed_tokens) if getattr(cfg, "fixnorm", False) else None
+
+
+METHOD = Method(
+    name="twt",
+    title="Transformers without Tears",
+    paper="Nguyen & Salazar 2019, sec. 2.1-2.3",
+    summary="PreNorm + ScaleNorm (`--norm-type scalenorm`) + FixNorm (`--fixnorm`) + SmallInit (`smallinit`: "
+    "attention N(0, sqrt(2/5d)), FFN Xavier normal)",
+    code="tnq177/transformers_without_tears",
+    options=(
+        Option(
+            "fixnorm",
+            bool,
+            False,
+            "FixNorm: unit-norm word embeddings and a tied output layer over them "
+            "(needs --share-decoder-input-output-embed or --share-all-embeddings)",
+        ),
+    ),
+    init_schemes=(
+        InitScheme(
+            "smallinit",
+            apply_smallinit,
+            "SmallInit (Nguyen & Salazar 2019): attention N(0, sqrt(2/5d)), FFN Xavier normal",
+        ),
+    ),
+    validate=validate_fixnorm,
+    describe=lambda args: "fixnorm" if args.fixnorm else "",
+    embedding=fixnorm_embedding,
+    output_projection=fixnorm_output_projection,
+    families={
+        # PreNorm + ScaleNorm + FixNorm + SmallInit, tied output layer
+        "twt": dict(
+            init_scheme="smallinit",
+            norm_type="scalenorm",
+            fixnorm=True,
+            encoder_normalize_before=True,
+            decoder_normalize_before=True,
+            share_decoder_input_output_embed=True,
+        ),
+    },
+)

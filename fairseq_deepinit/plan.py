@@ -1,0 +1,92 @@
+"""What the selected methods make of a model being built, read from the records (:mod:`fairseq_deepinit.methods`).
+
+The models (:mod:`fairseq_deepinit.model`, :mod:`fairseq_deepinit.lm.model`) ask here, at each of
+fairseq's build hooks, what the resolved options (:func:`fairseq_deepinit.options.resolve_and_validate`)
+select:
+
+- :func:`layer_plan`: for each layer, its norm placement, norm builder, residual modules, attention
+  implementation and the methods' layer set-ups (:class:`~fairseq_deepinit.modules.layers.LayerPlan`);
+- :func:`decoder_layer_class`: the ``--decoder-layer-type`` class;
+- :func:`build_embedding` / :func:`build_output_projection`: a method's replacement of the word embedding
+  or the output layer (FixNorm), or None for fairseq's own;
+- :func:`apply_init`: the init scheme, then every method's post-init, once the model is built.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALES
+from .modules.attention import DEFAULT_IMPL
+from .modules.layers import LayerPlan
+from .modules.norms import build_norm
+from .modules.stacks import StackKind
+
+
+def stack_placement(cfg, kind: StackKind) -> str:
+    """The placement fairseq's flags give a stack: ``--encoder-/--decoder-normalize-before`` (Pre-LN) or not."""
+    section = cfg.encoder if kind.stack == "encoder" else cfg.decoder
+    return "pre" if section.normalize_before else "post"
+
+
+def layer_plan(cfg, kind: StackKind, index: int) -> LayerPlan:
+    """The plan of layer ``index`` (from 1) of a stack of ``kind``; ``cfg``: fairseq's TransformerConfig
+    of the resolved options."""
+    methods = [m for m in METHODS.values() if m.selected(cfg)]
+    placement = next(
+        (p for p in (m.placement(cfg, kind, index) for m in methods if m.placement) if p is not None),
+        stack_placement(cfg, kind),
+    )
+    residual = RESIDUAL_SCALES[getattr(cfg, "residual_scale", None) or "none"]
+    return LayerPlan(
+        kind=kind,
+        index=index,
+        placement=placement,
+        norm=lambda dim: build_norm(cfg.norm_type, dim, cfg.norm_eps, cfg.export),
+        residual=lambda sublayer: residual.build(cfg, kind, sublayer, index),
+        attention_impl=getattr(cfg, "attention_impl", None) or DEFAULT_IMPL,
+        setup=tuple(m.layer_setup for m in methods if m.layer_setup is not None),
+    )
+
+
+def decoder_layer_class(cfg) -> type:
+    """The class of ``--decoder-layer-type`` (fairseq's decoder layer by default)."""
+    return LAYER_TYPES[getattr(cfg, "decoder_layer_type", None) or "standard"].cls
+
+
+def build_embedding(args, dictionary, embed_dim: int, path: str | None = None) -> nn.Module | None:
+    """A method's word embedding (FixNorm's), or None for fairseq's."""
+    for method in METHODS.values():
+        if method.embedding is not None and method.selected(args):
+            embedding = method.embedding(args, dictionary, embed_dim, path)
+            if embedding is not None:
+                return embedding
+    return None
+
+
+def build_output_projection(cfg, embed_tokens: nn.Module) -> nn.Module | None:
+    """A method's output layer (FixNorm's tied one over the normalised embeddings), or None for fairseq's."""
+    for method in METHODS.values():
+        if method.output_projection is not None and method.selected(cfg):
+            projection = method.output_projection(cfg, embed_tokens)
+            if projection is not None:
+                return projection
+    return None
+
+
+def apply_init(model: nn.Module, cfg) -> None:
+    """``--init-scheme`` on the freshly built model, then every selected method's post-init, in method order."""
+    INIT_SCHEMES[cfg.init_scheme].apply(model, cfg)
+    for method in METHODS.values():
+        if method.post_init is not None and method.selected(cfg):
+            method.post_init(model, cfg)
+
+
+def embedding_schemes() -> tuple:
+    """The init schemes that re-initialise the word-embedding matrix itself."""
+    return tuple(name for name, scheme in INIT_SCHEMES.items() if scheme.embeddings)
+
+
+def cross_attention_layer_types() -> tuple:
+    """The decoder layer types that need an encoder (refused for a decoder-only model)."""
+    return tuple(name for name, layer_type in LAYER_TYPES.items() if layer_type.needs_cross_attention)
