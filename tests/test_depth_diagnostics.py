@@ -106,11 +106,12 @@ def test_angular_distance_by_hand():
 def test_angle_moments_take_the_last_real_token_on_either_padding_side():
     # T=3, B=2, C=2: sentence 0 right-padded (last real token t=1), sentence 1 left-padded (t=2)
     before = torch.tensor([[[1.0, 0.0], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]], [[5.0, 5.0], [1.0, 0.0]]])
-    after = torch.tensor([[[1.0, 0.0], [9.0, 9.0]], [[0.0, 1.0], [1.0, 1.0]], [[-5.0, 5.0], [-1.0, 0.0]]])
+    after = torch.tensor([[[1.0, 0.0], [9.0, 9.0]], [[0.0, 1.0], [1.0, 1.0]], [[5.0, 5.0], [-1.0, 0.0]]])
     real = torch.tensor([[True, False], [True, True], [False, True]])
     assert depth_stats.last_real_index(real).tolist() == [1, 2]
     s = depth_stats.angle_statistics(depth_stats.angle_moments(before, after, real))
-    # real tokens: (0,0) 0, (1,0) 1/2, (1,1) 1/4, (2,1) 1; last real tokens: (1,0) 1/2, (2,1) 1
+    # real tokens: (0,0) 0, (1,0) 1/2, (1,1) 1/4, (2,1) 1; last real tokens: (1,0) 1/2, (2,1) 1; the pad at
+    # (2,0) turns by 0, so taking the last position instead of the last real token gives a different mean
     assert s["mean"] == pytest.approx((0 + 0.5 + 0.25 + 1) / 4, rel=REL)
     assert s["last"] == pytest.approx((0.5 + 1) / 2, rel=REL)
 
@@ -141,6 +142,7 @@ def test_max_attention_logit_by_hand():
     kpm = torch.tensor([[False, False, True]])  # the third key is padding
     assert depth_stats.max_attention_logit(q, k, 2, key_padding_mask=kpm).tolist() == [6.0, 2.0]
     real = torch.tensor([[True], [False]])  # the second query is padding
+    assert depth_stats.max_attention_logit(q, k, 2, real).tolist() == [10.0, 20.0]  # query 1 only: 1 * 10, -2 * -10
     assert depth_stats.max_attention_logit(q, k, 2, real, kpm).tolist() == [2.0, -2.0]
     causal = torch.tensor([[0.0, float("-inf"), float("-inf")], [0.0, 0.0, float("-inf")]])
     assert depth_stats.max_attention_logit(q, k, 2, attn_mask=causal).tolist() == [6.0, 2.0]
