@@ -193,6 +193,7 @@ NUMERIC_MODULES = {
     "test_cli",
     "test_compat_v010",
     "test_deep",
+    "test_depth_diagnostics",
     "test_depth_mup",
     "test_diagnostics",
     "test_dyt",

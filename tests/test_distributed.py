@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from conftest import REPO, USER_DIR, run_cli
-from fairseq_deepinit.diagnostics import hooks
+from fairseq_deepinit.diagnostics import depth_stats, hooks
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT = 120  # seconds; a run that hangs (a rank stuck in a collective) fails the test
@@ -110,28 +110,36 @@ def test_diagnostics_are_pooled_over_ranks(synthetic_bin, tmp_path):
     proc, dumps = train_2_ranks(
         synthetic_bin, tmp_path, "preln_iwslt_de_en",
         "--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "1",
-        "--diagnostics-stats", "var,norm,grad", "--label-smoothing", "0.1",
+        "--diagnostics-stats", "var,norm,grad,stream,logit", "--label-smoothing", "0.1",
     )  # fmt: skip
     assert_trained_identically(proc, dumps)
+    # maxima over depth (issue 24) travel outside the summed logging outputs and are all-reduced with MAX, as
+    # Megatron does for its max logit: both ranks (different batches) log the same values
+    maxima = [k for k in dumps[0]["logged"] if k.startswith(("diag_max_logit/", "diag_stream_max/"))]
+    assert len(maxima) == 6 + 6 + 1  # 6 attentions, the stream at 6 depths, Megatron's overall value
+    assert [dumps[1]["logged"][k] for k in maxima] == [dumps[0]["logged"][k] for k in maxima]
     local = [d["local"] for d in dumps]
     assert local[0].keys() == local[1].keys() and any("|var|" in k for k in local[0])
     checked = 0
     for key in local[0]:
         kind, name = key.split("|")[1:3]
-        if kind not in ("var", "norm"):
+        if kind not in ("var", "norm", "stream"):
             continue
         # fairseq summed the moments over the ranks (each rank holds the same pooled sums) ...
         for d in dumps:
             assert torch.equal(d["pooled"][key], local[0][key] + local[1][key]), key
-        stat = (lambda m: hooks.residual_variances(m)["branch"]) if kind == "var" else None
-        stat = stat or (lambda m: hooks.norm_input_statistics(m)["mean_norm"])
+        stat = {
+            "var": lambda m: hooks.residual_variances(m)["branch"],
+            "norm": lambda m: hooks.norm_input_statistics(m)["mean_norm"],
+            "stream": lambda m: depth_stats.stream_statistics(m)["norm"],
+        }[kind]
         pooled, own = stat(local[0][key] + local[1][key]), [stat(m[key]) for m in local]
-        metric = f"diag_var/{name}" if kind == "var" else f"diag_norm_in/{name}"
+        metric = {"var": "diag_var/", "norm": "diag_norm_in/", "stream": "diag_stream_norm/"}[kind] + name
         # ... and both ranks logged the pooled statistic, which neither rank's own data gives
         assert [d["logged"][metric] for d in dumps] == [pooled, pooled], metric
         assert min(abs(pooled - o) for o in own) > 1e-9 * abs(pooled), (metric, pooled, own)
         checked += 1
-    assert checked >= 2 * 2 + 2 * 3  # one var statistic per sub-layer at least
+    assert checked >= 2 * 2 + 2 * 3 + 6  # one var statistic per sub-layer at least, the stream at 6 depths
     # rank 0 prints it on the log line of update 1 (fairseq formats scalars with 6 significant digits)
     line = next(ln for ln in proc.stdout.splitlines() if re.search(r"\b1 / \d+ .*diag_var/", ln))
     printed = dict(re.findall(r"(diag_[\w./]+)=([-\d.e+naif]+)", line))

@@ -110,7 +110,8 @@ TRAIN_PROBES = {
     "diagnostics_stats": (
         "mt",
         [*MT, *DIAG, "--diagnostics-stats", "foo"],
-        "--diagnostics-stats: unknown foo; give a comma-separated subset of var,norm,residual,scalenorm,grad",
+        "--diagnostics-stats: unknown foo; give a comma-separated subset of "
+        "var,norm,residual,scalenorm,grad,stream,angle,logit,counters",
     ),
     "diagnostics_inject_spec": (
         "mt",
@@ -491,8 +492,10 @@ def test_diagnose_measures_a_language_model(data, tmp_path, capsys):
     oc = result["output_change"]
     assert set(oc["random"]["fit"]) == set(oc["adam"]["fit"]) == {"decoder"}
     assert all(v > 0 for v in oc["random"]["decoder"] + oc["adam"]["decoder"])
+    assert list(result["depth"]["angle"]) == ["decoder"] and len(result["layer_removal"]["decoder"]) == 2
     assert sorted(p.name for p in out.iterdir()) == [
-        "diagnostics.json", "grad_norm.png", "gradient_flow.png", "norm_input.png", "output_change.png"
+        "angular_distance.png", "diagnostics.json", "grad_norm.png", "gradient_flow.png", "layer_removal.png",
+        "max_attention_logit.png", "norm_input.png", "output_change.png", "residual_stream.png",
     ]  # fmt: skip
 
 

@@ -14,6 +14,12 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
    - ``diag_scalenorm_g/<norm>``: ScaleNorm's learned g (Nguyen & Salazar 2019, Fig. 3);
    - ``diag_gnorm/<layer>``: the l2 norm of the gradient of each layer's parameters (DS-Init Fig. 1),
      taken before clipping, with fairseq's own ``gnorm`` as the total.
+   - over depth (issue 24; :mod:`.depth_stats` has the formulas, :mod:`.depth_hooks` the hooks):
+     ``diag_stream_norm|var|max/<stack>.<layer>``, the residual stream after every layer;
+     ``diag_angle/`` and ``diag_angle_last/``, the angular distance each layer moves it;
+     ``diag_max_logit/<attention>`` and ``diag_max_logit/all``, the maximum attention logit;
+   - counters since the last such update (:mod:`.training_counters`): ``diag_loss_spikes``,
+     ``diag_gnorm_spikes``, ``diag_loss_scale_drops``.
 
    Moments travel in the logging outputs and are combined in :meth:`reduce_metrics`, so gradient
    accumulation and data parallelism give exact statistics. On other updates nothing is computed.
@@ -43,60 +49,27 @@ import logging
 import math
 from collections import OrderedDict
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
 import torch.nn as nn
 from fairseq.criterions import register_criterion
-from fairseq.criterions.label_smoothed_cross_entropy import (
-    LabelSmoothedCrossEntropyCriterion,
-    LabelSmoothedCrossEntropyCriterionConfig,
-)
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.logging import metrics
 
 from ..errors import DeepInitConfigError, DivergenceError
 from ..training.autocast_state import AutocastState
-from . import hooks
+from . import depth_hooks, hooks, training_counters
+from .criterion_config import DEFAULT_STATS, STATS, DiagnosticsCriterionConfig
+from .depth_criterion import DepthDiagnostics
 from .guard import RunState, _parse_inject, check_inject_target, divergence_report, unwrap_model
 from .stats import _grad_squares, nonfinite_parameters
 from .taps import install_task_mixin, wrap_optimizer
 
 logger = logging.getLogger(__name__)
 
-STATS = ("var", "norm", "residual", "scalenorm", "grad")
-DEFAULT_STATS = ",".join(STATS)
 _KEY = "_diag|"  # logging-output keys that carry raw moments
 PRIORITY = 2000  # after fairseq's own metrics in a log line
-
-
-@dataclass
-class DiagnosticsCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    diagnostics_interval: int = field(
-        default=100,
-        metadata={
-            "help": "log per-sub-layer statistics every N updates, on updates N, 2N, ... (0: never; the "
-            "divergence guard stays on). A multiple of --log-interval puts them on a log line."
-        },
-    )
-    diagnostics_stats: str = field(
-        default=DEFAULT_STATS,
-        metadata={
-            "help": "comma-separated statistics to log: var (residual-branch variance), norm (norm-layer "
-            "input norm), residual (Admin omega, ReZero alpha), scalenorm (ScaleNorm g), grad (gradient "
-            "norm per layer)"
-        },
-    )
-    no_divergence_guard: bool = field(
-        default=False, metadata={"help": "do not stop training on non-finite loss, gradients or weights"}
-    )
-    diagnostics_inject_nan: str = field(
-        default="",
-        metadata={
-            "help": "for testing the divergence guard only: 'UPDATE:PARAM' fills parameter PARAM with NaN "
-            "before update UPDATE; 'UPDATE:PARAM:after' does it after that update's optimizer step"
-        },
-    )
 
 
 def _drop_printed_meters() -> bool:
@@ -135,6 +108,8 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         diagnostics_stats=DEFAULT_STATS,
         no_divergence_guard=False,
         diagnostics_inject_nan="",
+        diagnostics_spike_window=training_counters.DEFAULT_WINDOW,
+        diagnostics_spike_threshold=training_counters.DEFAULT_THRESHOLD,
     ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if diagnostics_interval < 0:
@@ -153,6 +128,10 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         self.guard = not no_divergence_guard
         self.inject = _parse_inject(diagnostics_inject_nan)
         self._run = RunState()
+        # statistics over depth and instability counters (issue 24)
+        self._depth = DepthDiagnostics(
+            stats, self.interval, diagnostics_spike_window, diagnostics_spike_threshold, _KEY
+        )
         install_task_mixin(task, self)
 
     # ---- called by the task mixin -------------------------------------------------------------
@@ -237,13 +216,16 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         net = unwrap_model(model)
         res = hooks.ResidualStatistics(net) if "var" in self.stats and hooks.residual_modules(net) else None
         nrm = hooks.NormInputStatistics(net) if "norm" in self.stats else None
+        depth = self._depth.collector(net, sample["net_input"])
         with ExitStack() as stack:
-            for s in (res, nrm):
+            for s in (res, nrm, depth):
                 if s is not None:
                     stack.enter_context(s)
             loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         run.last_loss = loss.detach()
         logging_output.update(self._statistics(net, res, nrm))
+        if depth is not None:
+            self._depth.add(run.update_num, depth, logging_output)
         return loss, sample_size, logging_output
 
     def _statistics(self, net: nn.Module, res, nrm) -> Dict[str, torch.Tensor]:
@@ -293,6 +275,10 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
                 if not grad_norm_finite:  # an AMP update fairseq skipped: no per-layer norms (nor gnorm)
                     continue
                 name, value = f"diag_gnorm/{rest}", total.item()
+            elif kind in depth_hooks.KINDS:
+                for name, value in depth_hooks.metrics(kind, rest, total):
+                    metrics.log_scalar(name, value, priority=PRIORITY, round=None)
+                continue
             else:
                 continue
             metrics.log_scalar(name, value, priority=PRIORITY, round=None)
@@ -306,12 +292,15 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _clip(self, original, max_norm, aggregate_norm_fn):
         run = self._run
+        grad_norm, scale = None, self._depth.loss_scale(run.optimizer)
         try:
             grad_norm = original(max_norm, aggregate_norm_fn)
         except FloatingPointError as e:  # fp16/AMP: the minimum loss scale was reached
             if self.guard and not run.diverged:
                 self._diverge(f"fairseq's loss scaling gave up ({e})", replay=True)
             raise
+        finally:  # --fp16 lowers its scale and raises OverflowError (the trainer skips the update)
+            self._depth.clipped(run.optimizer, scale, grad_norm)
         # no host read here: fairseq's trainer checks the norm next (see check_unfinished_update)
         run.grad_norm, run.step_open = grad_norm, True
         if run.collect and "grad" in self.stats:
@@ -344,6 +333,12 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         """This update's per-layer gradient norms (once), for the task's ``reduce_metrics``."""
         stats, self._run.grad_stats = self._run.grad_stats, None
         return stats
+
+    def take_depth_statistics(self, logging_outputs) -> Dict[str, torch.Tensor] | None:
+        """A training update's maxima over depth and counters, for the task's ``reduce_metrics``
+        (:meth:`.depth_criterion.DepthDiagnostics.take`)."""
+        run = self._run
+        return self._depth.take(run.model, run.update_num, run.collect, logging_outputs, run.grad_norm)
 
     # ---- divergence ---------------------------------------------------------------------------
 

@@ -42,13 +42,13 @@ from typing import List, Sequence
 
 from .. import errors
 from ..errors import DeepInitConfigError
-from . import plots
+from . import depth_diagnose, plots
 from .hooks import residual_parameters, scalenorm_gains
 from .measure import Setup, measure_gradients, measure_output_change, parse_depths
 
 logger = logging.getLogger(__name__)
 
-MEASURES = ("grad", "flow", "norm", "change", "scalenorm")
+MEASURES = ("grad", "flow", "norm", "change", "scalenorm", *depth_diagnose.MEASURES)  # depth_diagnose: issue 24
 
 
 def _positive_int(text: str) -> int:
@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="overlay the results of earlier runs (default: none, measure a model)",
     )
+    p.add_argument(
+        "--training-log",
+        metavar="LOG",
+        help="plot the diagnostics criterion's statistics over depth and its counters over updates from a "
+        "fairseq-train log (--log-format json or simple) instead of measuring a model (default: none)",
+    )
     return p
 
 
@@ -197,6 +203,11 @@ def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
     }
     if "change" in measures:
         result["output_change"] = measure_output_change(setup)
+    if "depth" in measures:
+        result["depth"] = depth_diagnose.measure_depth(setup.model, setup.batches[: opts.num_batches])
+    if "removal" in measures:
+        batches = setup.batches[: opts.num_batches]
+        result["layer_removal"] = depth_diagnose.measure_removal(setup.model, setup.criterion, batches)
     out = opts.output_dir
     _make_output_dir(out)
     if "grad_norm" in result:
@@ -209,6 +220,7 @@ def run(opts: argparse.Namespace, fairseq_argv: List[str]) -> dict:
         result["plots"].append(plots.plot_output_change([result], os.path.join(out, "output_change.png")))
     if result.get("scalenorm_g"):
         result["plots"].append(plots.plot_scalenorm(result, os.path.join(out, "scalenorm_g.png")))
+    result["plots"] += depth_diagnose.plot(result, out)
     with open(os.path.join(out, "diagnostics.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(summary(result))
@@ -260,6 +272,7 @@ def summary(result: dict) -> str:
                     f"{fit['relative_slope']:.3g}, exponent {fit['exponent']:.2f} (R2 linear {fit['r2_linear']:.2f},"
                     f" log {fit['r2_log']:.2f})"
                 )
+    lines += depth_diagnose.summary_lines(result)
     if result.get("plots"):
         lines.append("  plots: " + ", ".join(result["plots"]))
     return "\n".join(lines)
@@ -279,10 +292,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, rest = parser.parse_known_args(list(argv))
     if opts.compare and (rest or opts.data):
         parser.error("--compare takes run folders only; drop the data folder and the model options")
-    if not opts.compare and not opts.data:
+    if opts.training_log and (rest or opts.data or opts.compare):
+        parser.error("--training-log takes a log only; drop the data folder, the model options and --compare")
+    if not (opts.compare or opts.training_log) and not opts.data:
         parser.error("the data folder is required (the output of fairseq-preprocess)")
     try:
-        if opts.compare:
+        if opts.training_log:
+            _check_output_dir(opts.output_dir)
+            records = depth_diagnose.read_training_log(opts.training_log)  # refused before a folder is made
+            _make_output_dir(opts.output_dir)
+            for path in depth_diagnose.plot_training_log(opts.training_log, opts.output_dir, records):
+                print(path)
+        elif opts.compare:
             compare(opts)
         else:
             run(opts, rest)

@@ -12,7 +12,8 @@ called at the points of an update that the guard and the gradient statistics nee
      (called by the trainer at trainer.py:843-851, and again for its replay at 1000-1007);
    - ``optimizer_step``: the end of the update (trainer.py:974-976);
    - ``begin_epoch``: the model, before the first batch (trainer.py:779);
-   - ``reduce_metrics``: the update's gradient statistics join its logging outputs (trainer.py:1541);
+   - ``reduce_metrics``: the update's gradient statistics, maxima over depth and counters join its
+     logging outputs (trainer.py:1541);
    - ``state_dict``: a veto on saving a diverged model (the trainer asks the task for its state on
      every save, trainer.py:424).
 
@@ -57,6 +58,10 @@ class DiagnosticsTaskMixin:
         grad_stats = self._deepinit_criterion.take_grad_statistics()
         if grad_stats:
             logging_outputs = [*logging_outputs, grad_stats]
+        # the maxima over depth (not summable) and the counters, which see every update's reduced loss
+        depth_stats = self._deepinit_criterion.take_depth_statistics(logging_outputs)
+        if depth_stats:
+            logging_outputs = [*logging_outputs, depth_stats]
         return super().reduce_metrics(logging_outputs, criterion)
 
     def state_dict(self):

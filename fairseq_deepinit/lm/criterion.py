@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
 
+from ..diagnostics import training_counters
 from ..diagnostics.criterion import DEFAULT_STATS, DiagnosticsCriterion, DiagnosticsCriterionConfig
 from ..errors import DeepInitConfigError
 
@@ -43,6 +44,8 @@ class CrossEntropyDiagnosticsCriterion(DiagnosticsCriterion):
         diagnostics_stats: str = DEFAULT_STATS,
         no_divergence_guard: bool = False,
         diagnostics_inject_nan: str = "",
+        diagnostics_spike_window: int = training_counters.DEFAULT_WINDOW,
+        diagnostics_spike_threshold: float = training_counters.DEFAULT_THRESHOLD,
     ) -> None:
         if label_smoothing:
             raise DeepInitConfigError(
@@ -59,4 +62,6 @@ class CrossEntropyDiagnosticsCriterion(DiagnosticsCriterion):
             diagnostics_stats,
             no_divergence_guard,
             diagnostics_inject_nan,
+            diagnostics_spike_window,
+            diagnostics_spike_threshold,
         )

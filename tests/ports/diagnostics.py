@@ -28,6 +28,8 @@ norm) and accumulates per layer: ``.mean()`` in LayerNorm-Scaling (``short_hf.py
 over the batch in MixLN (``short_hf.py:61-80``); MixLN compares ``hiddens[i]`` with ``hiddens[i + n]``
 with ``n = n_prune_layers`` (1 in ``angular_distance.py``). :func:`angular_distance`, :func:`layer_distances`.
 
+Loss spikes. OLMo-core's ``StabilityMonitorCallback``: :func:`olmo_spike_flags`.
+
 Layer removal. ``layer_remove.py:8-27`` (both repositories) deletes ``model.model.layers[i]`` and
 renumbers only ``self_attn.layer_idx`` (KV cache); the other layers keep their weights and positions in the
 residual stream: the removed layer is the identity. :func:`forward_without_layer`.
@@ -121,3 +123,23 @@ def forward_without_layer(
         if i != skip:
             x = layer(x)
     return final(x)
+
+
+def olmo_spike_flags(values: Sequence[float], window: int = 128, threshold_std: float = 6.0) -> list[bool]:
+    """OLMo-core ``StabilityMonitorCallback`` (``src/olmo_core/train/callbacks/stability_monitor.py``, commit
+    fa6c501): per value, ``_is_spike`` (``117-135``: only with a full history of ``window`` values, population
+    std, no spike when ``std < 1e-10``, spike when ``value > mean + threshold_std * std``), checked before the
+    value joins the history (``85-89``), which keeps the last ``window`` values (``69-73``)."""
+    history: list[float] = []
+    flags = []
+    for value in values:
+        spike = False
+        if len(history) >= window:
+            mean = sum(history) / len(history)
+            std = math.sqrt(sum((x - mean) ** 2 for x in history) / len(history))
+            spike = std >= 1e-10 and value > mean + threshold_std * std
+        flags.append(spike)
+        history.append(value)
+        if len(history) > window:
+            history.pop(0)
+    return flags
