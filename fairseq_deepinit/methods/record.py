@@ -148,6 +148,8 @@ class Method:
     - ``post_init(model, cfg)``: after the init scheme, in method order (it checks ``cfg`` for itself);
     - ``placement(cfg, kind, index)``: the norm placement of a layer, where the method decides it
       (None: the stack's ``--*-normalize-before``);
+    - ``norm_args(cfg, position)``: keyword arguments it gives the builder of every norm at ``position``
+      (``attn``, ``ffn``, ``final``, or None for a norm without one; DyT/Derf's alpha, bias and shift);
     - ``embedding(args, dictionary, dim, path)`` / ``output_projection(cfg, embed_tokens)``: a module
       that replaces the word embedding / output layer, or None (fairseq's);
     - ``families``: named architecture families ``<family>_<size>`` -> axes (the language-model
@@ -171,6 +173,7 @@ class Method:
     layer_setup: Callable[[nn.Module, object], None] | None = None
     post_init: Callable[[nn.Module, object], None] | None = None
     placement: Callable[[object, StackKind, int], str | None] | None = None
+    norm_args: Callable[[object, str | None], Dict[str, Any]] | None = None
     embedding: Callable[[object, Any, int, Any], nn.Module | None] | None = None
     output_projection: Callable[[object, nn.Module], nn.Module | None] | None = None
     families: Mapping[str, dict] = field(default_factory=dict)
