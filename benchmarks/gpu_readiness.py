@@ -265,7 +265,7 @@ class Measure:
         sample = batch(kind)
         update(b, sample, 0)
         cpu = reads(lambda: update(b, sample, 1), meta=False)
-        with counters.counting() as k:
+        with counters.OpCounter() as k:
             update(b, sample, 2)
         return {"cpu_reads": cpu.count(), "cpu_lines": cpu.lines(), "ops": k.total}
 
@@ -312,14 +312,13 @@ class Measure:
         b = build(fam.kind, fam.arch, self.shape, "--attention-impl", "sdpa", task=fam.task)
         sample = batch(fam.kind)
         update(b, sample, 0)
-        with counters.AttentionPaths(b.model) as calls:
+        with counters.AttentionCalls(b.model) as calls:
             update(b, sample, 1)
         self_calls = calls.self_attention()
         decoder = calls.self_attention("decoder")
-        t = sample["net_input"]["prev_output_tokens" if fam.kind == "mt" else "src_tokens"].size(1)
-        causal = [c for c in decoder if c.sdpa and c.is_causal and not (c.mask_shape and c.mask_shape[-2:] == (t, t))]
+        causal = [c for c in decoder if c.path == "sdpa" and c.is_causal and not c.square_mask]
         return {
-            "sdpa": (sum(c.sdpa for c in self_calls), len(self_calls)),
+            "sdpa": (sum(c.path == "sdpa" for c in self_calls), len(self_calls)),
             "causal": (len(causal), len(decoder)),
         }
 
@@ -333,7 +332,7 @@ class Measure:
             sample = batch(fam.kind)
             update(b, sample, 0)  # through the task: Admin profiles its omega here
             update(b, sample, 1, autocast=True)
-            with counters.auditing_matmuls(torch.bfloat16) as audit:
+            with counters.MatmulDtypeAudit(torch.bfloat16) as audit:
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
@@ -448,27 +447,39 @@ def decode(b: Built, sample: dict, steps: int, beam: int) -> None:
             tokens = tokens.index_select(0, order)
 
 
+# the norm table's cases: (label, input dtype, weight dtype); the last one is CUDA autocast's (fp32
+# weights, 16-bit activations, as a norm inside a sub-layer sees them: Sub-LN's, NormFormer's)
+NORM_CASES = (("fp16", "float16", "float16"), ("fp32", "float32", "float32"),
+              ("bf16 input, fp32 weights (autocast)", "bfloat16", "float32"))  # fmt: skip
+
+
 def norm_kernels() -> List[dict]:
-    """Kernels of one norm's forward and backward (d 512), fused calls once: LayerNorm, RMSNorm, ScaleNorm."""
+    """Kernels of one norm's forward and backward (d 512) as CUDA would launch them: counted on the ``meta``
+    device, where the plugin's norms take their non-CPU path (fused calls once). In the autocast case
+    LayerNorm runs as CUDA autocast runs it (``layer_norm`` is on autocast's fp32 list): on an fp32 copy
+    of the input, whose gradient is cast back."""
     import torch
 
     from fairseq_deepinit.modules.norms import build_norm
 
     rows = []
-    for dtype in (torch.float16, torch.float32):
+    for label, x_dtype, w_dtype in NORM_CASES:
+        xd, wd = getattr(torch, x_dtype), getattr(torch, w_dtype)
         counts = {}
         for norm_type in ("layernorm", "rmsnorm", "scalenorm"):
-            norm = build_norm(norm_type, 512, 1e-5, False).to(dtype)
-            x = torch.randn(8, 4, 512, dtype=dtype, requires_grad=True)
-            y = norm(x)
-            g = torch.randn_like(y)
-            with counters.counting() as k:
-                norm(x).backward(g)
-            counts[norm_type] = k.total
+            norm = build_norm(norm_type, 512, 1e-5, False).to(device="meta", dtype=wd)
+            cast = norm_type == "layernorm" and xd != wd
+            x = torch.empty(8, 4, 512, device="meta", dtype=xd, requires_grad=True)
+            with counters.OpCounter() as fwd:
+                y = norm(x.to(wd) if cast else x)
+            dy = torch.empty_like(y)
+            with counters.OpCounter() as bwd:
+                y.backward(dy)
+            counts[norm_type] = fwd.total + bwd.total
         ln = counts["layernorm"]
         for norm_type, n in counts.items():
             target = NORM_TARGETS.get(norm_type)
-            rows.append({"norm": norm_type, "dtype": str(dtype).replace("torch.", ""), "kernels": n,
+            rows.append({"norm": norm_type, "dtype": label, "kernels": n,
                          "limit": None if target is None else ln + target,
                          "ok": None if target is None else n <= ln + target})  # fmt: skip
     return rows

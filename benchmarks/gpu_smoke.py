@@ -20,7 +20,9 @@ them as references. Each is built exactly as ``fairseq-train`` builds it
   prefix of each row);
 - **counts host syncs** per training step and per decoded batch (:func:`count_host_syncs`): on CUDA
   ``torch.cuda.set_sync_debug_mode("warn")`` warnings; on the CPU the host reads a GPU would wait
-  for (``_local_scalar_dense``, ``equal``, ``nonzero``), counted by a dispatch mode;
+  for (``.item()``, ``equal``, ``nonzero``, boolean indexing ...: ``harness.host_reads.HostReads``);
+- **audits the dtype** of every matrix product of the last training step
+  (``harness.op_counters.MatmulDtypeAudit``: attention counted once in its inputs' dtype);
 - **names the SDPA backend** that ran per attention kind (``encoder self_attn``, ``decoder
   self_attn``, ``decoder encoder_attn``; ``fairseq`` where an attention module did not call SDPA):
   the fused aten op the call dispatched to (flash / efficient / cudnn), ``math`` when none;
@@ -59,6 +61,8 @@ for _p in (str(REPO), str(HERE)):  # this checkout's package and the harness, ne
 
 import harness  # noqa: E402
 from harness.fairseq_train import USER_DIR, Run, Variant, fairseq_config, setup_task  # noqa: E402
+from harness.host_reads import HostReads  # noqa: E402
+from harness.op_counters import MatmulDtypeAudit  # noqa: E402
 
 SDPA_OPS = {  # aten op the SDPA dispatcher chose -> backend name
     "_scaled_dot_product_flash_attention": "flash",
@@ -67,8 +71,6 @@ SDPA_OPS = {  # aten op the SDPA dispatcher chose -> backend name
     "_scaled_dot_product_cudnn_attention": "cudnn",
     "_scaled_dot_product_fused_attention_overrideable": "fused",
 }
-HOST_READS = ("_local_scalar_dense", "equal", "nonzero")  # ops that read a device tensor on the host
-MATMULS = ("mm", "addmm", "bmm", "baddbmm")  # the matrix products whose dtype says whether autocast is on
 PRECISIONS = ("fp16", "bf16-autocast")
 N_SYMBOLS = 60
 
@@ -121,16 +123,13 @@ def architectures() -> List[Arch]:
 
 
 class _Recorder:
-    """Which SDPA backend each attention kind dispatched to, and (CPU) host reads; see the module doc."""
+    """Which SDPA backend each attention kind dispatched to; see the module doc."""
 
-    def __init__(self, device: str) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.kind: str | None = None  # the attention module running now (forward hooks)
         self.module_calls = 0  # SDPA calls inside the current attention module
         self.fused: str | None = None  # backend op seen inside the current SDPA call
         self.backends: Dict[str, Dict[str, int]] = {}
-        self.host_reads = 0
-        self.matmuls: Dict[str, int] = {}  # dtype -> matrix products run in it
 
     def note(self, kind: str, backend: str) -> None:
         per = self.backends.setdefault(kind, {})
@@ -140,16 +139,18 @@ class _Recorder:
 @contextlib.contextmanager
 def record_attention(model, rec: _Recorder) -> Iterator[None]:
     """Hooks on every fairseq MultiheadAttention (the kind), a function mode on SDPA calls (math when no
-    fused op ran inside) and a dispatch mode on aten ops (the fused backend; host reads on the CPU)."""
+    fused op ran inside) and a dispatch mode on aten ops (the fused backend)."""
     import torch
     import torch.nn.functional as F
     from fairseq.modules import MultiheadAttention
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    sdpa = F.scaled_dot_product_attention  # torch's own (counters wrap the module attribute)
+
     class Functions(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is not F.scaled_dot_product_attention:
+            if func is not sdpa:
                 return func(*args, **(kwargs or {}))
             rec.fused = None
             out = func(*args, **(kwargs or {}))
@@ -162,13 +163,7 @@ def record_attention(model, rec: _Recorder) -> Iterator[None]:
             name = func._overloadpacket.__name__
             if name in SDPA_OPS:
                 rec.fused = SDPA_OPS[name]
-            elif rec.device == "cpu" and name in HOST_READS:
-                rec.host_reads += 1
-            out = func(*args, **(kwargs or {}))
-            if name in MATMULS:
-                dtype = str(out.dtype).replace("torch.", "")
-                rec.matmuls[dtype] = rec.matmuls.get(dtype, 0) + 1
-            return out
+            return func(*args, **(kwargs or {}))
 
     handles = []
     for path, mod in model.named_modules():
@@ -196,12 +191,12 @@ def record_attention(model, rec: _Recorder) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def count_host_syncs(device: str, rec: _Recorder) -> Iterator[dict]:
+def count_host_syncs(device: str) -> Iterator[dict]:
     """Host syncs of the ``with`` block into the yielded dict's ``n``.
 
     CUDA: the warnings of ``torch.cuda.set_sync_debug_mode("warn")``, one per synchronizing call.
-    CPU: the host reads a GPU would wait for, counted by :func:`record_attention`'s dispatch mode.
-    (benchmarks/harness may grow a shared counter; this function is the one place to swap it in.)
+    CPU: the host reads a GPU would wait for (``harness.host_reads.HostReads``, the CPU standing in
+    for the device).
     """
     import torch
 
@@ -217,9 +212,9 @@ def count_host_syncs(device: str, rec: _Recorder) -> Iterator[dict]:
                 torch.cuda.set_sync_debug_mode("default")
         box["n"] = sum("synchroniz" in str(w.message) for w in caught)
     else:
-        before = rec.host_reads
-        yield box
-        box["n"] = rec.host_reads - before
+        with HostReads() as reads:
+            yield box
+        box["n"] = reads.count()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +319,7 @@ def smoke_one(a: Arch, precision: str, data: Path, opts) -> dict:
     elif precision == "bf16-autocast" and not a.bf16_task:
         out["note"] = "autocast through AutocastCriterion (no task with --autocast-bf16 for this model)"
     t0 = time.perf_counter()
-    rec = _Recorder(opts.device)
+    rec = _Recorder()
     try:
         with harness.peak(opts.device) if opts.device == "cuda" else contextlib.nullcontext() as box:
             fcfg = fairseq_config(train_argv(a, data, ran, opts))
@@ -338,16 +333,16 @@ def smoke_one(a: Arch, precision: str, data: Path, opts) -> dict:
             losses, syncs = [], []
             with record_attention(run.model, rec):
                 for _ in range(opts.steps):
-                    rec.matmuls.clear()  # the dtypes of the last step (Admin profiles in fp32 in the first)
                     before = run.overflows
-                    with count_host_syncs(opts.device, rec) as n:
+                    # the dtypes of the last step (Admin profiles in fp32 in the first)
+                    with count_host_syncs(opts.device) as n, MatmulDtypeAudit() as audit:
                         run.step(sample)
                     syncs.append(n["n"])
                     losses.append(None if run.overflows > before else round(run.last_loss, 4))
                 train_backends = {k: dict(v) for k, v in rec.backends.items()}
-                train_matmuls = dict(rec.matmuls)
+                train_matmuls = {str(d).replace("torch.", ""): n for d, n in audit.by_dtype().items()}
                 rec.backends.clear()
-                with count_host_syncs(opts.device, rec) as n:
+                with count_host_syncs(opts.device) as n:
                     hypos = decode(a, task, run.model, sample, opts, manual_autocast=autocast and not a.bf16_task)
             decode_syncs = n["n"]
         finite = [x for x in losses if x is not None]

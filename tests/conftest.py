@@ -58,6 +58,16 @@ def run_cli(
     return proc
 
 
+def run_script(script: str | os.PathLike, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python <script> args...`` (a benchmark script) with one torch thread, stdout and stderr merged into
+    ``.stdout``; asserts exit status 0, showing the output's tail otherwise."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc
+
+
 def write_synthetic_corpus(
     folder: Path, n_train: int = 2000, n_valid: int = 100, n_test: int = 100, vocab: int = 40, seed: int = 0
 ) -> Path:

@@ -185,18 +185,21 @@ def _train_inner(log: str) -> list[tuple[float, float]]:
 
 
 def test_fairseq_train_follows_adams_trajectory_under_bf16_autocast(synthetic_bin, tmp_path):
-    """fairseq-train end to end (bf16 autocast, clipping, weight decay): the same losses and gnorms as ``adam``."""
-    from conftest import TINY_DIMS, USER_DIR, run_cli
+    """fairseq-train end to end (bf16 autocast, clipping, weight decay): the same losses and gnorms as ``adam``
+    (each run forked from a server that has imported fairseq: tests/cli_fork.py)."""
+    from cli_fork import run_forked
+
+    from conftest import TINY_DIMS, USER_DIR
 
     runs = {}
     for name in ("adam", "adam_foreach"):
-        proc = run_cli(
+        proc = run_forked(
             "train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation_deepinit", "--autocast-bf16",
             "--arch", "preln_iwslt_de_en", *TINY_DIMS, "--optimizer", name, "--adam-betas", "(0.9, 0.98)",
             "--weight-decay", "0.01", "--clip-norm", "0.5", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
             "--warmup-updates", "4", "--dropout", "0", "--max-tokens", "512", "--max-update", "8", "--seed", "3",
             "--log-format", "json", "--log-interval", "1", "--no-save", "--cpu", "--num-workers", "0",
-            "--save-dir", tmp_path / name,
+            "--save-dir", tmp_path / name, log=tmp_path / f"{name}.log",
         )  # fmt: skip
         runs[name] = _train_inner(proc.stdout)
     ref, new = runs["adam"], runs["adam_foreach"]
@@ -221,16 +224,19 @@ def test_an_adam_run_resumes_with_adam_foreach_as_adam_would_continue(synthetic_
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import TINY_DIMS, USER_DIR, run_cli
+    from cli_fork import run_forked
+
+    from conftest import TINY_DIMS, USER_DIR
 
     lr = 1e-3
 
     def train(save_dir, optimizer: str, max_update: int):
-        return run_cli(
+        return run_forked(
             "train", synthetic_bin, "--user-dir", USER_DIR, "--arch", "postln_iwslt_de_en", *TINY_DIMS,
             "--optimizer", optimizer, "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr", str(lr),
             "--dropout", "0", "--max-tokens", "512", "--max-update", str(max_update), "--seed", "3",
             "--no-epoch-checkpoints", "--log-format", "simple", "--cpu", "--num-workers", "0", "--save-dir", save_dir,
+            log=f"{save_dir}.{optimizer}.{max_update}.log",
         )  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import MULTI30K, REPO
+from conftest import MULTI30K, REPO, run_script
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 SCRIPTS = (
@@ -47,17 +47,21 @@ tp = load_script()
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def work_dir(tmp_path_factory) -> Path:
+    """One --work-dir for every script run here: the quick runs' Multi30k is binarised once (the
+    scripts reuse a binarisation whose STAMP.json matches)."""
+    return tmp_path_factory.mktemp("bench-data")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, work_dir):
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     out = tmp_path_factory.mktemp("bench")
-    cmd = [
-        sys.executable, str(SCRIPT), "--quick", "--multi30k", str(MULTI30K), "--work-dir", str(out / "data"),
+    proc = run_script(
+        str(SCRIPT), "--quick", "--multi30k", str(MULTI30K), "--work-dir", str(work_dir),
         "--json", str(out / "result.json"), "--markdown", str(out / "result.md"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    )  # fmt: skip
     return json.loads((out / "result.json").read_text()), (out / "result.md").read_text(), proc.stdout
 
 
@@ -219,17 +223,14 @@ def test_residual_sum_is_contiguous_on_fairseqs_transposed_stream():
 
 
 @pytest.fixture(scope="module")
-def matrix_run(tmp_path_factory):
+def matrix_run(tmp_path_factory, work_dir):
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     out = tmp_path_factory.mktemp("matrix")
-    cmd = [
-        sys.executable, str(SCRIPT), "--gpu-matrix", "--quick", "--multi30k", str(MULTI30K), "--work-dir",
-        str(out / "data"), "--json", str(out / "gpu.json"), "--markdown", str(out / "gpu.md"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_script(
+        str(SCRIPT), "--gpu-matrix", "--quick", "--multi30k", str(MULTI30K), "--work-dir",
+        str(work_dir), "--json", str(out / "gpu.json"), "--markdown", str(out / "gpu.md"),
+    )  # fmt: skip
     return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
 
 
@@ -255,19 +256,16 @@ def test_gpu_matrix_quick_runs_the_cpu_rows_and_records_the_cuda_rows_as_skipped
     assert doc["command"] in md and "| stock | 1 | fp32 |" in md
 
 
-def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline(tmp_path):
+def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline(tmp_path, work_dir):
     """The device's first pass (``--layers 6 --no-compile``; quick: 1 layer) under a deadline already
     passed: one timing round, the loss check skipped and said so, the pass's own file under --out-dir."""
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
-    cmd = [
-        sys.executable, str(SCRIPT), "--gpu-matrix", "--quick", "--layers", "1", "--no-compile", "--repeats", "3",
-        "--deadline-min", "0.001", "--multi30k", str(MULTI30K), "--work-dir", str(tmp_path / "data"),
+    run_script(
+        str(SCRIPT), "--gpu-matrix", "--quick", "--layers", "1", "--no-compile", "--repeats", "3",
+        "--deadline-min", "0.001", "--multi30k", str(MULTI30K), "--work-dir", str(work_dir),
         "--out-dir", str(tmp_path / "out"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    )  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu-1l.json", "gpu-1l.md"]
     doc = json.loads((tmp_path / "out" / "gpu-1l.json").read_text())
     assert doc["finished"] and {r["layers"] for r in doc["rows"]} == {1}
@@ -277,18 +275,15 @@ def test_gpu_matrix_first_pass_is_the_full_depth_alone_and_stops_at_its_deadline
     assert timed and all(d["rounds"] == 1 and len(d["rates"]) == 1 for d in timed)
 
 
-def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
+def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path, work_dir):
     """benchmarks/gpu_profile.py on the CPU: the CUDA-only rows are left out, the bf16 SDPA row is profiled."""
     if not (MULTI30K / "train.de.gz").exists():
         pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "gpu_profile.py"), "--quick", "--no-compile", "--multi30k",
-        str(MULTI30K), "--work-dir", str(tmp_path / "data"), "--json", str(tmp_path / "p.json"), "--text",
+    run_script(
+        str(REPO / "benchmarks" / "gpu_profile.py"), "--quick", "--no-compile", "--multi30k",
+        str(MULTI30K), "--work-dir", str(work_dir), "--json", str(tmp_path / "p.json"), "--text",
         str(tmp_path / "p.txt"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    )  # fmt: skip
     doc = json.loads((tmp_path / "p.json").read_text())
     assert doc["device"] == "cpu" and "--quick" in doc["command"] and doc["finished"]
     # fp16 and compile rows need CUDA
@@ -305,11 +300,10 @@ def test_gpu_profile_quick_times_the_phases_of_the_cpu_rows(tmp_path):
 def test_gpu_readiness_quick_fills_every_column(tmp_path):
     """benchmarks/gpu_readiness.py on one family (2 layers) and its special rows: every figure is there,
     stock's reads beside the plugin's, and the markdown carries the command it came from."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_readiness.py"), "--quick", "--json", str(tmp_path / "r.json"),
-           "--markdown", str(tmp_path / "r.md")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_script(
+        str(REPO / "benchmarks" / "gpu_readiness.py"), "--quick", "--json", str(tmp_path / "r.json"),
+           "--markdown", str(tmp_path / "r.md")
+    )  # fmt: skip
     doc = json.loads((tmp_path / "r.json").read_text())
     rows = {r["row"]: r for r in doc["rows"]}
     assert list(rows) == ["postln", "matt decoding", "admin profiling", "diagnostics (twt)"]

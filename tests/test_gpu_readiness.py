@@ -1,24 +1,32 @@
-"""Ready for a GPU without one (issue 22): host reads per training update, the meta device, graph breaks.
+"""Ready for a GPU without one (issue 22): the targets of ``benchmarks/gpu_readiness.py``, asserted.
 
-Every architecture family, translation and decoder-only, takes one fairseq training update
-(forward, backward, fairseq's update, ``reduce_metrics``) on a padded batch:
+Every architecture family, translation and decoder-only, takes fairseq training updates (forward,
+backward, fairseq's update, ``reduce_metrics``) on a padded batch (sources left-padded, targets
+right-padded, as fairseq collates them):
 
 - with the CPU standing in for the device, at most one host read of device data per update
-  (``benchmarks/harness/counters.py: HostReads``; stock fairseq's count is in the message: one per
+  (``benchmarks/harness/host_reads.py: HostReads``; stock fairseq's count is in the message: one per
   encoder layer and one in the decoder);
 - on the ``meta`` device, which, like CUDA, refuses a non-scalar CPU operand and has nothing to read:
   no host read by the plugin (reads answered with stand-ins and counted), and a second update with
   no stand-ins at all must run;
+- under ``--attention-impl sdpa --checkpoint-activations`` and bf16 autocast: every self-attention on
+  ``F.scaled_dot_product_attention``, the decoder's causal with no T x T mask, every matrix product
+  of forward, recompute and backward in bf16;
+- the init-only families launch at most 1.02x stock's kernels per update; the norms' kernels meet
+  their targets (RMSNorm <= LayerNorm + 2, ScaleNorm <= + 3);
 
 and MAtt's incremental decoding, Admin's profiling and the diagnostics criterion (a plain and a
 diagnostic update) run on ``meta`` with the reads they are designed to make (none; the profiling
 batch's cut and the profile's readout; one copy of all statistics). ``torch._dynamo.explain`` of a
-training-mode forward finds one graph, no break. The counters themselves are checked against ops
-with known reads. Models: 2 layers per stack, d 16 (the counts do not depend on the dimensions).
+training-mode forward finds one graph, no break, on both attention paths. The counters themselves
+are checked against ops with known reads and dtypes. Models: 2 layers per stack, d 16 (the counts
+do not depend on the width).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -114,12 +122,18 @@ def test_diagnostics_criterion_reads_nothing_on_plain_updates_and_once_on_diagno
     assert gr.reads(lambda: gr.update(cb, cs, 0), meta=False).count() == 0
 
 
-@pytest.mark.parametrize("kind,family", [("mt", "postln"), ("lm", "postln"), ("mt", "admin")])
-def test_one_graph_without_breaks(kind, family):
+@pytest.mark.parametrize(
+    "kind,family,impl",
+    [("mt", "postln", "fairseq"), ("lm", "postln", "fairseq"), ("mt", "admin", "fairseq"), ("mt", "preln", "sdpa"),
+     ("lm", "subln", "sdpa")],
+)  # fmt: skip
+def test_one_graph_without_breaks(kind, family, impl):
     """The plugin's training-mode forward compiles as one graph (fairseq's: a break per padding read);
-    Admin's after an update of fairseq's training step (its residuals check their profiled flag)."""
+    Admin's after an update of fairseq's training step (its residuals check their profiled flag). Under
+    --attention-impl sdpa (the fast path) too: the decoder's causal self-attention is declared at build
+    time, not found by reading the mask (a break per decoder layer), and Sub-LN reaches the same module."""
     fam = gr.Family(kind, family)
-    b = gr.build(kind, fam.arch, SHAPE, task=fam.task)
+    b = gr.build(kind, fam.arch, SHAPE, "--attention-impl", impl, task=fam.task)
     sample = gr.batch(kind)
     gr.update(b, sample, 0)
     b.model.train()
@@ -129,6 +143,58 @@ def test_one_graph_without_breaks(kind, family):
         sb = gr.build(kind, gr.stock_arch(kind), SHAPE)
         _, stock_breaks = counters.graph_breaks(sb.model.train(), **sample["net_input"])
         assert stock_breaks and {br.origin for br in stock_breaks} == {"fairseq"}
+
+
+# ---- what the kernels see: SDPA, causality, matmul dtypes, op counts ------------------------------
+
+
+@pytest.mark.parametrize("kind,family", CASES)
+def test_attention_on_sdpa_causal_and_every_matmul_bf16_with_checkpointing(kind, family):
+    """Under --attention-impl sdpa --checkpoint-activations and bf16 autocast (the forward under autocast,
+    the backward outside, as --autocast-bf16 runs them): every self-attention call, the recomputed ones
+    included, reaches F.scaled_dot_product_attention; the decoder's pass is_causal with no T x T mask
+    (targets right-padded); every matrix product of forward, recompute and backward is bf16."""
+    fam = gr.Family(kind, family)
+    b = gr.build(kind, fam.arch, SHAPE, "--attention-impl", "sdpa", "--checkpoint-activations", task=fam.task)
+    sample = gr.batch(kind)
+    gr.update(b, sample, 0)  # Admin profiles here (in fp32)
+    with counters.AttentionCalls(b.model) as calls, counters.MatmulDtypeAudit(torch.bfloat16) as audit:
+        gr.update(b, sample, 1, autocast=True)
+    self_calls, decoder = calls.self_attention(), calls.self_attention("decoder")
+    assert self_calls and all(c.path == "sdpa" for c in self_calls), self_calls
+    want = 0 if family.endswith("matt") else 2 * SHAPE.layers  # forward and recompute; MAtt averages
+    assert len(decoder) == want and all(c.is_causal and not c.square_mask for c in decoder), decoder
+    assert audit.total() > 0 and audit.other() == 0, dict(audit.off)
+
+
+@functools.cache
+def _update_ops(kind: str, arch: str, *flags: str, task: str | None = None) -> int:
+    """Kernels of one training update after a warm-up one, the recipes' dropouts on (gpu_readiness.py)."""
+    b = gr.build(kind, arch, SHAPE, *flags, task=task)
+    sample = gr.batch(kind)
+    gr.update(b, sample, 0)
+    with counters.OpCounter() as ops:
+        gr.update(b, sample, 1)
+    return ops.total
+
+
+@pytest.mark.parametrize("kind,family", [(k, f) for k in ("mt", "lm") for f in gr.INIT_ONLY])
+def test_init_only_families_launch_at_most_2_percent_more_ops_than_stock(kind, family):
+    """Kernels per training update against stock fairseq at its norm position: the init-only families run
+    stock's modules, at most 1.02x its ops (the 6-layer figures: docs/benchmarks.md)."""
+    fam = gr.Family(kind, family)
+    b = gr.build(kind, fam.arch, SHAPE, task=fam.task)
+    plugin = _update_ops(kind, fam.arch, task=fam.task)
+    stock = _update_ops(kind, gr.stock_arch(kind), *gr.stock_flags(b))
+    assert plugin <= gr.OP_TARGET * stock, (plugin, stock, plugin / stock)
+
+
+def test_norm_kernels_meet_their_targets():
+    """The readiness table's norm rows (on meta, as CUDA launches them): RMSNorm <= LayerNorm + 2,
+    ScaleNorm <= + 3, in fp16, fp32 and CUDA autocast's mixed dtypes."""
+    rows = gr.norm_kernels()
+    assert {r["dtype"] for r in rows} == {label for label, *_ in gr.NORM_CASES}
+    assert all(r["ok"] for r in rows if r["limit"] is not None), rows
 
 
 # ---- the same model as fairseq's at every real position --------------------------------------------
@@ -221,19 +287,25 @@ def test_host_reads_counts_device_reads_and_not_host_made_tensors():
     assert [e.op for e in hr.events] == ["_local_scalar_dense", "_to_copy"]
 
 
-def test_kernel_count_takes_fused_calls_once_and_matmul_audit_their_input_dtype():
-    x = torch.randn(3, 8, requires_grad=True)
-    w = torch.ones(8, requires_grad=True)
-    with counters.counting() as k:
-        torch.nn.functional.rms_norm(x, (8,), w).sum().backward()
-    assert k.counts["rms_norm"] == 1 and k.counts["rms_norm_backward"] == 1 and "rsqrt" not in k.counts
-    torch.testing.assert_close(x.grad, torch.autograd.grad(torch.nn.functional.rms_norm(x, (8,), w).sum(), x)[0])
+def test_matmul_audit_takes_attention_in_its_input_dtype():
+    """SDPA counts as one product each way in its inputs' dtype (the CPU's math fallback, which dropout
+    takes, upcasts to fp32 inside), also when forward and backward are audited apart; an SDPA call on
+    fp32 inputs and a plain fp32 product are found, with the line that asked."""
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), counters.auditing_matmuls() as audit:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.autocast("cpu", dtype=torch.bfloat16), counters.MatmulDtypeAudit() as fwd:
         out = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), dropout_p=0.5)
         (q @ q.transpose(-1, -2)).sum()  # bf16 under autocast
-    out.float().sum().backward()
-    assert audit.other() == 0 and audit.counts[("scaled_dot_product_attention", torch.bfloat16)] == 1
-    with counters.auditing_matmuls() as audit:
-        q @ q.transpose(-1, -2)  # fp32 outside autocast
-    assert audit.other() == 1 and list(audit.off) == [next(iter(audit.off))]
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # restored
+    with counters.MatmulDtypeAudit() as bwd:
+        out.float().sum().backward()
+    assert fwd.other() == bwd.other() == 0
+    assert fwd.counts[("scaled_dot_product_attention", torch.bfloat16)] == 1
+    assert dict(bwd.counts) == {("scaled_dot_product_attention_backward", torch.bfloat16): 1}, bwd.summary()
+    with counters.MatmulDtypeAudit() as audit:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)  # fp32 (outside autocast)
+    with counters.MatmulDtypeAudit() as plain:
+        q @ q.transpose(-1, -2)
+    assert audit.other() == plain.other() == 1
+    ((line, n),) = plain.off.items()
+    assert n == 1 and line.startswith("other bmm tests/test_gpu_readiness.py:"), line

@@ -1,6 +1,6 @@
 """Low precision on every path: checkpointed recompute under autocast, FixNorm in fp16/bf16, the guard's replay.
 
-- ``--checkpoint-activations`` under bf16 autocast: a dtype audit (``benchmarks/harness/dtypes.py``)
+- ``--checkpoint-activations`` under bf16 autocast: a dtype audit (``benchmarks/harness/op_counters.py``)
   of the forward and backward passes finds every matrix product in bf16, the recompute included, and
   the gradients are bit for bit those without checkpointing, dropout on (the recompute replays the
   forward's masks, in the forward's dtypes); fairseq-train gives the same losses and weights.
@@ -26,12 +26,12 @@ from fairseq_deepinit.modules.fixnorm import FixNormEmbedding, FixNormOutputProj
 from fairseq_deepinit.training.activation_checkpoint import checkpoint_wrapper
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
-from harness.dtypes import MatmulDtypes  # noqa: E402
+from harness.op_counters import MatmulDtypeAudit  # noqa: E402
 
 BF16 = torch.bfloat16
 # attention dropout apart: with it torch's CPU attention (F.scaled_dot_product_attention, which
 # fairseq's F.multi_head_attention_forward path calls too) leaves its fused bf16 kernel for the math
-# path, which computes in fp32 on the CPU (2 bmm forward, 4 backward per call), checkpointing or not
+# path (fp32 inside, counted as the one bf16 kernel CUDA runs: test_checkpointed_recompute_with_attention_dropout)
 DROPOUT = ("--dropout", "0.2", "--activation-dropout", "0.2")
 ATTENTION_DROPOUT = ("--attention-dropout", "0.2")
 PRE = ("--encoder-normalize-before", "--decoder-normalize-before")
@@ -82,10 +82,10 @@ def _bf16_step(flags: tuple, checkpoint: bool, lm: bool = False):
             if name.endswith("alpha") and p.numel() == 1:
                 p.fill_(0.5)
     torch.manual_seed(11)
-    with MatmulDtypes() as fwd, torch.autocast("cpu", dtype=BF16):
+    with MatmulDtypeAudit() as fwd, torch.autocast("cpu", dtype=BF16):
         out, _ = model(**batch)
         loss = out.float().pow(2).mean()
-    with MatmulDtypes() as bwd:
+    with MatmulDtypeAudit() as bwd:
         loss.backward()  # outside autocast, as fairseq's train_step runs it
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, fwd, bwd
@@ -125,16 +125,21 @@ def test_checkpointed_recompute_is_bf16_and_gives_the_same_gradients(config):
 
 @pytest.mark.parametrize("config", ["postln", "sdpa-preln"])
 def test_checkpointed_recompute_with_attention_dropout(config):
-    """Attention dropout too: the same gradients bit for bit, and the only fp32 products are those of
-    torch's CPU math attention, in the forward and again in the recompute (no fp32 product of ours)."""
+    """Attention dropout too: the same gradients bit for bit, every product in bf16, and the backward
+    with checkpointing runs each attention call again (its recompute). With dropout torch's CPU
+    attention leaves its fused bf16 kernel for the math path, which upcasts to fp32 inside; the audit
+    counts each call as the one kernel CUDA runs, in its inputs' dtype, so an attention fed fp32 by our
+    code would still show as fp32."""
     flags = (*CONFIGS[config], *ATTENTION_DROPOUT)
     _, plain, fwd0, bwd0 = _bf16_step(flags, checkpoint=False)
     _, ckpt, fwd1, bwd1 = _bf16_step(flags, checkpoint=True)
     assert fwd1.counts == fwd0.counts
-    fp32 = torch.float32
-    assert set(fwd0.of_dtype(fp32)) == set(bwd0.of_dtype(fp32)) == {"bmm"}, (fwd0.summary(), bwd0.summary())
-    assert bwd1.of_dtype(fp32) == bwd0.of_dtype(fp32) + fwd0.of_dtype(fp32), (bwd0.summary(), bwd1.summary())
-    assert fwd0.of_dtype(fp32)["bmm"] >= 4  # two self-attentions at least (2 bmm each)
+    for audit in (fwd0, bwd0, fwd1, bwd1):
+        assert set(audit.by_dtype()) == {BF16}, audit.summary()
+    sdpa, sdpa_backward = ("scaled_dot_product_attention", BF16), ("scaled_dot_product_attention_backward", BF16)
+    assert fwd0.counts[sdpa] >= 4 and bwd0.counts[sdpa] == 0  # every attention of both stacks
+    assert bwd0.counts[sdpa_backward] == bwd1.counts[sdpa_backward] == fwd0.counts[sdpa]
+    assert bwd1.counts[sdpa] == fwd0.counts[sdpa]  # the recompute
     assert [n for n in plain if not torch.equal(plain[n], ckpt[n])] == []
 
 
@@ -173,7 +178,7 @@ def test_wrapper_keeps_fairseqs_interface():
         with torch.autocast("cpu", dtype=BF16):
             y, tag = block(x, scale=torch.tensor(2.0))
         assert tag == "non-tensor" and y.dtype == BF16
-        with MatmulDtypes() as bwd, torch.autocast("cpu", enabled=False):
+        with MatmulDtypeAudit() as bwd, torch.autocast("cpu", enabled=False):
             y.float().sum().backward()
         assert set(bwd.by_dtype()) == {BF16}, bwd.summary()
         ref = _Block()
@@ -287,8 +292,8 @@ def _guard_setup(*task_flags: str):
 
 
 class _Optimizer:
-    """What fairseq's trainer uses of an fp32 optimizer around the backward: ``backward`` and
-    ``clip_grad_norm`` (fairseq/optim/fairseq_optimizer.py, ``FairseqOptimizer.clip_grad_norm``)."""
+    """What fairseq's trainer uses of an fp32 optimizer around the backward: ``backward``,
+    ``clip_grad_norm`` and ``zero_grad`` (fairseq/optim/fairseq_optimizer.py)."""
 
     def __init__(self, params: list) -> None:
         self.params = params
@@ -298,6 +303,10 @@ class _Optimizer:
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         return utils.clip_grad_norm_(self.params, max_norm, aggregate_norm_fn)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
 
 
 class _UnderAutocast:
@@ -349,8 +358,12 @@ def test_guard_replays_a_low_precision_overflow_and_names_the_layer(dtype):
         assert torch.isfinite(model(**sample["net_input"])[0]).all()
     task.train_step(sample, model, step_criterion, optimizer, update_num=3)
     assert not all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    grad_norm = optimizer.clip_grad_norm(0.0)  # what fairseq's trainer calls after the backward
+    # its check fails (trainer.py:963-970): FloatingPointError, crash.pt, then it discards the update,
+    # where the guard steps in (the diagnostics criterion's wrapped zero_grad)
+    assert not torch.isfinite(grad_norm).all()
     with pytest.raises(DivergenceError) as err:
-        optimizer.clip_grad_norm(0.0)  # what fairseq's trainer calls after the backward
+        optimizer.zero_grad()
     msg = str(err.value)
     name = str(dtype).replace("torch.", "")
     assert "training stopped at update 4: the gradient norm is nan" in msg, msg

@@ -4,7 +4,9 @@ exit status 1, in argparse's exit 2 naming the flag, or works.
 - fairseq-train (real subprocesses, two at a time, as a user runs it: the plugin's excepthook and the
   interpreter's exit are what is tested): the diagnostics criterion's options, ``--lr-scheduler tfixup``,
   ``--adam-betas``, and the stock-fairseq cases :mod:`fairseq_deepinit.intercepts` catches (task and
-  architecture that do not fit, an empty split, data binarised with another dictionary);
+  architecture that do not fit, an empty split, data binarised with another dictionary); a probe
+  refused by the same code at the same point as one of those (:data:`IN_PROCESS`) is built in process
+  through fairseq's parser, task and registries instead;
 - ``deepinit-diagnose`` and the export tools, whose ``main`` is the command-line boundary (called in
   process: its return value is the exit status, its stderr the one line);
 - the value tables behind them (``--adam-betas``, the tfixup options, the task/architecture rule).
@@ -167,9 +169,23 @@ TRAIN_PROBES = {
 }
 
 
+# probes refused by the same code, at the same point of fairseq-train, as another probe that runs as
+# fairseq-train (the criterion's options: diagnostics_stats; --adam-betas: adam_betas_code): their line
+# is checked in process, through fairseq's parser, task and registries (test_probe_in_process); the
+# excepthook and the interpreter's exit are the same for every refusal
+IN_PROCESS = {
+    "diagnostics_interval": "criterion",
+    "diagnostics_inject_spec": "criterion",
+    "adam_foreach_betas_code": "optimizer",
+    "adam_foreach_beta2_one": "optimizer",
+}
+AS_FAIRSEQ_TRAIN = [name for name in TRAIN_PROBES if name not in IN_PROCESS]
+
+
 @pytest.fixture(scope="module")
 def train_runs(data):
-    """Every probe of :data:`TRAIN_PROBES` as its own fairseq-train, and one Admin LM that trains (for the export)."""
+    """Every probe of :data:`AS_FAIRSEQ_TRAIN` as its own fairseq-train, and one Admin LM that trains (for the
+    export)."""
 
     def train(name, folder, args):
         cwd = data.root / name
@@ -177,7 +193,7 @@ def train_runs(data):
         proc = run_cli("train", getattr(data, folder), *args, "--save-dir", cwd / "ckpt", check=False, cwd=cwd)
         return SimpleNamespace(proc=proc, cwd=cwd, data=getattr(data, folder))
 
-    jobs = {name: (folder, args) for name, (folder, args, _) in TRAIN_PROBES.items()}
+    jobs = {name: TRAIN_PROBES[name][:2] for name in AS_FAIRSEQ_TRAIN}
     admin_lm = [*LM, "--task", "language_modeling_admin", "--arch", "admin_lm_tiny", "--max-update", "1"]
     jobs["admin_lm"] = ("lm", admin_lm)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -185,7 +201,7 @@ def train_runs(data):
         return {name: f.result() for name, f in futures.items()}
 
 
-@pytest.mark.parametrize("name", list(TRAIN_PROBES))
+@pytest.mark.parametrize("name", AS_FAIRSEQ_TRAIN)
 def test_fairseq_train_probe(train_runs, name):
     run = train_runs[name]
     line = one_error_line(run.proc.stdout, 1, run.proc.returncode)
@@ -196,6 +212,26 @@ def test_fairseq_train_probe(train_runs, name):
     assert "Start iterating over samples" not in run.proc.stdout
     assert not (run.cwd / "ckpt" / "crash.pt").exists()
     assert not (run.cwd / MARKER).exists()  # --adam-betas is never evaluated as code
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS))
+def test_probe_in_process(data, tmp_path, monkeypatch, name):
+    """fairseq-train's parsing, task, and then the criterion or optimizer it builds from them, in process:
+    the same one-line error as the probe's fairseq-train would print, and no code run from --adam-betas."""
+    from fairseq import optim, options, tasks
+
+    folder, argv, expected = TRAIN_PROBES[name]
+    monkeypatch.chdir(tmp_path)
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(getattr(data, folder)), *argv])
+    task = tasks.setup_task(args)
+    with pytest.raises(errors.DeepInitError) as info:
+        if IN_PROCESS[name] == "criterion":
+            task.build_criterion(args)
+        else:
+            optim.build_optimizer(args, [torch.nn.Parameter(torch.zeros(2))])
+    line = errors.format_error(info.value)  # what the excepthook prints
+    assert expected in line, line
+    assert not (tmp_path / MARKER).exists()
 
 
 def test_admin_lm_trains_for_the_exports(train_runs):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib
+import io
 import os
 import pickle
 import random
@@ -58,13 +59,14 @@ def loaded_updates(log: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit status 1, no traceback, exactly one error line, the last one, naming ``needles``."""
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, prefix: str = errors.PREFIX) -> str:
+    """Exit status 1, no traceback, exactly one error line, the last one, naming ``needles``; ``prefix``:
+    ``fairseq-deepinit: error: `` (fairseq's commands) or the plugin's own command's (docs/usage.md)."""
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith(errors.PREFIX), proc.stdout[-3000:]  # "fairseq-deepinit: error: "
-    assert [ln for ln in proc.stdout.splitlines() if errors.PREFIX in ln] == [last], proc.stdout[-3000:]
+    assert last.startswith(prefix), proc.stdout[-3000:]
+    assert [ln for ln in proc.stdout.splitlines() if ": error: " in ln] == [last], proc.stdout[-3000:]
     for n in needles:
         assert n in last, last
     return last
@@ -536,18 +538,22 @@ TOOL_MODULES = {
 }
 
 
+def error_prefix(cmd: str) -> str:
+    """The one-line error's start: the plugin's own commands name themselves, fairseq's the plugin."""
+    return f"deepinit-{cmd.replace('_', '-')}: error: " if cmd in TOOL_MODULES else errors.PREFIX
+
+
 def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
-    """The plugin's console script ``tool``: its ``main`` as the entry point calls it (``sys.exit(main())``)."""
-    code = f"import sys; from {TOOL_MODULES[tool]} import main; sys.exit(main())"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=Path(USER_DIR).parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
+    """The plugin's console script ``tool`` through its ``main``, the command-line boundary the entry
+    point calls (``sys.exit(main())``): its return value is the exit status, what it prints to stdout
+    and stderr the output (in process, as tests/test_probes.py calls the tools: no interpreter start)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            code = importlib.import_module(TOOL_MODULES[tool]).main(list(args))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return subprocess.CompletedProcess([tool, *args], code, stdout=out.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -575,12 +581,13 @@ def unreadable_runs(trained, synthetic_bin, tmp_path_factory) -> dict:
             return run_tool(cmd, str(synthetic_bin), "--checkpoint", path, "--output-dir", str(out))
         return run_tool(cmd, path, str(out) + ".pt")
 
-    jobs = [(c, k) for c in ("train", "generate", *TOOL_MODULES) for k in ("hostile", "damaged")]
-    jobs.remove(("train", "damaged"))  # test_no_intact_checkpoint_is_a_one_line_error
-    jobs.remove(("generate", "damaged"))  # test_generate_with_damaged_path_is_a_one_line_error
+    # fairseq's commands as subprocesses, two at a time; the plugin's tools in process meanwhile
+    # (damaged files for fairseq's: test_no_intact_checkpoint_is_a_one_line_error and
+    # test_generate_with_damaged_path_is_a_one_line_error)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {job: pool.submit(command, *job) for job in jobs}
-        runs = {job: (files[job[1]], f.result()) for job, f in futures.items()}
+        futures = {(c, "hostile"): pool.submit(command, c, "hostile") for c in ("train", "generate")}
+        runs = {(c, k): (files[k], command(c, k)) for c in TOOL_MODULES for k in ("hostile", "damaged")}
+        runs.update({job: (files[job[1]], f.result()) for job, f in futures.items()})
     assert not marker.exists()
     return runs
 
@@ -590,8 +597,8 @@ def test_hostile_checkpoint_is_one_line_everywhere(unreadable_runs, cmd):
     path, proc = unreadable_runs[(cmd, "hostile")]
     if cmd == "train":
         path = Path(proc.args[proc.args.index("--save-dir") + 1]) / "checkpoint_last.pt"
-    line = assert_one_line_error(proc)
-    assert_refusal(line[len(errors.PREFIX) :], path, "posix.system")
+    line = assert_one_line_error(proc, prefix=error_prefix(cmd))
+    assert_refusal(line[len(error_prefix(cmd)) :], path, "posix.system")
     if cmd == "train":
         assert "Move it out of --save-dir" in line
     assert "weights_only" not in proc.stdout.replace("torch.load(weights_only=True)", "")  # no hint of torch's
@@ -601,7 +608,8 @@ def test_hostile_checkpoint_is_one_line_everywhere(unreadable_runs, cmd):
 @pytest.mark.parametrize("cmd", sorted(TOOL_MODULES))
 def test_plugin_tools_with_damaged_checkpoint(unreadable_runs, cmd):
     path, proc = unreadable_runs[(cmd, "damaged")]
-    assert_one_line_error(proc, f"checkpoint {path} is not a torch checkpoint", "Use an intact checkpoint")
+    needles = (f"checkpoint {path} is not a torch checkpoint", "Use an intact checkpoint")
+    assert_one_line_error(proc, *needles, prefix=error_prefix(cmd))
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@
 - ``report``: :func:`environment` (device, date, command, versions), :func:`markdown_table`,
   :func:`write_json`, :func:`write_markdown`, :func:`provenance`.
 - ``cli``: :class:`Parser` (every default in --help; one-line errors, exit 1).
-- ``counters``: CPU stand-ins for a GPU (host reads, kernel launches, matmul dtypes, SDPA use, graph
-  breaks, the meta device), imported as ``harness.counters``;
+- ``counters``: CPU stand-ins for a GPU in one import (``harness.counters``): host reads
+  (``host_reads``), kernel launches and matmul dtypes (``op_counters``), attention paths
+  (``attention_calls``), graph breaks and the meta device;
 - ``flops``: model FLOPs of a training step and MFU; ``multi30k``: the data; ``fairseq_tools`` and
   ``fairseq_train``: fairseq as a child process or in-process.
 """

@@ -18,7 +18,11 @@ has the input's dtype (``aten::_fused_rms_norm``; it accumulates in fp32 for fp1
 rounds the output once), like LayerNorm's ``native_layer_norm``. On the CPU torch decomposes it, and
 for 16-bit input rounds the normalised value to the input's dtype before the gain multiply; the
 modules here therefore take the fused call where it computes in fp32 with one rounding and cast to
-fp32 around it elsewhere (mixed dtypes under autocast; 16-bit input on the CPU).
+fp32 around it elsewhere (mixed dtypes under autocast; 16-bit input on the CPU). Mixed dtypes off the
+CPU (CUDA autocast: fp32 weights, 16-bit activations) return the fp32 result as it is, as autocast
+returns LayerNorm's there (``layer_norm`` is on its fp32 list, and ``rms_norm`` from torch 2.12): the
+consumer's own cast (a Linear under autocast) rounds it as the norm's cast would have, and a residual
+add takes it unrounded, as it takes LayerNorm's; a cast each way fewer (:func:`_from_fp32`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ def _fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     normalised value before the gain multiply, so there only fp32 / fp64 input qualifies.
     """
     return weight.dtype == x.dtype and (x.device.type != "cpu" or x.dtype in (torch.float32, torch.float64))
+
+
+def _from_fp32(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The fp32 result ``y`` of a norm of ``x`` that could not take the fused call in ``x``'s dtype: back in
+    ``x``'s dtype on the CPU (as CPU autocast returns LayerNorm's), as it is elsewhere (module docstring)."""
+    return y.type_as(x) if x.device.type == "cpu" else y
 
 
 class _ScaleNormFunction(torch.autograd.Function):
@@ -88,7 +98,7 @@ def scalenorm_as_rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch
     rms_eps = max(eps * eps / dim, torch.finfo(torch.float32).tiny)
     if _fused_rms_norm_applies(x, gain):
         return F.rms_norm(x, (dim,), gain, rms_eps)
-    return F.rms_norm(x.float(), (dim,), gain.float(), rms_eps).type_as(x)
+    return _from_fp32(F.rms_norm(x.float(), (dim,), gain.float(), rms_eps), x)
 
 
 class ScaleNorm(nn.Module):
@@ -112,7 +122,7 @@ class ScaleNorm(nn.Module):
     by the fused call, which accumulates in fp32 for fp16/bf16 input; there the gain ``g / sqrt(d)`` is
     rounded to the input's dtype when ``g`` has it (``--fp16`` weights): one more rounding of the output
     scale, at most 2^-11 relative in fp16, the size of the output's own rounding. Mixed dtypes (autocast)
-    go through fp32 and back to the input's dtype.
+    go through fp32, and back to the input's dtype on the CPU only (module docstring).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
@@ -135,7 +145,8 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich 2019, eq. 4), computed in fp32 or wider.
 
     One ``F.rms_norm`` call (one fused kernel each way on a GPU) when the weight has the input's dtype
-    (``--fp16``: the kernel accumulates in fp32), the same call on fp32 copies otherwise.
+    (``--fp16``: the kernel accumulates in fp32), the same call on fp32 copies otherwise (its fp32 result
+    kept off the CPU: module docstring).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
@@ -147,7 +158,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fused_rms_norm_applies(x, self.weight):
             return F.rms_norm(x, (self.dim,), self.weight, self.eps)
-        return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).type_as(x)
+        return _from_fp32(F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps), x)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
