@@ -155,6 +155,7 @@ def resolve_and_validate(args) -> None:
                 "nothing divided by); drop --norm-eps"
             )
         args.norm_eps = None
+    _resolve_owned(args, "norm_type")
 
     # residual scaling
     if args.residual_scale == "auto":

@@ -13,7 +13,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict
 
-from . import admin, b2t, baseline, core, deepnorm, dsinit, lipschitz, matt, normformer, rezero, subln, tfixup, twt
+from . import (
+    admin,
+    b2t,
+    baseline,
+    core,
+    deepnorm,
+    derf,
+    dsinit,
+    dyt,
+    lipschitz,
+    matt,
+    normformer,
+    rezero,
+    subln,
+    tfixup,
+    twt,
+)
 from .record import InitScheme, LayerType, Method, Option, ResidualScale
 
 METHODS: Dict[str, Method] = {
@@ -32,6 +48,8 @@ METHODS: Dict[str, Method] = {
         b2t.METHOD,
         normformer.METHOD,
         subln.METHOD,
+        dyt.METHOD,
+        derf.METHOD,
     )
 }
 
