@@ -195,6 +195,7 @@ def test_lm_equals_the_port():
     embedding scale): logits equal the port's stack, final norm and tied output layer."""
     model, args, _ = build_lm("dyt_lm_tiny", "--dyt-alpha-init", "llama2_7b", "--no-dyt-bias", "--dropout", "0",
                               "--attention-impl", "sdpa", "--share-decoder-input-output-embed")  # fmt: skip
+    assert all(m.bias is None for m in model.modules() if isinstance(m, DyT))  # the LLaMA variant
     model = model.double().eval()
     perturb(model, seed=1)
     tokens = torch.randint(4, 4 + N_SYMBOLS, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -280,8 +281,8 @@ def test_lm_trains_resumes_and_reloads(lm_bin, tmp_path):  # noqa: F811
     assert ckpt["model"]["decoder.embed_scale"].item() != 8.0  # the scalar trained
     saved = ckpt["cfg"]["model"]
     assert (saved.derf_alpha_init, saved.derf_embed_scale, saved.norm_eps) == ("0.8,0.2,0.2", "learnable", None)
-    _, same, _ = build_lm("derf_lm_tiny", "--derf-alpha-init", "0.8,0.2,0.2")
-    _, other, _ = build_lm("derf_lm_tiny", "--derf-embed-scale", "fixed")
+    _, same, _ = build_lm("derf_lm_tiny", "--decoder-layers", "3", "--derf-alpha-init", "0.8,0.2,0.2")
+    _, other, _ = build_lm("derf_lm_tiny", "--decoder-layers", "3", "--derf-embed-scale", "fixed")
     assert config_differences(saved, same) == []
     assert {name for name, _, _ in config_differences(saved, other)} == {"derf_alpha_init", "derf_embed_scale"}
 
