@@ -91,6 +91,7 @@ CONFIGS: Dict[str, Config] = {
            ref="stock-preln"),
         _C("preln-rmsnorm", "preln_wmt_en_de", ("--norm-type", "rmsnorm"), "Pre-LN, RMSNorm, xavier",
            ref="stock-preln"),
+        _C("preln-dyt", "dyt_wmt_en_de", (), "DyT: Pre-LN, tanh in place of every norm, xavier", ref="stock-preln"),
         _C("deepnorm", "deepnorm_wmt_en_de", (), "DeepNorm: Post-LN, alpha-scaled residual"),
         _C("resi-dual", "resi_dual_wmt_en_de", (), "ResiDual: Post-LN plus a raw stream, final norm"),
         _C("t-fixup", "tfixup_wmt_en_de", (), "T-Fixup: no norm"),

@@ -51,7 +51,6 @@ from .modules.dual_stream import DualStream
 from .modules.fixnorm import FixNormOutputProjection
 from .modules.layers import DeepInitEncoderLayer
 from .modules.masks import future_mask
-from .modules.norms import build_optional_norm
 from .modules.padding import target_padding
 from .modules.stacks import ENCODER, decoder_kind
 from .training import distributed
@@ -73,10 +72,10 @@ def _wrap_layer(cfg, layer):
 
 
 def _replace_stack_norms(module, cfg, embed_dim: int) -> None:
-    """Swap the stack-level norms fairseq built (final Pre-LN norm, embedding norm)."""
-    for attr in ("layer_norm", "layernorm_embedding"):
+    """Swap the stack-level norms fairseq built (final Pre-LN norm, at position ``final``; embedding norm)."""
+    for attr, position in (("layer_norm", "final"), ("layernorm_embedding", None)):
         if getattr(module, attr, None) is not None:
-            setattr(module, attr, build_optional_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
+            setattr(module, attr, plan.build_stack_norm(cfg, embed_dim, position))
 
 
 def _keep_version(module, state_dict, name: str) -> None:

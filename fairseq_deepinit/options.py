@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .errors import DeepInitConfigError
 from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALES, method_options
 from .methods.record import Method, Option, flag, has_encoder
+from .modules.norms import POINTWISE_NORMS
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def _unknown(selector: str, value, known) -> DeepInitConfigError:
 
 def resolve_and_validate(args) -> None:
     """Resolve ``auto`` values and the options' defaults in place and reject incompatible combinations."""
+    eps_given = getattr(args, "norm_eps", None) is not None  # before the defaults fill it in
     core = METHODS["core"]
     for option in core.options:
         if getattr(args, option.name, None) is None:
@@ -146,6 +148,15 @@ def resolve_and_validate(args) -> None:
             f"--init-scheme {scheme.name} needs --norm-type {allowed} ({scheme.norm_reason}); got "
             f"--norm-type {args.norm_type}. Drop --norm-type, or add --force-norm-with-scheme for an ablation."
         )
+    if args.norm_type in POINTWISE_NORMS:
+        # nothing is divided: an eps would be stored and never used (stored as None, so that stored args resolve again)
+        if eps_given:
+            raise DeepInitConfigError(
+                f"--norm-eps does not apply to --norm-type {args.norm_type} (a point-wise function, no statistics, "
+                "nothing divided by); drop --norm-eps"
+            )
+        args.norm_eps = None
+    _resolve_owned(args, "norm_type")
 
     # residual scaling
     if args.residual_scale == "auto":

@@ -6,6 +6,8 @@ select:
 
 - :func:`layer_plan`: for each layer, its norm placement, norm builder, residual modules, attention
   implementation and the methods' layer set-ups (:class:`~fairseq_deepinit.modules.layers.LayerPlan`);
+- :func:`norm_builder` / :func:`build_stack_norm`: the norms of ``--norm-type`` with the methods' norm
+  arguments by position (DyT/Derf's alpha), in the layers and on the stacks;
 - :func:`decoder_layer_class`: the ``--decoder-layer-type`` class;
 - :func:`setup_stack`: the methods' set-up of a built encoder or decoder (ResiDual's second stream);
 - :func:`build_embedding` / :func:`build_output_projection`: a method's replacement of the word embedding
@@ -14,6 +16,8 @@ select:
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch.nn as nn
 
@@ -34,6 +38,26 @@ def stack_placement(cfg, kind: StackKind) -> str:
     return "pre" if section.normalize_before else "post"
 
 
+def norm_builder(cfg) -> Callable[..., nn.Module]:
+    """``build(dim, position=None)``: a norm of ``--norm-type`` over ``dim`` with the keyword arguments the
+    selected methods give a norm at ``position`` (``attn``, ``ffn``, ``final`` or None)."""
+    methods = [m for m in METHODS.values() if m.norm_args is not None and m.selected(cfg)]
+
+    def build(dim: int, position: str | None = None) -> nn.Module:
+        kwargs: dict = {}
+        for method in methods:
+            kwargs.update(method.norm_args(cfg, position))
+        return build_norm(cfg.norm_type, dim, cfg.norm_eps, cfg.export, **kwargs)
+
+    return build
+
+
+def build_stack_norm(cfg, dim: int, position: str | None) -> nn.Module | None:
+    """A stack-level norm (the final Pre-LN norm, position ``final``; the embedding norm, None), or None
+    under ``--norm-type none``."""
+    return None if cfg.norm_type == "none" else norm_builder(cfg)(dim, position)
+
+
 def layer_plan(cfg, kind: StackKind, index: int) -> LayerPlan:
     """The plan of layer ``index`` (from 1) of a stack of ``kind``; ``cfg``: fairseq's TransformerConfig
     of the resolved options."""
@@ -47,7 +71,7 @@ def layer_plan(cfg, kind: StackKind, index: int) -> LayerPlan:
         kind=kind,
         index=index,
         placement=placement,
-        norm=lambda dim: build_norm(cfg.norm_type, dim, cfg.norm_eps, cfg.export),
+        norm=norm_builder(cfg),
         residual=lambda sublayer: residual.build(cfg, kind, sublayer, index),
         attention_impl=getattr(cfg, "attention_impl", None) or DEFAULT_IMPL,
         setup=tuple(m.layer_setup for m in methods if m.layer_setup is not None),

@@ -197,6 +197,7 @@ NUMERIC_MODULES = {
     "test_depth_mup",
     "test_diagnostics",
     "test_dyt",
+    "test_dyt_model",
     "test_golden",
     "test_hooks",
     "test_kernels",

@@ -74,6 +74,8 @@ MT_VARIANTS = [
     ("rezero-preln-layer", "rezero_postln_iwslt_de_en", ["--init-scheme", "xavier", "--residual-scale", "rezero",
                                                           "--encoder-normalize-before", "--decoder-normalize-before"]),
     ("twt-untied-rmsnorm", "twt_iwslt_de_en", ["--norm-type", "rmsnorm", "--share-all-embeddings"]),
+    ("derf-postln-lnemb", "postln_iwslt_de_en", ["--norm-type", "derf", "--layernorm-embedding",
+                                                 "--derf-embed-scale", "learnable"]),
 ]  # fmt: skip
 LM_VARIANTS = [
     ("preln-sdpa", "preln_lm_tiny", ["--attention-impl", "sdpa"]),
@@ -82,6 +84,7 @@ LM_VARIANTS = [
     ("subln-sdpa", "subln_lm_tiny", ["--attention-impl", "sdpa"]),
     ("lipschitz-bias-free", "lipschitz_lm_tiny", ["--lipschitz-bias-free"]),
     ("postln-checkpoint", "postln_lm_tiny", ["--checkpoint-activations"]),
+    ("dyt-llama", "dyt_lm_tiny", ["--dyt-alpha-init", "llama2_7b", "--no-dyt-bias"]),
 ]
 
 

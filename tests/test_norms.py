@@ -84,7 +84,12 @@ def test_build_norm_registry():
     ident = build_norm("none", 8)
     assert isinstance(ident, nn.Identity) and not list(ident.parameters())
     assert build_optional_norm("none", 8) is None
-    with pytest.raises(ValueError, match="layernorm, scalenorm, rmsnorm, none"):
+    dyt = build_norm("dyt", 8, None, alpha_init=0.3, bias=False)
+    assert type(dyt).__name__ == "DyT" and dyt.alpha.item() == pytest.approx(0.3) and dyt.bias is None
+    assert type(build_norm("derf", 8, shift_init=0.1)).__name__ == "Derf"
+    with pytest.raises(ValueError, match="--norm-type layernorm takes no alpha_init"):
+        build_norm("layernorm", 8, alpha_init=0.5)
+    with pytest.raises(ValueError, match="layernorm, scalenorm, rmsnorm, dyt, derf, none"):
         build_norm("batchnorm", 8)
 
 

@@ -316,5 +316,5 @@ def test_option_table_is_every_model_option_with_type_default_and_choices():
             assert isinstance(row["default"], row["type"]), row
         if row["choices"] is not None and row["default"] is not None:
             assert row["default"] in row["choices"], row
-        assert row["help"] and (row["owner"] is None or row["owner"][0] in ("init_scheme", "residual_scale",
-                                                                            "decoder_layer_type")), row  # fmt: skip
+        selectors = ("init_scheme", "residual_scale", "decoder_layer_type", "norm_type")
+        assert row["help"] and (row["owner"] is None or row["owner"][0] in selectors), row

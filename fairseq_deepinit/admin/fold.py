@@ -64,7 +64,7 @@ def check_exportable(args) -> None:
     problems = []
     if args.norm_type != "layernorm":
         problems.append(f"--norm-type {args.norm_type} (stock transformer has LayerNorm)")
-    if args.norm_eps != 1e-5:
+    if args.norm_eps not in (None, 1e-5):  # None: a point-wise norm, already listed as --norm-type
         problems.append(f"--norm-eps {args.norm_eps} (stock transformer's LayerNorm uses 1e-5)")
     if args.encoder_normalize_before or args.decoder_normalize_before:
         problems.append("Pre-LN")

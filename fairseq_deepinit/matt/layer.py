@@ -170,6 +170,7 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
     SUBLAYERS = ("matt", "ffn")
     NORMS = ("matt_layer_norm", "final_layer_norm")
     OUT_NORMS = ("matt_out_norm", "ffn_out_norm")
+    NORM_POSITIONS = {"matt_layer_norm": "attn", "final_layer_norm": "ffn"}  # the merged attention's norm: attn
 
     def __init__(self, cfg, plan: LayerPlan, no_encoder_attn: bool = False) -> None:
         # fairseq's __init__ would build a self-attention and three norms MAtt does not have;

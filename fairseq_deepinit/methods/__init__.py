@@ -19,7 +19,9 @@ from . import (
     baseline,
     core,
     deepnorm,
+    derf,
     dsinit,
+    dyt,
     lipschitz,
     lnscale,
     matt,
@@ -56,6 +58,8 @@ METHODS: Dict[str, Method] = {
         mixln.METHOD,
         placement.METHOD,
         qk_norm.METHOD,
+        dyt.METHOD,
+        derf.METHOD,
     )
 }
 

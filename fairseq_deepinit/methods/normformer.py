@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 
 from ..errors import DeepInitConfigError
-from ..modules.norms import build_norm
 from ..modules.stacks import ENCODER
 from .record import Method, Option, has_encoder
 
@@ -50,9 +49,9 @@ def setup_normformer_layer(layer: nn.Module, cfg) -> None:
         layer.c_attn = nn.Parameter(torch.ones(layer.nh)) if cfg.scale_heads else None
         layer.w_resid = nn.Parameter(torch.ones(d)) if cfg.scale_resids else None
     if cfg.scale_attn:
-        layer.attn_ln = build_norm(cfg.norm_type, d, cfg.norm_eps, cfg.export)
+        layer.attn_ln = layer.build_norm(d)
     if cfg.scale_fc:
-        layer.ffn_layernorm = build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export)
+        layer.ffn_layernorm = layer.build_norm(ffn_dim)
 
 
 def validate_normformer_args(args) -> None:

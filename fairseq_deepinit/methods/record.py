@@ -150,6 +150,8 @@ class Method:
       (its layers built; ``kind`` the kind of its layers), in method order, when the method is selected;
     - ``placement(cfg, kind, index)``: the norm placement of a layer, where the method decides it
       (None: the stack's ``--*-normalize-before``);
+    - ``norm_args(cfg, position)``: keyword arguments it gives the builder of every norm at ``position``
+      (``attn``, ``ffn``, ``final``, or None for a norm without one; DyT/Derf's alpha, bias and shift);
     - ``embedding(args, dictionary, dim, path)`` / ``output_projection(cfg, embed_tokens)``: a module
       that replaces the word embedding / output layer, or None (fairseq's);
     - ``families``: named architecture families ``<family>_<size>`` -> axes (the language-model
@@ -174,6 +176,7 @@ class Method:
     post_init: Callable[[nn.Module, object], None] | None = None
     stack_setup: Callable[[nn.Module, object, StackKind], None] | None = None
     placement: Callable[[object, StackKind, int], str | None] | None = None
+    norm_args: Callable[[object, str | None], Dict[str, Any]] | None = None
     embedding: Callable[[object, Any, int, Any], nn.Module | None] | None = None
     output_projection: Callable[[object, nn.Module], nn.Module | None] | None = None
     families: Mapping[str, dict] = field(default_factory=dict)

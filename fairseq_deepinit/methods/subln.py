@@ -35,7 +35,6 @@ import torch.nn as nn
 
 from ..errors import DeepInitConfigError
 from ..modules.linear import NormedLinear
-from ..modules.norms import build_norm
 from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
 from .record import Method, Option, has_encoder, iter_layers
 
@@ -67,10 +66,10 @@ def setup_subln_layer(layer: nn.Module, cfg) -> None:
         return
     embed_dim, ffn_dim = layer.embed_dim, layer.fc1.out_features
     attn = layer.self_attn
-    attn.out_proj = NormedLinear.around(attn.out_proj, build_norm(cfg.norm_type, embed_dim, cfg.norm_eps, cfg.export))
+    attn.out_proj = NormedLinear.around(attn.out_proj, layer.build_norm(embed_dim))
     # off fairseq's F.multi_head_attention_forward (which never calls out_proj as a module); the SDPA path serves it
     attn.skip_embed_dim_check = True
-    layer.fc2 = NormedLinear.around(layer.fc2, build_norm(cfg.norm_type, ffn_dim, cfg.norm_eps, cfg.export))
+    layer.fc2 = NormedLinear.around(layer.fc2, layer.build_norm(ffn_dim))
 
 
 @torch.no_grad()

@@ -150,7 +150,9 @@ class _DyTFunction(torch.autograd.Function):
         x, alpha, weight, t, bias = ctx.saved_tensors
         grad_x = grad_alpha = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dz = torch.ops.aten.tanh_backward(dy * weight, t)
+            # into a contiguous buffer, as LayerNorm's backward returns its input gradient: a gradient in the
+            # incoming (T, B, C)-transposed layout would make the view backward upstream copy it
+            dz = torch.ops.aten.tanh_backward(torch.mul(dy, weight, out=_contiguous_like(dy, weight)), t)
             if ctx.needs_input_grad[0]:
                 grad_x = dz * alpha
             if ctx.needs_input_grad[1]:

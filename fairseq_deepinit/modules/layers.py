@@ -51,7 +51,8 @@ LayerSetup = Callable[[nn.Module, object], None]
 class LayerPlan:
     """What the selected methods decide for one layer (computed by :mod:`fairseq_deepinit.plan`).
 
-    ``norm(dim)`` builds a sub-layer norm (``--norm-type``); ``residual(sublayer)`` builds the residual
+    ``norm(dim, position)`` builds a norm of ``--norm-type`` over ``dim`` for a norm position (``attn``,
+    ``ffn``, ``final`` or None; DyT/Derf take their alpha by it); ``residual(sublayer)`` builds the residual
     module of a sub-layer (``--residual-scale``); ``placement`` is one of :data:`.sublayer.PLACEMENTS`;
     ``setup`` are the methods' layer set-ups, ``fn(layer, cfg)``, run in method order once the layer
     is built.
@@ -60,7 +61,7 @@ class LayerPlan:
     kind: StackKind
     index: int
     placement: str
-    norm: Callable[[int], nn.Module]
+    norm: Callable[..., nn.Module]
     residual: Callable[[str], nn.Module]
     attention_impl: str = DEFAULT_IMPL
     setup: Tuple[LayerSetup, ...] = ()
@@ -77,6 +78,12 @@ class DeepInitLayer:
     NORMS: Tuple[str, ...] = ()  # attributes holding the sub-layer norms fairseq built
     input_scale: float = 1.0  # times each Pre-LN norm's output (a method's set-up: LayerNorm Scaling's 1/sqrt(l))
     OUT_NORMS: Tuple[str, ...] = ()  # Peri-LN's output norm of each of them (None under other placements)
+    # the norm position of each slot (fairseq's final_layer_norm is the FFN's): DyT/Derf's per-position alpha
+    NORM_POSITIONS: Dict[str, str] = {
+        "self_attn_layer_norm": "attn",
+        "encoder_attn_layer_norm": "attn",
+        "final_layer_norm": "ffn",
+    }
     _attention_impl: str = DEFAULT_IMPL
     dual_stream: DualStream | None = None  # the constants of a stack's second stream (ResiDual), set up by a method
 
@@ -90,15 +97,21 @@ class DeepInitLayer:
         self.kind = plan.kind
         self.placement = check_placement(plan.placement)
         self.normalize_before = self.placement == "pre"  # fairseq's attribute, read by fairseq's tools
+        self._norm_builder = plan.norm
         for attr in self.NORMS:
             if getattr(self, attr, None) is not None:  # in fairseq's slot: the parameter order stays
-                setattr(self, attr, plan.norm(self.embed_dim))
+                setattr(self, attr, plan.norm(self.embed_dim, self.NORM_POSITIONS[attr]))
         for attr, out in zip(self.NORMS, self.OUT_NORMS, strict=True):
             peri = self.placement == "peri" and getattr(self, attr, None) is not None
-            setattr(self, out, plan.norm(self.embed_dim) if peri else None)
+            setattr(self, out, plan.norm(self.embed_dim, self.NORM_POSITIONS[attr]) if peri else None)
         self.residuals = nn.ModuleDict({name: plan.residual(name) for name in sublayers})
         for setup in plan.setup:
             setup(self, cfg)
+
+    def build_norm(self, dim: int, position: str | None = None) -> nn.Module:
+        """A norm of the layer's plan over ``dim`` (``--norm-type`` with the methods' norm arguments), for
+        a method's set-up (Sub-LN's and NormFormer's inner norms, which have no position)."""
+        return self._norm_builder(dim, position)
 
     def attention_modules(self) -> List[nn.Module]:
         """The layer's fairseq attention sub-layers (self-attention, then cross-attention), as the init

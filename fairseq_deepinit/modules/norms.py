@@ -5,6 +5,11 @@
   scalar ``g`` initialised to sqrt(d); eps as in :class:`ScaleNorm` (one fused kernel on a GPU).
 - ``rmsnorm``: RMSNorm, Zhang & Sennrich 2019 (TwT Table 7 variant):
   ``x / sqrt(mean(x^2) + eps) * gain`` with a learned per-dimension gain initialised to 1.
+- ``dyt`` / ``derf``: no normalisation either, a point-wise function in its place (Zhu et al. 2025, DyT:
+  ``weight * tanh(alpha x) + bias``; Chen et al. 2025, Derf: ``weight * erf(alpha x + shift) + bias``;
+  :mod:`.dyt`). No statistics, so no eps; ``alpha`` (and Derf's ``shift``) per norm, their inits and the
+  bias are the builder's keyword arguments (``alpha_init``, ``bias``, ``shift_init``), which the model
+  gives each norm by its position (``attn``, ``ffn``, ``final``: :data:`.dyt.NORM_POSITIONS`).
 - ``none``: no normalisation at all (T-Fixup, ReZero). Sub-layer norms become parameter-free
   identities and stack-level norms are removed, so no unused parameter is left behind.
 
@@ -30,7 +35,12 @@ import torch.nn.functional as F
 from fairseq.modules import LayerNorm
 from torch.autograd.function import once_differentiable
 
-NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "none")
+from .dyt import Derf, DyT
+
+NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "none")
+#: the norm types that compute no statistics and divide by nothing (so take no eps): a point-wise function
+#: in the place of each norm, with its own learnable scalars
+POINTWISE_NORMS = ("dyt", "derf")
 
 
 def _fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -154,8 +164,16 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-def build_norm(norm_type: str, dim: int, eps: float = 1e-5, export: bool = False) -> nn.Module:
-    """The sub-layer normalisation for ``--norm-type``; ``none`` gives a parameter-free identity."""
+def build_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool = False, **pointwise) -> nn.Module:
+    """The sub-layer normalisation for ``--norm-type``; ``none`` gives a parameter-free identity.
+
+    ``pointwise``: the keyword arguments of :class:`~.dyt.DyT` / :class:`~.dyt.Derf` (``alpha_init``,
+    ``bias``; Derf's ``shift_init``), for ``dyt`` / ``derf`` only; ``eps`` is unused there.
+    """
+    if norm_type in POINTWISE_NORMS:
+        return (DyT if norm_type == "dyt" else Derf)(dim, eps, **pointwise)
+    if pointwise:
+        raise ValueError(f"--norm-type {norm_type} takes no {', '.join(sorted(pointwise))}")
     if norm_type == "layernorm":
         return LayerNorm(dim, eps=eps, export=export)
     if norm_type == "scalenorm":
@@ -167,10 +185,11 @@ def build_norm(norm_type: str, dim: int, eps: float = 1e-5, export: bool = False
     raise ValueError(f"unknown norm type {norm_type!r}; choose from {', '.join(NORM_TYPES)}")
 
 
-def build_optional_norm(norm_type: str, dim: int, eps: float = 1e-5, export: bool = False):
+def build_optional_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool = False, **pointwise):
     """A stack-level norm (final Pre-LN norm, embedding norm): ``None`` when there is no norm."""
-    return None if norm_type == "none" else build_norm(norm_type, dim, eps, export)
+    return None if norm_type == "none" else build_norm(norm_type, dim, eps, export, **pointwise)
 
 
 def is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, ScaleNorm, RMSNorm))
+    """A norm layer of the model, point-wise ones (DyT, Derf) included."""
+    return isinstance(module, (nn.LayerNorm, ScaleNorm, RMSNorm, DyT, Derf))
