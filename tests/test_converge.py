@@ -17,11 +17,10 @@ import pytest
 from conftest import MULTI30K, REPO, read_multi30k
 
 SCRIPT = REPO / "scripts" / "multi30k_matrix.py"
-sys.path.insert(0, str(REPO / "scripts"))
-from matrix import commands as cmds  # noqa: E402
-from matrix import logs  # noqa: E402
-from matrix import regimes as rg  # noqa: E402
-from matrix import report as rp  # noqa: E402
+from deepinit_tools.matrix import commands as cmds  # noqa: E402
+from deepinit_tools.matrix import logs  # noqa: E402
+from deepinit_tools.matrix import regimes as rg  # noqa: E402
+from deepinit_tools.matrix import report as rp  # noqa: E402
 
 
 def curve(*losses: float) -> list:
@@ -298,7 +297,7 @@ def test_cuda_cells_train_on_the_fast_path(tmp_path):
 def test_translate_stops_at_the_deadline(tmp_path, monkeypatch):
     """fairseq-generate (here a stand-in that never ends) is killed at the deadline; nothing is taken
     for a finished translation, and a deadline already passed starts nothing."""
-    from matrix import decode
+    from deepinit_tools.matrix import decode
 
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nsleep 60 &\nwait\n")  # a child that would hold the pipe open, as data loaders do
@@ -317,7 +316,7 @@ def test_translate_stops_at_the_deadline(tmp_path, monkeypatch):
 
 def test_the_pack_is_rewritten_after_every_cell(tmp_path, monkeypatch):
     """A command cut after its first cell still returns that cell's result in the pack."""
-    from matrix import run
+    from deepinit_tools.matrix import run
 
     seen: list = []
 
@@ -350,7 +349,7 @@ def rates_file(path: Path, per: dict, device_type: str = "cuda") -> Path:
 
 
 def test_plan_schedules_the_cells_in_order_on_the_measured_rates(tmp_path):
-    from matrix import plan
+    from deepinit_tools.matrix import plan
 
     assert plan.schedule([4, 1, 1, 1], 2) == [4, 1, 2, 3]  # in order, each to the first free slot
     # perfect sharing: 8 processes each as fast as one alone -> the 8 cells of 6 layers take one cell's time
@@ -391,7 +390,7 @@ def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
     import threading
     import time
 
-    from matrix import plan
+    from deepinit_tools.matrix import plan
 
     assert plan.schedule([10, 10, 10], 3, [50, 50, 50], 100) == [10, 10, 20]  # the third waits for memory
     assert plan.schedule([10, 10, 10], 3, [50, 50, 50], None) == [10, 10, 10]  # nothing measured: no gate
@@ -428,7 +427,7 @@ def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
 
 
 def test_skip_done_leaves_out_the_cells_with_a_result_on_the_same_device(tmp_path, monkeypatch):
-    from matrix import run
+    from deepinit_tools.matrix import run
 
     ran: list = []
     monkeypatch.setattr(run, "run_cell", lambda c, o, dev, stall: ran.append(c.name))

@@ -5,7 +5,7 @@ backward, fairseq's update, ``reduce_metrics``) on a padded batch (sources left-
 right-padded, as fairseq collates them):
 
 - with the CPU standing in for the device, at most one host read of device data per update
-  (``benchmarks/harness/host_reads.py: HostReads``; stock fairseq's count is in the message: one per
+  (``deepinit_tools/harness/host_reads.py: HostReads``; stock fairseq's count is in the message: one per
   encoder layer and one in the decoder);
 - on the ``meta`` device, which, like CUDA, refuses a non-scalar CPU operand and has nothing to read:
   no host read by the plugin (reads answered with stand-ins and counted), and a second update with
@@ -27,18 +27,14 @@ do not depend on the width).
 from __future__ import annotations
 
 import functools
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_DIMS, build_model, make_dictionary
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness and the script, as benchmarks import them
-
-import gpu_readiness as gr  # noqa: E402
-from harness import counters  # noqa: E402
-from harness.fairseq_train import Shape  # noqa: E402
+from conftest import TINY_DIMS, build_model, make_dictionary
+from deepinit_tools.bench import gpu_readiness as gr  # noqa: E402
+from deepinit_tools.harness import counters  # noqa: E402
+from deepinit_tools.harness.fairseq_train import Shape  # noqa: E402
 
 gr.plugin()
 from fairseq_deepinit.architectures import FAMILIES  # noqa: E402

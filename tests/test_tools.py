@@ -21,13 +21,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_DIMS, USER_DIR, run_cli
-
-sys.path.insert(0, str(REPO / "scripts"))
-import generate_progress as gp  # noqa: E402
-import multi30k_data as md  # noqa: E402
-import multi30k_matrix as mm  # noqa: E402
-import prepare_bible  # noqa: E402
-from matrix import common  # noqa: E402
+from deepinit_tools import generate_progress as gp  # noqa: E402
+from deepinit_tools import multi30k_data as md  # noqa: E402
+from deepinit_tools import multi30k_matrix as mm  # noqa: E402
+from deepinit_tools import prepare_bible  # noqa: E402
+from deepinit_tools.matrix import common  # noqa: E402
 
 # ---- Multi30k: given folder, local copy, pinned download --------------------------------------
 

@@ -8,9 +8,9 @@ import math
 import statistics
 from typing import Dict, List, Sequence, Tuple
 
-from matrix.cells import parse_log
-from matrix.commands import _EARLY_LR, _EARLY_PATIENCE, _TRAIN, _VALID
-from matrix.common import BLIND_FRACTION
+from deepinit_tools.matrix.cells import parse_log
+from deepinit_tools.matrix.commands import _EARLY_LR, _EARLY_PATIENCE, _TRAIN, _VALID
+from deepinit_tools.matrix.common import BLIND_FRACTION
 
 
 def valid_curve(text: str) -> List[Tuple[int, float, float, int]]:

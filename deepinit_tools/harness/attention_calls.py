@@ -2,8 +2,8 @@
 ``F.multi_head_attention_forward`` or fairseq's explicit ``bmm``/``softmax``, with its ``is_causal`` and
 the shape of any mask it materialised (:class:`AttentionCalls`, per attention-module call).
 
-Reusable by tests and benchmark scripts (``sys.path`` holding ``benchmarks/``, then
-``from harness.attention_calls import AttentionCalls``).
+Reusable by tests and benchmark scripts (``from deepinit_tools.harness.attention_calls import
+AttentionCalls``).
 """
 
 from __future__ import annotations

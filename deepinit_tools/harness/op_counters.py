@@ -36,8 +36,8 @@ Fused calls are seen by wrapping the functions of :data:`FUSED` where callers lo
 ``TorchFunctionMode`` would miss the backward pass, where ``--checkpoint-activations`` re-runs the
 forward); a reference bound before the block (``from torch.nn.functional import rms_norm``) is
 counted operator by operator. Nothing here reads a tensor's value: the counters run as well on
-``meta`` tensors. Reusable by tests and benchmark scripts (``sys.path`` holding ``benchmarks/``,
-then ``from harness.op_counters import OpCounter``).
+``meta`` tensors. Reusable by tests and benchmark scripts
+(``from deepinit_tools.harness.op_counters import OpCounter``).
 """
 
 from __future__ import annotations

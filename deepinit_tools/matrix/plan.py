@@ -45,10 +45,11 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
-from matrix import regimes as rg
-from matrix.cells import parse_log
-from matrix.commands import PACK_FORMAT, ConvergeError, Options, train_command
-from matrix.common import REPO, log
+from deepinit_tools.matrix import regimes as rg
+from deepinit_tools.matrix.cells import parse_log
+from deepinit_tools.matrix.commands import PACK_FORMAT, ConvergeError, Options, train_command
+from deepinit_tools.matrix.common import log
+from deepinit_tools.paths import REPO
 
 RATES_FORMAT = "deepinit-pack-rates/1"
 DEFAULT_PROBE = "preln:6:common"

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Callable, Dict, List
 
-from matrix.cells import Rules, analyse, target_of
-from matrix.common import BLEU_RE, METHODS, REGIMES, MatrixError, cell_name
+from deepinit_tools.matrix.cells import Rules, analyse, target_of
+from deepinit_tools.matrix.common import BLEU_RE, METHODS, REGIMES, MatrixError, cell_name
 
 
 def load_results(work: Path, rules: Rules) -> Dict[str, dict]:

@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Any, List
 
-REPO = Path(__file__).resolve().parents[2]
-USER_DIR = str(REPO / "fairseq_deepinit")
+from deepinit_tools.paths import USER_DIR
+
 # fp16: fairseq's FP16Optimizer (fp16 weights, fp32 master copy, dynamic loss scale), as --fp16;
 # amp: fairseq's --amp; bf16-autocast: the plugin's --task translation_deepinit --autocast-bf16
 PRECISIONS = ("fp32", "fp16", "amp", "bf16-autocast")

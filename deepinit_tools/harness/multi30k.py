@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Tuple
 
-REPO = Path(__file__).resolve().parents[2]
+from deepinit_tools.paths import REPO
+
 DEFAULT_MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
 
 

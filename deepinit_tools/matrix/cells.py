@@ -17,19 +17,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from matrix.common import (
+from deepinit_tools.matrix.common import (
     BLIND_FRACTION,
     METHODS,
     PLATEAU_BITS,
-    REPO,
-    USER_DIR,
     MatrixError,
     cell_dir,
     cell_name,
     log,
     parse_cell,
 )
-from matrix.decode import probe_cell
+from deepinit_tools.matrix.decode import probe_cell
+from deepinit_tools.paths import REPO, USER_DIR
 
 
 def budget_of(spec: str, depth: int) -> tuple:

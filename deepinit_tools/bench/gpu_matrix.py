@@ -15,7 +15,7 @@ Identical dimensions and batches for every row: transformer base (d 512, FFN 204
 
 At 18 and 36 layers: stock fp16 and the plugin's fp16 and bf16 SDPA paths. Per row: median target
 tokens/s over interleaved rounds, the median per-round paired ratio to stock fp16 at the same
-depth and norm position, peak memory, MFU (benchmarks/harness/flops.py). Then, at 6 layers, the
+depth and norm position, peak memory, MFU (deepinit_tools/harness/flops.py). Then, at 6 layers, the
 loss-curve check: stock fp16 and the fastest eager plugin path (a compiled row computes the same
 function; checking it would compile a second time) train ``--loss-updates`` updates on the same
 batches from the same initial weights; their final losses and the difference are recorded.
@@ -46,10 +46,18 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping
 
-import harness
-from harness import flops
-from harness.fairseq_train import Run, Shape, Variant, fairseq_config, fixed_batches, setup_task, to_device
-from harness.fairseq_train import train_argv as _train_argv
+from deepinit_tools import harness
+from deepinit_tools.harness import flops
+from deepinit_tools.harness.fairseq_train import (
+    Run,
+    Shape,
+    Variant,
+    fairseq_config,
+    fixed_batches,
+    setup_task,
+    to_device,
+)
+from deepinit_tools.harness.fairseq_train import train_argv as _train_argv
 
 BASE = (512, 2048, 8)  # transformer base: d, FFN, heads
 LAYERS, QUICK_LAYERS, QUICK_DIMS = (6, 18, 36), (1, 2), (64, 128, 2)

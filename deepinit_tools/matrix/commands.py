@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
 
-from matrix import regimes as rg
-from matrix.common import BLIND_FRACTION, METHODS, REPO, USER_DIR
+from deepinit_tools.matrix import regimes as rg
+from deepinit_tools.matrix.common import BLIND_FRACTION, METHODS
+from deepinit_tools.paths import REPO, USER_DIR
 
 PACK_FORMAT = "deepinit-converged-pack/1"
 LOG_INTERVAL = 50

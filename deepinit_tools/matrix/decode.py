@@ -13,10 +13,12 @@ import threading
 import time
 from pathlib import Path
 
-import generate_progress  # noqa: E402  (sentences-done lines while fairseq-generate runs)
-import prepare_bible  # noqa: E402  (the tokeniser, BPE and scorer of the quickstart, shared)
-
-from matrix.common import BLEU_RE, TEST_SETS, USER_DIR, MatrixError, cell_dir, log
+from deepinit_tools import (
+    generate_progress,  # sentences-done lines while fairseq-generate runs
+    prepare_bible,  # the tokeniser, BPE and scorer of the quickstart, shared
+)
+from deepinit_tools.matrix.common import BLEU_RE, TEST_SETS, MatrixError, cell_dir, log
+from deepinit_tools.paths import USER_DIR
 
 
 class DecodeDeadline(Exception):

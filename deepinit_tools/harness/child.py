@@ -1,4 +1,5 @@
-"""Child process of :func:`harness.fairseq_tools.run_tool`: ``child.py --clock cpu|wall TOOL ARGS``.
+"""Child process of :func:`deepinit_tools.harness.fairseq_tools.run_tool`:
+``python -m deepinit_tools.harness.child --clock cpu|wall TOOL ARGS``.
 
 Runs ``fairseq-TOOL`` in this process and prints ``BENCH_PEAK rss_mib=.. cuda_mib=..`` last.
 With ``--clock cpu`` fairseq's meters read this process's CPU time instead of the wall clock: on a
@@ -12,10 +13,6 @@ import resource
 import sys
 import time
 import types
-
-# python puts this folder first on sys.path; nothing in it may shadow fairseq's own modules
-if sys.path and sys.path[0].rstrip("/").endswith("harness"):
-    sys.path.pop(0)
 
 
 def main(argv: list[str]) -> None:

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Dict
 
-REPO = Path(__file__).resolve().parents[2]
-USER_DIR = REPO / "fairseq_deepinit"
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test1": "test_2017_flickr"}
 TEST_SETS = {"test": "test2016", "test1": "test2017"}
 

@@ -47,17 +47,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-import multi30k_data
-import prepare_bible  # noqa: E402
-
-from matrix import plan as plan_mod
-from matrix import regimes as rg
-from matrix.cells import last_line, merges_of, parse_log, unigram_bits
-from matrix.commands import PACK_FORMAT, ConvergeError, Options, precision_flags, printable, train_command
-from matrix.common import BLEU_RE, REPO, TEST_SETS, MatrixError, log
-from matrix.data import prepare
-from matrix.decode import DecodeDeadline, translate
-from matrix.logs import classify, train_wps, valid_curve
+from deepinit_tools import multi30k_data, prepare_bible
+from deepinit_tools.matrix import plan as plan_mod
+from deepinit_tools.matrix import regimes as rg
+from deepinit_tools.matrix.cells import last_line, merges_of, parse_log, unigram_bits
+from deepinit_tools.matrix.commands import (
+    PACK_FORMAT,
+    ConvergeError,
+    Options,
+    precision_flags,
+    printable,
+    train_command,
+)
+from deepinit_tools.matrix.common import BLEU_RE, TEST_SETS, MatrixError, log
+from deepinit_tools.matrix.data import prepare
+from deepinit_tools.matrix.decode import DecodeDeadline, translate
+from deepinit_tools.matrix.logs import classify, train_wps, valid_curve
+from deepinit_tools.paths import REPO
 
 # ---------------------------------------------------------------------------------------------
 # one cell

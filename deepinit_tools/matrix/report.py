@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from matrix import regimes as rg
-from matrix.commands import PACK_FORMAT
-from matrix.common import METHODS, REPO, log
+from deepinit_tools.matrix import regimes as rg
+from deepinit_tools.matrix.commands import PACK_FORMAT
+from deepinit_tools.matrix.common import METHODS, log
+from deepinit_tools.paths import REPO
 
 BEGIN, END = "<!-- converged report: begin -->", "<!-- converged report: end -->"
 REQUIRED = ("method", "layers", "regime", "device", "status", "test2016_bleu", "test2017_bleu", "epochs", "wall_s")
@@ -298,7 +299,7 @@ def render(cells: Dict[str, dict], dim: int, jobs: int) -> str:
     sig = next((c["bleu_signature"] for c in cells.values() if c.get("bleu_signature")), None)
     devices = sorted({c["device"] for c in cells.values()})
     parts = [
-        "Regimes (scripts/matrix/regimes.py; warm-up converted from the paper's epochs, batch 8,192 tokens):",
+        "Regimes (deepinit_tools/matrix/regimes.py; warm-up converted from the paper's epochs, batch 8,192 tokens):",
         "",
         *regimes_table(),
         "",

@@ -1,6 +1,6 @@
 """Running the real fairseq command-line tools as child processes, and reading their logs.
 
-A child runs ``benchmarks/harness/child.py TOOL ARGS``: fairseq-TOOL in that process, its
+A child runs ``python -m deepinit_tools.harness.child TOOL ARGS``: fairseq-TOOL in that process, its
 meters optionally on the process's CPU clock, and a last line with its peak memory. The parent
 reads the peak RSS from ``wait4`` as well, so it is known even when the child dies.
 """
@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence
 
-CHILD = Path(__file__).resolve().parent / "child.py"
-REPO = Path(__file__).resolve().parents[2]
+from deepinit_tools.paths import tools_env
 
 
 @dataclasses.dataclass
@@ -42,10 +41,9 @@ def run_tool(
     ``clock="cpu"``: fairseq's meters (``wps``, generation time) read the process's CPU time, which
     other jobs on a shared machine do not inflate. ``log``: the command and output are appended.
     """
-    cmd = [sys.executable, str(CHILD), "--clock", clock, tool, *map(str, argv)]
-    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    # the checkout's package first (never a stale installed copy)
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "deepinit_tools.harness.child", "--clock", clock, tool, *map(str, argv)]
+    # the tools and the plugin this process uses first on PYTHONPATH (never another copy)
+    full_env = tools_env({**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)

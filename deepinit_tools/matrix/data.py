@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import multi30k_data  # noqa: E402  (MULTI30K_DIR, the local copy, or the pinned public release)
-import prepare_bible  # noqa: E402  (the tokeniser, BPE and scorer of the quickstart, shared)
-
-from matrix.common import SPLITS, MatrixError, log
+from deepinit_tools import (
+    multi30k_data,  # MULTI30K_DIR, the local copy, or the pinned public release
+    prepare_bible,  # the tokeniser, BPE and scorer of the quickstart, shared
+)
+from deepinit_tools.matrix.common import SPLITS, MatrixError, log
 
 
 def prepare(work: Path, merges: int, multi30k_dir: str | Path | None = None) -> Path:
