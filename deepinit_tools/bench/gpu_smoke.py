@@ -53,6 +53,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Dict, Iterator, List, Sequence
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_train import USER_DIR, Run, Variant, fairseq_config, setup_task
 from deepinit_tools.harness.host_reads import HostReads
@@ -275,14 +276,11 @@ def on_device(sample: dict, device: str) -> dict:
 
 def train_argv(a: Arch, data: Path, precision: str, opts) -> List[str]:
     """fairseq-train arguments of ``a`` at the smoke dimensions in ``precision``."""
-    n, d, f, h = (str(v) for v in (opts.layers, opts.dim, opts.ffn, opts.heads))
     bf16 = precision == "bf16-autocast"
     task = a.bf16_task if bf16 and a.bf16_task else a.task
-    argv = [str(data), "--task", task, "--arch", a.arch, "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-4",
-            "--adam-betas", "(0.9, 0.98)", "--max-tokens", "4096", "--seed", "1", "--num-workers", "0"]  # fmt: skip
-    stacks = ("decoder",) if a.lm else ("encoder", "decoder")
-    for s in stacks:
-        argv += [f"--{s}-layers", n, f"--{s}-embed-dim", d, f"--{s}-ffn-embed-dim", f, f"--{s}-attention-heads", h]
+    argv = [str(data), "--task", task, "--arch", a.arch, "--dropout", "0.1", *fa.ADAM, "--lr", "1e-4",
+            "--max-tokens", "4096", "--seed", "1", "--num-workers", "0"]  # fmt: skip
+    argv += fa.dims(opts.layers, opts.dim, opts.ffn, opts.heads, ("decoder",) if a.lm else ("encoder", "decoder"))
     if a.lm:
         argv += ["--criterion", "cross_entropy", "--tokens-per-sample", "64"]
     else:
@@ -292,9 +290,9 @@ def train_argv(a: Arch, data: Path, precision: str, opts) -> List[str]:
     if a.plugin and opts.attention_impl != "fairseq":
         argv += ["--attention-impl", opts.attention_impl]
     if bf16 and a.bf16_task:
-        argv.append("--autocast-bf16")
+        argv += fa.precision_flags("bf16", has_task=True)  # the family's own bf16 task, selected above
     if precision == "fp16":
-        argv.append("--fp16")
+        argv += fa.precision_flags("fp16")
     if opts.device == "cpu":
         argv.append("--cpu")
     return argv

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_tools import run_tool
 from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
@@ -220,11 +221,7 @@ def main(argv=None) -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="matt_speed_"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "commands.log"
-    dims = [
-        "--encoder-embed-dim", d, "--decoder-embed-dim", d, "--encoder-ffn-embed-dim", ffn,
-        "--decoder-ffn-embed-dim", ffn, "--encoder-attention-heads", heads, "--decoder-attention-heads", heads,
-        "--encoder-layers", layers, "--decoder-layers", layers,
-    ]  # fmt: skip
+    dims = fa.dims(layers, d, ffn, heads)
     t0 = time.time()
     load0 = os.getloadavg()[0]
     bin_dir = prepare(args.data, work, args.bs1_sentences)
@@ -242,7 +239,7 @@ def main(argv=None) -> None:
         for name, family in MODELS.items():
             out = run(
                 "train", bin_dir, "--user-dir", USER_DIR, "--arch", f"{family}_{args.size}", *dims,
-                "--share-decoder-input-output-embed", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+                "--share-decoder-input-output-embed", *fa.ADAM,
                 "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(min(400, args.updates // 3)),
                 "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--dropout", "0.1",
                 "--max-tokens", args.max_tokens, "--max-update", target, "--save-dir", work / name,

@@ -41,6 +41,7 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_tools import run_tool, train_inner
 from deepinit_tools.harness.fairseq_train import Shape
@@ -69,7 +70,7 @@ def configs(experiment: str, device: str, shape: Shape) -> dict:
         "stock": ["--arch", "transformer", *dims],
         "deepinit-fairseq-attn": [*plugin_model, "--attention-impl", "fairseq"],
         "sdpa": [*plugin_model, "--attention-impl", "sdpa"],
-        "sdpa-bf16": [*plugin_model, "--attention-impl", "sdpa", "--task", "translation_deepinit", "--autocast-bf16"],
+        "sdpa-bf16": [*plugin_model, "--attention-impl", "sdpa", *fa.precision_flags("bf16")],
     }
     if device == "cuda":
         out["stock-fp16"] = [*out["stock"], "--fp16"]
@@ -80,7 +81,7 @@ def configs(experiment: str, device: str, shape: Shape) -> dict:
 def run(name: str, flags: list, opts, data: Path, log_dir: Path, round_: int) -> dict:
     """One fairseq-train process: wps per log interval (the first dropped), losses, peak memory."""
     common = [
-        data, "--user-dir", USER_DIR, "-s", "de", "-t", "en", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        data, "--user-dir", USER_DIR, "-s", "de", "-t", "en", *fa.ADAM,
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", opts.max_tokens,
         "--max-update", opts.updates, "--log-format", "simple", "--log-interval", opts.log_interval,
         "--disable-validation", "--no-save", "--seed", opts.seed, "--num-workers", "0",

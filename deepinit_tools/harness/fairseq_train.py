@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, List
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools.paths import USER_DIR
 
 # fp16: fairseq's FP16Optimizer (fp16 weights, fp32 master copy, dynamic loss scale), as --fp16;
@@ -51,13 +52,7 @@ class Shape:
 
     def flags(self) -> List[str]:
         """fairseq-train's dimension flags, both stacks."""
-        n, d, f, h = (str(v) for v in (self.layers, self.dim, self.ffn, self.heads))
-        return [
-            "--encoder-layers", n, "--decoder-layers", n,
-            "--encoder-embed-dim", d, "--decoder-embed-dim", d,
-            "--encoder-ffn-embed-dim", f, "--decoder-ffn-embed-dim", f,
-            "--encoder-attention-heads", h, "--decoder-attention-heads", h,
-        ]  # fmt: skip
+        return fa.dims(self.layers, self.dim, self.ffn, self.heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +66,7 @@ class Variant:
 
     def flags(self, plugin: bool) -> List[str]:
         """fairseq-train flags of this variant (``plugin``: the model is the plugin's)."""
-        out = {"fp32": [], "fp16": ["--fp16"], "amp": ["--amp"]}.get(self.precision, [])
-        if self.precision == "bf16-autocast":
-            out = ["--task", "translation_deepinit", "--autocast-bf16"]
+        out = fa.precision_flags("bf16" if self.precision == "bf16-autocast" else self.precision)
         if plugin and self.attention != "fairseq":
             out += ["--attention-impl", self.attention]
         if self.optimizer != "adam":
@@ -97,7 +90,7 @@ def train_argv(
     argv = [
         str(data), "--task", "translation", "-s", "de", "-t", "en", "--arch", arch, *flags, *shape.flags(),
         "--dropout", "0.1", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--clip-norm", "0.0",
+        *fa.ADAM, "--lr", "5e-4", "--clip-norm", "0.0",
         "--max-tokens", str(opts.max_tokens), "--seed", str(opts.seed), "--num-workers", "0",
     ]  # fmt: skip
     argv += variant.flags(plugin)  # a later --task wins in argparse

@@ -11,12 +11,12 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools.matrix.common import (
     BLIND_FRACTION,
     METHODS,
@@ -28,7 +28,7 @@ from deepinit_tools.matrix.common import (
     parse_cell,
 )
 from deepinit_tools.matrix.decode import probe_cell
-from deepinit_tools.paths import REPO, USER_DIR
+from deepinit_tools.paths import REPO
 
 
 def budget_of(spec: str, depth: int) -> tuple:
@@ -45,17 +45,13 @@ def budget_of(spec: str, depth: int) -> tuple:
 def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespace) -> List[str]:
     """The exact fairseq-train command line of a cell."""
     method, depth, regime = parse_cell(name)
-    cmd = [sys.executable, "-m", "fairseq_cli.train", str(bin_dir), "--user-dir", str(USER_DIR)]
-    cmd += METHODS[method][1]
-    cmd += ["--encoder-layers", str(depth), "--decoder-layers", str(depth)]
-    for side in ("encoder", "decoder"):
-        cmd += [f"--{side}-embed-dim", str(a.dim), f"--{side}-ffn-embed-dim", str(a.ffn)]
-        cmd += [f"--{side}-attention-heads", str(a.heads)]
+    cmd = fa.command("train", bin_dir, *METHODS[method][1])
+    cmd += fa.dims(depth, a.dim, a.ffn, a.heads)
     cmd += ["--dropout", str(a.dropout), "--share-decoder-input-output-embed"]
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--label-smoothing", "0.1"]
     updates, every = budget_of(a.budget, depth)
     cmd += ["--diagnostics-interval", str(every), "--diagnostics-stats", "grad"]
-    cmd += ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.0001"]
+    cmd += [*fa.ADAM, "--weight-decay", "0.0001"]
     if regime == "warmup":
         cmd += ["--lr", str(a.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(a.warmup)]
         cmd += ["--warmup-init-lr", "1e-07"]
@@ -215,7 +211,7 @@ def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> d
             regime=regime,
             returncode=proc.returncode,
             wall_s=round(time.time() - start, 1),
-            command="fairseq-train " + shlex.join(cmd[3:]).replace(str(REPO) + "/", ""),
+            command=fa.printable(cmd),
             settings={
                 **{k: getattr(a, k) for k in ("dim", "ffn", "heads", "lr", "lr_nowarmup", "warmup", "max_tokens")},
                 "seed": a.seed,

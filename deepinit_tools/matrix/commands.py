@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Sequence
+from typing import List
 
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.common import BLIND_FRACTION, METHODS
-from deepinit_tools.paths import REPO, USER_DIR
 
 PACK_FORMAT = "deepinit-converged-pack/1"
 LOG_INTERVAL = 50
@@ -64,12 +63,9 @@ def precision_flags(method: str, device: str, precision: str) -> List[str]:
         return []
     if device != "cuda":
         raise ConvergeError(f"--precision {precision} needs --device cuda; use --precision fp32 on the CPU")
-    if precision == "fp16":
-        return ["--fp16"]
-    if precision == "bf16":
-        has_task = "--task" in METHODS[method][1]
-        return ["--autocast-bf16"] if has_task else ["--task", "translation_deepinit", "--autocast-bf16"]
-    raise ConvergeError(f"--precision {precision!r}: choose fp16, bf16 or fp32")
+    if precision not in ("fp16", "bf16"):
+        raise ConvergeError(f"--precision {precision!r}: choose fp16, bf16 or fp32")
+    return fa.precision_flags(precision, has_task="--task" in METHODS[method][1])
 
 
 def fast_path_flags(regime_flags: List[str], o: Options) -> List[str]:
@@ -92,13 +88,9 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
     regime = cell.spec
     batch = o.max_tokens or regime.max_tokens
     per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
-    cmd = [sys.executable, "-m", "fairseq_cli.train", str(o.data / "bin"), "--user-dir", str(USER_DIR)]
-    cmd += METHODS[cell.method][1]
+    cmd = fa.command("train", o.data / "bin", *METHODS[cell.method][1])
     cmd += precision_flags(cell.method, o.device, o.precision)
-    cmd += ["--encoder-layers", str(cell.depth), "--decoder-layers", str(cell.depth)]
-    for side in ("encoder", "decoder"):
-        cmd += [f"--{side}-embed-dim", str(o.dim), f"--{side}-ffn-embed-dim", str(o.ffn)]
-        cmd += [f"--{side}-attention-heads", str(o.heads)]
+    cmd += fa.dims(cell.depth, o.dim, o.ffn, o.heads)
     cmd += ["--share-decoder-input-output-embed"]
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "0"]
     cmd += fast_path_flags(regime.flags(batch), o)
@@ -112,6 +104,4 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
     return cmd + shlex.split(o.extra_args)
 
 
-def printable(cmd: Sequence[str]) -> str:
-    """A command as it is recorded: ``fairseq-train ...`` with paths relative to the checkout."""
-    return "fairseq-train " + shlex.join(list(cmd[3:])).replace(str(REPO) + "/", "")
+printable = fa.printable  # a command as it is recorded (run.py, plan.py)

@@ -8,17 +8,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from deepinit_tools import (
+    fairseq_argv as fa,
+)
+from deepinit_tools import (
     generate_progress,  # sentences-done lines while fairseq-generate runs
     prepare_bible,  # the tokeniser, BPE and scorer of the quickstart, shared
 )
 from deepinit_tools.matrix.common import BLEU_RE, TEST_SETS, MatrixError, cell_dir, log
-from deepinit_tools.paths import USER_DIR
 
 
 class DecodeDeadline(Exception):
@@ -43,7 +44,7 @@ def translate(
     ckpt = out / "checkpoint_best.pt"
     gen = out / f"generate-{label}.txt"
     if not (gen.exists() and gen.stat().st_mtime > ckpt.stat().st_mtime):
-        cmd = [sys.executable, "-m", "fairseq_cli.generate", str(bin_dir), "--user-dir", str(USER_DIR)]
+        cmd = fa.command("generate", bin_dir)
         cmd += ["--path", str(ckpt), "--gen-subset", subset, "--beam", str(beam), "--remove-bpe"]
         cmd += ["--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "128"]
         cmd += ["--required-batch-size-multiple", "1"] + (["--cpu"] if device == "cpu" else [])
