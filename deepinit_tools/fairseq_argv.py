@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from deepinit_tools.paths import REPO, USER_DIR
 
@@ -54,3 +54,26 @@ def precision_flags(precision: str, has_task: bool = False) -> List[str]:
     if precision == "bf16":
         return [AUTOCAST_BF16] if has_task else ["--task", BF16_TASK, AUTOCAST_BF16]
     return {"fp32": [], "fp16": ["--fp16"], "amp": ["--amp"]}[precision]
+
+
+def preprocess(
+    train: Path,
+    dest: Path,
+    valid: Path | None = None,
+    tests: Sequence[Path] = (),
+    threshold: int | None = None,
+    workers: int = 1,
+    langs: Tuple[str, str] = ("de", "en"),
+) -> List[str]:
+    """``fairseq-preprocess`` of a language pair: ``train`` (the dictionaries' split, min count
+    ``threshold``), ``valid`` and ``tests`` prefixes into ``dest``."""
+    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", langs[0], "--target-lang", langs[1]]
+    cmd += ["--trainpref", str(train)]
+    if valid is not None:
+        cmd += ["--validpref", str(valid)]
+    if tests:
+        cmd += ["--testpref", ",".join(map(str, tests))]
+    cmd += ["--destdir", str(dest), "--workers", str(workers)]
+    if threshold is not None:
+        cmd += ["--thresholdsrc", str(threshold), "--thresholdtgt", str(threshold)]
+    return cmd

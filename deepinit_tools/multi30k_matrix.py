@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Sequence
 
 from deepinit_tools import (
-    multi30k_data,  # MULTI30K_DIR, the local copy, or the pinned public release
+    multi30k,  # MULTI30K_DIR, the local copy, or the pinned public release
     prepare_bible,  # the tokeniser, BPE and scorer of the quickstart, shared
 )
 from deepinit_tools.matrix.cells import Rules, expand, train_cell, train_command
@@ -63,9 +63,9 @@ from deepinit_tools.matrix.common import (
     cell_dir,
     parse_cell,
 )
-from deepinit_tools.matrix.data import prepare
 from deepinit_tools.matrix.decode import bleu_cell, probe_cell
 from deepinit_tools.matrix.early_report import BEGIN, END, load_results, report, select_for_bleu, write_between_markers
+from deepinit_tools.multi30k import prepare_bpe as prepare
 from deepinit_tools.paths import REPO
 
 COMMANDS = {
@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=str,  # not Path: an empty value means "not given", as an empty MULTI30K_DIR does
         default=None,
         help="prepare: folder with Multi30k's task1 raw files (train.de.gz, ...), read in place (default:\n"
-        f"$MULTI30K_DIR, else {multi30k_data.LOCAL_DEFAULT} if present, else the pinned public\n"
-        f"release downloaded once into {multi30k_data.CACHE})",
+        f"$MULTI30K_DIR, else {multi30k.LOCAL_DEFAULT} if present, else the pinned public\n"
+        f"release downloaded once into {multi30k.CACHE})",
     )
     add("--bpe-merges", type=int, default=8000, help="prepare: joint BPE merge operations (default: %(default)s)")
     add(
@@ -242,6 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ):
                     print(c, json.dumps(scores))
         return 0
-    except (MatrixError, prepare_bible.CorpusError, multi30k_data.Multi30kError) as e:
+    except (MatrixError, prepare_bible.CorpusError, multi30k.Multi30kError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

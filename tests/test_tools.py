@@ -22,10 +22,9 @@ import pytest
 
 from conftest import REPO, TINY_DIMS, USER_DIR, run_cli
 from deepinit_tools import generate_progress as gp  # noqa: E402
-from deepinit_tools import multi30k_data as md  # noqa: E402
+from deepinit_tools import multi30k as md  # noqa: E402
 from deepinit_tools import multi30k_matrix as mm  # noqa: E402
 from deepinit_tools import prepare_bible  # noqa: E402
-from deepinit_tools.matrix import common  # noqa: E402
 
 # ---- Multi30k: given folder, local copy, pinned download --------------------------------------
 
@@ -58,7 +57,7 @@ def offline(monkeypatch, tmp_path):
 def test_pinned_release_is_a_fixed_commit_with_every_file_hashed():
     assert re.fullmatch(r"[0-9a-f]{40}", md.COMMIT) and md.COMMIT in md.BASE_URL
     assert md.BASE_URL.startswith("https://raw.githubusercontent.com/multi30k/dataset/")
-    assert set(common.SPLITS.values()) == {name.split(".")[0] for name in md.SHA256}  # every split the driver reads
+    assert set(md.SPLITS.values()) == {name.split(".")[0] for name in md.SHA256}  # every split the driver reads
     assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in md.SHA256.values()) and len(md.SHA256) == 8
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_tools import run_tool
-from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
+from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 
 # the plugin is reached only through fairseq's --user-dir (its one place in this script)
 from deepinit_tools.paths import REPO, USER_DIR

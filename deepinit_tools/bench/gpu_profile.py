@@ -30,7 +30,7 @@ from pathlib import Path
 from deepinit_tools import harness
 from deepinit_tools.bench import gpu_matrix, throughput
 from deepinit_tools.harness.fairseq_train import Variant, fixed_batches, to_device
-from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
+from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 
 ROWS = (
     ("stock", Variant("fp16")),

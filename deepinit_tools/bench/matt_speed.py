@@ -37,7 +37,7 @@ from pathlib import Path
 from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_tools import run_tool
-from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
+from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 from deepinit_tools.paths import USER_DIR, tools_env
 
 MODELS = {"standard": "dsinit", "matt": "dsinit_matt"}

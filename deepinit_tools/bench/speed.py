@@ -45,7 +45,7 @@ from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.harness.fairseq_tools import run_tool, train_inner
 from deepinit_tools.harness.fairseq_train import Shape
-from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
+from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 from deepinit_tools.paths import REPO, USER_DIR
 
 WORK = REPO / "work-data" / "speed"

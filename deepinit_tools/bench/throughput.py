@@ -46,8 +46,8 @@ from deepinit_tools.harness.fairseq_train import (
     to_device,
 )
 from deepinit_tools.harness.fairseq_train import train_argv as _train_argv
-from deepinit_tools.harness.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 from deepinit_tools.harness.timing import median  # noqa: F401  (tests read medians through this module)
+from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 from deepinit_tools.paths import REPO, import_plugin
 
 DEFAULT_WORK = REPO / "work-data" / "bench"

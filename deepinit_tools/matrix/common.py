@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Dict
 
-SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test1": "test_2017_flickr"}
 TEST_SETS = {"test": "test2016", "test1": "test2017"}
 
 # method -> (label in the tables, fairseq-train flags that select it)

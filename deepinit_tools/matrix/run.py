@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from deepinit_tools import multi30k_data, prepare_bible
+from deepinit_tools import multi30k, prepare_bible
 from deepinit_tools.matrix import plan as plan_mod
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.cells import last_line, merges_of, parse_log, unigram_bits
@@ -60,9 +60,9 @@ from deepinit_tools.matrix.commands import (
     train_command,
 )
 from deepinit_tools.matrix.common import BLEU_RE, TEST_SETS, MatrixError, log
-from deepinit_tools.matrix.data import prepare
 from deepinit_tools.matrix.decode import DecodeDeadline, translate
 from deepinit_tools.matrix.logs import classify, train_wps, valid_curve
+from deepinit_tools.multi30k import prepare_bpe as prepare
 from deepinit_tools.paths import REPO
 
 # ---------------------------------------------------------------------------------------------
@@ -604,6 +604,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if left:
             log(f"{len(left)} cells not finished (deadline); run the same command again to resume: {', '.join(left)}")
         return 0
-    except (ConvergeError, MatrixError, prepare_bible.CorpusError, multi30k_data.Multi30kError) as e:
+    except (ConvergeError, MatrixError, prepare_bible.CorpusError, multi30k.Multi30kError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

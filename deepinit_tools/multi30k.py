@@ -1,5 +1,14 @@
-#!/usr/bin/env python
-"""Find Multi30k de-en (task 1, raw gzip files) for the Multi30k tools, downloading it if need be.
+"""Multi30k de-en (task 1) for every tool: where the raw gzip files are, and the one preparation of them.
+
+Two binarisations share the reading of the gzip files in place (:func:`read_lines`) and fairseq's
+``fairseq-preprocess`` command (:func:`deepinit_tools.fairseq_argv.preprocess`):
+
+- :func:`binarize_multi30k`: word-level (or lower-cased) text, first lines of each split, min count 2, for the
+  benchmarks; no text copy kept, a ``STAMP.json`` records the settings;
+- :func:`prepare_bpe`: whole splits, joint BPE (the quickstart's subword-nmt), for the Multi30k matrix
+  (``multi30k_matrix.py prepare``).
+
+Finding Multi30k, downloading it if need be (``scripts/multi30k_data.py``).
 
 Where the corpus comes from, first match wins:
 
@@ -12,24 +21,35 @@ Where the corpus comes from, first match wins:
 
 Every expected failure (a given folder without the files, no network, a download with the wrong
 sha256) raises :class:`Multi30kError` with one line that says what to do; the command line prints it
-and exits 1. Run as a script, it prints the folder it settled on (what ``diagnose_multi30k.sh`` uses).
+and exits 1. Its command line prints the folder it settled on (what ``diagnose_multi30k.sh`` uses).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import http.client
+import itertools
+import json
 import os
+import re
+import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
+from deepinit_tools import fairseq_argv as fa
+from deepinit_tools import prepare_bible  # the quickstart's joint BPE (subword-nmt), shared
 from deepinit_tools.paths import REPO
 
 LOCAL_DEFAULT = REPO.parent / "shared" / "data" / "multi30k"
+# the benchmarks' --multi30k: read in place, never downloaded
+DEFAULT_MULTI30K = Path(os.environ.get("MULTI30K_DIR", LOCAL_DEFAULT))
+# fairseq split -> Multi30k file stem, as the matrix prepares them (test = test2016, test1 = test2017)
+SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test1": "test_2017_flickr"}
 CACHE = REPO / "work-data" / "multi30k"
 # A fixed commit, not a branch: the files (and so the sha256 values below) can never change under us.
 COMMIT = "a3d2e0d26b56f3846f66a952536ffed4e401d05a"
@@ -136,6 +156,117 @@ def locate(
     if all((local_default / n).exists() for n in SHA256):
         return local_default
     return fetch_release(cache, base_url, opener)
+
+
+# ---------------------------------------------------------------------------------------------
+# the preparation
+
+
+def words(line: str) -> str:
+    """Lower-cased words and punctuation marks, space separated (Multi30k is raw text)."""
+    return " ".join(re.findall(r"\w+|[^\w\s]", line.lower()))
+
+
+def lower(line: str) -> str:
+    """Lower-cased, split on whitespace only (punctuation stays attached)."""
+    return line.strip().lower()
+
+
+def spaces(line: str) -> str:
+    """The line as it is, its whitespace runs made one space (the matrix's input to BPE)."""
+    return " ".join(line.split())
+
+
+TOKENIZERS: Dict[str, Callable[[str], str]] = {"words": words, "lower": lower}
+
+
+def read_lines(folder: Path, stem: str, lang: str, tok: Callable[[str], str], limit: int | None = None) -> List[str]:
+    """The first ``limit`` (None: all) lines of ``folder/stem.lang.gz``, each through ``tok``, read in place."""
+    with gzip.open(folder / f"{stem}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [tok(line) for line in itertools.islice(f, limit)]
+
+
+def binarize_multi30k(
+    raw_dir: Path,
+    dest: Path,
+    splits: Mapping[str, Tuple[str, int | None]],
+    tokenizer: str = "words",
+    threshold: int = 2,
+) -> Path:
+    """Binarise Multi30k de-en into ``dest`` once (min count ``threshold``); returns ``dest``.
+
+    ``splits`` maps fairseq's split name (``train``, ``valid``, ``test``, ``test1``...) to the
+    Multi30k file stem (``train``, ``val``, ``test_2016_flickr``) and how many of its first lines
+    to take (None: all). The dictionaries are built on ``train``. The tokenised text exists only
+    while fairseq-preprocess runs; ``STAMP.json`` records the settings, so ``dest`` is rebuilt when
+    they change and reused otherwise, also where the raw corpus is elsewhere (recorded, not compared).
+    """
+    stamp = dest / "STAMP.json"
+    want = {"splits": {k: list(v) for k, v in splits.items()}, "tokenizer": tokenizer, "threshold": threshold}
+    if stamp.exists():
+        have = json.loads(stamp.read_text())
+        if {k: have.get(k) for k in want} == want:
+            return dest
+    if "train" not in splits:
+        raise ValueError("binarize_multi30k needs a train split (the dictionaries are built on it)")
+    for stem, _ in splits.values():
+        for lang in ("de", "en"):
+            if not (raw_dir / f"{stem}.{lang}.gz").exists():
+                raise SystemExit(f"Multi30k not found: {raw_dir / f'{stem}.{lang}.gz'} is missing; pass --multi30k DIR")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, (stem, limit) in splits.items():
+        for lang in ("de", "en"):
+            lines = read_lines(raw_dir, stem, lang, TOKENIZERS[tokenizer], limit)
+            (dest / f"{name}.tok.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tests = sorted(n for n in splits if n.startswith("test"))
+    cmd = fa.preprocess(
+        dest / "train.tok",
+        dest,
+        valid=dest / "valid.tok" if "valid" in splits else None,
+        tests=[dest / f"{n}.tok" for n in tests],
+        threshold=threshold,
+    )
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode:
+            raise SystemExit(f"fairseq-preprocess failed:\n{proc.stdout[-3000:]}")
+    finally:
+        for path in dest.glob("*.tok.*"):
+            path.unlink()  # never keep a text copy of the corpus
+    stamp.write_text(json.dumps({**want, "raw": str(raw_dir)}))
+    return dest
+
+
+def prepare_bpe(work: Path, merges: int, multi30k_dir: str | Path | None = None) -> Path:
+    """Multi30k de-en -> ``work/bin`` (fairseq binarised, joint BPE of ``merges`` merges; the splits of
+    :data:`SPLITS`). The corpus is looked up (and downloaded if need be) only when ``work/bin`` is not
+    there yet."""
+    bin_dir = work / "bin"
+    if (bin_dir / ".done").exists():
+        log(f"data already prepared: {bin_dir}")
+        return bin_dir
+    corpus = locate(multi30k_dir)
+    log(f"Multi30k from {corpus}")
+    raw = work / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for out, split in SPLITS.items():
+        for lang in ("de", "en"):
+            lines = read_lines(corpus, split, lang, spaces)
+            (raw / f"{out}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    bpe = work / f"bpe{merges}"
+    log(f"joint BPE ({merges} merges) on the tokenised training text")
+    prepare_bible.learn_apply_bpe(raw, bpe, merges, splits=tuple(SPLITS))
+    cmd = fa.preprocess(bpe / "train", bin_dir, valid=bpe / "valid", tests=[bpe / "test", bpe / "test1"], workers=2)
+    log_path = work / "preprocess.log"
+    with open(log_path, "w", encoding="utf-8") as f:
+        if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+            raise Multi30kError(f"fairseq-preprocess failed: see {log_path}, then re-run `prepare`")
+    (bin_dir / ".done").write_text("ok\n")
+    return bin_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line (scripts/multi30k_data.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
