@@ -26,17 +26,16 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
-from deepinit_tools.harness.fairseq_tools import run_tool
+from deepinit_tools.harness.fairseq_tools import run_tool, train_inner
+from deepinit_tools.harness.timing import median
 from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 from deepinit_tools.paths import USER_DIR, tools_env
 
@@ -64,8 +63,7 @@ def prepare(data: Path, work: Path, bs1_sentences: int) -> Path:
 
 def train_wps(out: str) -> list[float]:
     """``wps`` of every train_inner line of one fairseq-train run, the first (start-up) dropped."""
-    vals = [float(json.loads(m)["wps"]) for m in re.findall(r"train_inner[ |:]+(\{.*\})", out)]
-    return vals[1:]
+    return [r["wps"] for r in train_inner(out)[1:]]
 
 
 def generate(bin_dir: Path, ckpt: Path, subset: str, bs: int, args, env: dict, log: Path) -> dict:
@@ -159,10 +157,6 @@ def breakdown(work: Path, bin_dir: Path, batch_sizes: list[int], threads: int, s
     return "\n".join(lines)
 
 
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
 def build_parser() -> harness.Parser:
     """Every option of matt_speed.py, with its help and default."""
     pos = harness.positive_int
@@ -252,7 +246,7 @@ def main(argv=None) -> None:
             m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", out)
             if m:
                 params[name] = int(m.group(1).replace(",", ""))
-            print(f"train {name}: {target} updates, median wps so far {med(wps[name]):.0f}", flush=True)
+            print(f"train {name}: {target} updates, median wps so far {median(wps[name]):.0f}", flush=True)
 
     # 2. decoding, interleaved, model order alternating
     gen: dict = {(name, bs): [] for name in MODELS for bs in batch_sizes}
@@ -275,16 +269,15 @@ def main(argv=None) -> None:
             for s, m in zip(std, mt, strict=True)
         ]
         rows.append(
-            f"| decode, batch {bs}, beam 4 | {med([x['sent_per_s'] for x in std]):.2f} sent/s | "
-            f"{med([x['sent_per_s'] for x in mt]):.2f} sent/s | **{med(ratios):.2f}x** "
-            f"({min(ratios):.2f}-{max(ratios):.2f}) | {med(tok_ratio):.2f}x | "
+            f"| decode, batch {bs}, beam 4 | {median([x['sent_per_s'] for x in std]):.2f} sent/s | "
+            f"{median([x['sent_per_s'] for x in mt]):.2f} sent/s | **{median(ratios):.2f}x** "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {median(tok_ratio):.2f}x | "
             f"{std[0]['tokens'] / std[0]['sentences']:.1f} / {mt[0]['tokens'] / mt[0]['sentences']:.1f} |"
         )
     if wps["standard"] and wps["matt"]:
-        wr = med(wps["matt"]) / med(wps["standard"])
-        rows.append(
-            f"| train (target tokens/s) | {med(wps['standard']):.0f} | {med(wps['matt']):.0f} | **{wr:.2f}x** | | |"
-        )
+        wr = median(wps["matt"]) / median(wps["standard"])
+        std_wps, matt_wps = median(wps["standard"]), median(wps["matt"])
+        rows.append(f"| train (target tokens/s) | {std_wps:.0f} | {matt_wps:.0f} | **{wr:.2f}x** | | |")
     bleu = {name: gen[(name, batch_sizes[-1])][0]["bleu"] for name in MODELS}
     header = (
         "| measurement | standard decoder | MAtt | MAtt / standard (median, min-max) | tokens/s ratio | "
@@ -293,7 +286,7 @@ def main(argv=None) -> None:
     verdicts = []
     for bs in (1, 128):
         if bs in batch_sizes:
-            r = med(
+            r = median(
                 [
                     m["sent_per_s"] / s["sent_per_s"]
                     for s, m in zip(gen[("standard", bs)], gen[("matt", bs)], strict=True)

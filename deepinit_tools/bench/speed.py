@@ -37,7 +37,6 @@ Usage::
 from __future__ import annotations
 
 import itertools
-import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -299,7 +298,7 @@ def main(argv=None) -> None:
             print(f"round {r} {name}: median wps {harness.median(res['wps']):.1f}", flush=True)
 
     def wps(name: str) -> float:
-        return statistics.median(itertools.chain.from_iterable(r["wps"] for r in results[name]))
+        return harness.median(list(itertools.chain.from_iterable(r["wps"] for r in results[name])))
 
     refs = [n for n in ("stock", "stock-fp16", "200l") if n in results]
     what = f"shape {opts.shape}" if opts.experiment == "attention" else "tfixup_iwslt_de_en_200l"
