@@ -18,6 +18,7 @@ import pytest
 
 from conftest import MULTI30K, REPO, run_script
 from deepinit_tools.bench import throughput as tp
+from deepinit_tools.bench import throughput_report
 from deepinit_tools.harness import flops, report, timing
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
@@ -111,7 +112,7 @@ def _fake(ratios: dict) -> dict:
 def test_verdicts_apply_the_targets():
     res = _fake({"stock": 1.0, "postln": 0.979, "lipschitz": 0.98, "deepnorm": 0.5})
     res["shapes"]["s"]["preln-scalenorm"]["ratio_to_preln"] = [0.999, 1.2, 0.9]
-    lines = tp.verdicts(res)
+    lines = throughput_report.verdicts(res)
     assert any(line.startswith("s postln vs stock") and line.endswith("MISSED") for line in lines)
     assert any(line.startswith("s lipschitz vs stock") and line.endswith("MET") for line in lines)
     assert not any("deepnorm" in line for line in lines)  # not init-only: reported, no target

@@ -24,7 +24,6 @@ Usage (see benchmarks/README.md)::
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
@@ -35,80 +34,32 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from deepinit_tools import harness
+from deepinit_tools.bench.configs import (
+    CONFIGS,
+    FULL_SHAPES,
+    NORM_COMPARISONS,
+    QUICK_CONFIGS,
+    QUICK_SHAPES,
+    TABLE_CONFIGS,
+    Config,
+    train_argv,
+    variant_of,
+)
+from deepinit_tools.bench.throughput_report import markdown
 from deepinit_tools.harness import fairseq_tools
 from deepinit_tools.harness.fairseq_train import (
     Run,
     Shape,
-    Variant,
     fairseq_config,
     fixed_batches,
     setup_task,
     to_device,
 )
-from deepinit_tools.harness.fairseq_train import train_argv as _train_argv
 from deepinit_tools.harness.timing import median  # noqa: F401  (tests read medians through this module)
 from deepinit_tools.multi30k import DEFAULT_MULTI30K, binarize_multi30k
 from deepinit_tools.paths import REPO, import_plugin
 
 DEFAULT_WORK = REPO / "work-data" / "bench"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One model configuration: a fairseq ``--arch`` plus flags, and what it is compared against."""
-
-    name: str
-    arch: str
-    flags: tuple
-    what: str
-    ref: str = "stock"  # the stock configuration at the same norm position
-    init_only: bool = False  # same computation as ``ref``, only the initial weights differ
-
-    @property
-    def plugin(self) -> bool:
-        return not self.name.startswith("stock")
-
-
-PRE = ("--encoder-normalize-before", "--decoder-normalize-before")
-_C = Config
-CONFIGS: Dict[str, Config] = {
-    c.name: c
-    for c in (
-        _C("stock", "transformer", (), "fairseq `transformer`, Post-LN, LayerNorm", ref="stock"),
-        _C("stock-preln", "transformer", PRE, "fairseq `transformer`, Pre-LN, LayerNorm", ref="stock-preln"),
-        _C("plugin", "deepinit", ("--init-scheme", "fairseq"), "plugin model, fairseq's own init (= stock)"),
-        _C("postln", "postln_wmt_en_de", (), "Post-LN, xavier (0.8/0.9 baseline)", init_only=True),
-        _C("lipschitz", "lipschitz_wmt_en_de", (), "Post-LN, Lipschitz init", init_only=True),
-        _C("smallinit", "deepinit", ("--init-scheme", "smallinit"), "Post-LN, SmallInit", init_only=True),
-        _C("ds-init", "dsinit_wmt_en_de", (), "Post-LN, DS-Init", init_only=True),
-        _C("preln", "preln_wmt_en_de", (), "Pre-LN, LayerNorm, xavier", ref="stock-preln", init_only=True),
-        _C("preln-scalenorm", "preln_wmt_en_de", ("--norm-type", "scalenorm"), "Pre-LN, ScaleNorm, xavier",
-           ref="stock-preln"),
-        _C("preln-rmsnorm", "preln_wmt_en_de", ("--norm-type", "rmsnorm"), "Pre-LN, RMSNorm, xavier",
-           ref="stock-preln"),
-        _C("deepnorm", "deepnorm_wmt_en_de", (), "DeepNorm: Post-LN, alpha-scaled residual"),
-        _C("t-fixup", "tfixup_wmt_en_de", (), "T-Fixup: no norm"),
-        _C("rezero", "rezero_wmt_en_de", (), "ReZero: no norm, x + a*f(x)"),
-        _C("twt", "twt_wmt_en_de", (), "TwT: Pre-norm ScaleNorm + FixNorm + SmallInit, tied output", ref="stock-preln"),
-    )
-}  # fmt: skip
-TABLE_CONFIGS = tuple(n for n in CONFIGS if n != "plugin")  # the CPU table's default set
-QUICK_CONFIGS = ("postln", "preln-scalenorm")
-FULL_SHAPES = (Shape(6, 256, 1024, 4), Shape(18, 128, 512, 4))
-QUICK_SHAPES = (Shape(2, 64, 128, 2),)
-# (numerator, denominator, target ratio): ScaleNorm must be no slower than LayerNorm at the same position
-NORM_COMPARISONS = (("preln-scalenorm", "preln", 1.0), ("preln-rmsnorm", "preln", None))
-INIT_ONLY_TARGET = 0.98
-
-
-def variant_of(opts) -> Variant:
-    """The precision every configuration of the table runs in (``--fp16`` / ``--amp`` / fp32)."""
-    return Variant("fp16" if opts.fp16 else "amp" if opts.amp else "fp32")
-
-
-def train_argv(data: Path, cfg: Config, shape: Shape, opts) -> List[str]:
-    """fairseq-train arguments of ``cfg`` (shared by the in-process builder and ``--mode cli``)."""
-    return _train_argv(data, cfg.arch, cfg.flags, shape, variant_of(opts), cfg.plugin, opts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,80 +189,6 @@ def cli_shape(shape: Shape, configs: Sequence[Config], data: Path, opts) -> dict
 
 # ---------------------------------------------------------------------------------------------
 # report
-
-
-def verdicts(results: dict) -> List[str]:
-    """Targets on the median paired wall-clock ratios: init-only >= 0.98x stock, ScaleNorm >= LayerNorm.
-
-    The CPU-time ratio is printed beside it: on a shared machine it is the steadier of the two.
-    """
-    lines = []
-    for shape, rows in results["shapes"].items():
-        checks = [
-            (name, CONFIGS[name].ref, "ratio_to_ref", INIT_ONLY_TARGET) for name in rows if CONFIGS[name].init_only
-        ]
-        checks += [(num, den, f"ratio_to_{den}", target) for num, den, target in NORM_COMPARISONS if num in rows]
-        for name, ref, key, target in checks:
-            row = rows[name]
-            if not row.get(key):
-                continue
-            text = f"{shape} {name} vs {ref}: wall {harness.Stat.of(row[key]).text()}"
-            if row.get(f"cpu_{key}"):
-                text += f", CPU time {harness.Stat.of(row[f'cpu_{key}']).text()}"
-            if target is not None:
-                text += f"; target >= {target:.2f}: {'MET' if median(row[key]) >= target else 'MISSED'}"
-            lines.append(text)
-    return lines
-
-
-def markdown(results: dict) -> str:
-    """The ready-to-paste report: provenance, one table per shape, the targets."""
-    meta = results["meta"]
-    inprocess = meta["mode"] == "inprocess"
-    cpu_cols = inprocess and meta["device"] == "cpu"
-    if inprocess:
-        how = f"in-process timing, {meta['steps']} steps per trial"
-    else:
-        how = (f"fairseq-train timing, --max-update {meta['cli_updates']}, median wps of the train_inner lines "
-               f"(--log-interval {meta['cli_log_interval']}, the first dropped)")  # fmt: skip
-    out = [
-        f"{meta['precision']}; {how}, --max-tokens {meta['max_tokens']}, {meta['repeats']} interleaved rounds.",
-        harness.provenance(meta),
-        "",
-        "tok/s: target tokens per second (fairseq's wps), median over rounds [min-max]. x ref: median of the "
-        "per-round ratios to the stock `transformer` at the same norm position (the `ref` column) [min-max]"
-        + ("; CPU: the same ratio over process CPU time, insensitive to other processes." if cpu_cols else ".")
-        + (" Peak: memory growth while building and training the model." if inprocess else " Peak: process RSS."),
-        "",
-    ]
-    for shape, rows in results["shapes"].items():
-        header = ["config", "what", "ref", "params", "tok/s", "x ref (wall)"]
-        header += ["x ref (CPU)"] if cpu_cols else []
-        header += ["peak MiB", "mem x ref"]
-        table = []
-        for name, row in rows.items():
-            cfg = CONFIGS[name]
-            mem = row.get("peak_mib", row.get("peak_rss_mib"))
-            ref_row = rows.get(cfg.ref, {})
-            ref_mem = ref_row.get("peak_mib", ref_row.get("peak_rss_mib"))
-            cells = [
-                name,
-                cfg.what,
-                "-" if cfg.ref == name else cfg.ref,
-                f"{row['params'] / 1e6:.2f}M" if "params" in row else "n/a",
-                harness.Stat.of(row["tokens_per_s"]).text("{:.0f}"),
-                harness.Stat.of(row["ratio_to_ref"]).text(),
-            ]
-            if cpu_cols:
-                cells.append(harness.Stat.of(row["cpu_ratio_to_ref"]).text())
-            cells.append("n/a" if mem is None else f"{mem:.0f}")
-            cells.append("n/a" if mem is None or not ref_mem else f"{mem / ref_mem:.2f}")
-            table.append(cells)
-        right = range(3, len(header))
-        out += [f"**{shape}** (layers x d x FFN x heads, encoder and decoder)", "",
-                harness.markdown_table(header, table, right), ""]  # fmt: skip
-    out += ["Targets (median paired ratios, wall clock):", ""] + [f"- {line}" for line in verdicts(results)]
-    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
