@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from deepinit_tools import prepare_bible
+from deepinit_tools.matrix import budget as est
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.cells import last_line, merges_of, parse_log, unigram_bits
 from deepinit_tools.matrix.commands import (
@@ -148,7 +149,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
     best = min(finite, key=lambda c: c[1]) if finite else None
     regime = cell.spec
     batch = o.max_tokens or regime.max_tokens
-    per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
+    per_forward, freq = est.update_freq(batch, o.max_tokens_per_job)
     error = parse_log(text)["error"] or (None if rc == 0 else last_line(text))
     record = {
         "cell": cell.name,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List
 
 from deepinit_tools import fairseq_argv as fa
+from deepinit_tools.matrix import budget as est
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.common import BLIND_FRACTION, METHODS
 
@@ -87,7 +88,7 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
     """The exact fairseq-train command of ``cell`` (resumes from its save dir's checkpoint_last.pt)."""
     regime = cell.spec
     batch = o.max_tokens or regime.max_tokens
-    per_forward, freq = rg.update_freq(batch, o.max_tokens_per_job)
+    per_forward, freq = est.update_freq(batch, o.max_tokens_per_job)
     cmd = fa.command("train", o.data / "bin", *METHODS[cell.method][1])
     cmd += precision_flags(cell.method, o.device, o.precision)
     cmd += fa.dims(cell.depth, o.dim, o.ffn, o.heads)

@@ -18,14 +18,14 @@ How many pay off is measured, not assumed:
 - ``--plan`` prints the expected wall time of the selected cells for every K of the rates: each cell
   trains ``epochs x`` Multi30k's 549,873 target tokens at the per-process rate of its depth at K jobs
   (a depth that was not measured: the nearest measured depth's rate scaled by the CPU-measured depth
-  cost of :func:`matrix.regimes.depth_cost`), plus the validation, process-start and decoding
-  overheads of :func:`matrix.regimes.estimate_cell_s`; the cells are then scheduled in their order
+  cost of :func:`deepinit_tools.matrix.budget.depth_cost`), plus the validation, process-start and decoding
+  overheads of :func:`deepinit_tools.matrix.budget.estimate_cell_s`; the cells are then scheduled in their order
   onto K slots, as ``converge``'s thread pool takes them, and the plan says which finish within
   ``--budget-min`` and how many device commands of ``--command-min`` that is.
 
 The rates come from ``--rates`` (a ``--measure-jobs`` file, or a ``converge --pack`` file, whose cells
 record their tokens/s, ``--jobs`` and epochs); the plan labels each source with its device. Without
-``--rates`` it falls back to :func:`matrix.regimes.h100_tokens_per_s` (stock fairseq fp16 on an H100
+``--rates`` it falls back to :func:`deepinit_tools.matrix.budget.h100_tokens_per_s` (stock fairseq fp16 on an H100
 scaled by CPU-measured depth and width costs, and an assumed sharing speed-up), labelled ESTIMATE.
 """
 
@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
+from deepinit_tools.matrix import budget as est
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.cells import parse_log
 from deepinit_tools.matrix.commands import PACK_FORMAT, ConvergeError, Options, train_command
@@ -86,10 +87,10 @@ class Rates:
     def rate(self, depth: int, jobs: int) -> Tuple[float, str]:
         """Tokens/s of one of ``jobs`` processes at ``depth`` and how it was had (measured / scaled)."""
         depths = sorted(d for d, per in self.per_process.items() if per)
-        near = min(depths, key=lambda d: (abs(rg.depth_cost(d) - rg.depth_cost(depth)), d))
+        near = min(depths, key=lambda d: (abs(est.depth_cost(d) - est.depth_cost(depth)), d))
         per = self.per_process[near]
         j = jobs if jobs in per else min(per, key=lambda k: (abs(k - jobs), k))
-        value = per[j] * rg.depth_cost(near) / rg.depth_cost(depth)
+        value = per[j] * est.depth_cost(near) / est.depth_cost(depth)
         exact = "measured" if self.measured else "estimate"
         how = exact if (near, j) == (depth, jobs) else f"from {near} layers x {j} jobs"
         if near != depth:
@@ -113,11 +114,13 @@ class Rates:
 
 
 def fallback_rates(dim: int) -> Rates:
-    """The built-in estimate (no measurement): see :func:`matrix.regimes.h100_tokens_per_s`."""
-    per = {d: {j: rg.h100_tokens_per_s(d, dim) * rg.JOBS_SPEEDUP[j] / j for j in rg.JOBS_SPEEDUP} for d in (6, 18, 36)}
+    """The built-in estimate (no measurement): see :func:`deepinit_tools.matrix.budget.h100_tokens_per_s`."""
+    per = {
+        d: {j: est.h100_tokens_per_s(d, dim) * est.JOBS_SPEEDUP[j] / j for j in est.JOBS_SPEEDUP} for d in (6, 18, 36)
+    }
     return Rates(
         "ESTIMATE, not measured: stock fairseq fp16 on an H100 (transformer base 6L 173k tokens/s) scaled by "
-        "CPU-measured depth and width costs, sharing speed-up assumed (regimes.JOBS_SPEEDUP); the cells run "
+        "CPU-measured depth and width costs, sharing speed-up assumed (budget.JOBS_SPEEDUP); the cells run "
         "bf16 autocast + SDPA + adam_foreach. Measure with --measure-jobs on the GPU.",
         per,
         measured=False,
@@ -175,11 +178,11 @@ def load_rates(path: Path) -> Rates:
 
 def cell_seconds(cell: rg.Cell, rates: Rates, dim: int, jobs: int) -> float:
     """Expected seconds of ``cell`` while ``jobs`` processes share the device."""
-    epochs = rates.epochs.get(cell.depth, rg.EPOCHS_EXPECTED)
+    epochs = rates.epochs.get(cell.depth, est.EPOCHS_EXPECTED)
     if not rates.measured:
-        # the built-in estimate (:func:`rg.estimate_cell_s`), slowed by the assumed sharing speed-up
-        return rg.estimate_cell_s(cell, dim, epochs) * jobs / rg.jobs_speedup(jobs)
-    return rg.estimate_cell_s(cell, dim, epochs, tokens_per_s=rates.rate(cell.depth, jobs)[0])
+        # the built-in estimate (:func:`est.estimate_cell_s`), slowed by the assumed sharing speed-up
+        return est.estimate_cell_s(cell, dim, epochs) * jobs / est.jobs_speedup(jobs)
+    return est.estimate_cell_s(cell, dim, epochs, tokens_per_s=rates.rate(cell.depth, jobs)[0])
 
 
 def schedule(
@@ -242,7 +245,7 @@ def plan(
     """The plan's text and the K with the shortest wall time."""
     lines = [f"rates: {rates.source}"]
     epochs = ", ".join(f"{d} layers {rates.epochs[d]:.1f}" for d in sorted(rates.epochs)) or "none measured"
-    lines.append(f"epochs per cell: {rg.EPOCHS_EXPECTED} assumed; measured mean: {epochs}")
+    lines.append(f"epochs per cell: {est.EPOCHS_EXPECTED} assumed; measured mean: {epochs}")
     depths = sorted({c.depth for c in cells})
     per_depth = ", ".join(f"{sum(c.depth == d for c in cells)} at {d}L" for d in depths)
     lines.append(f"{len(cells)} cells ({per_depth})")

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
+from deepinit_tools.matrix import budget as est
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.commands import PACK_FORMAT
 from deepinit_tools.matrix.common import METHODS, log
@@ -162,9 +163,9 @@ def chunks_table(dim: int, jobs: int, epochs: Dict[int, float]) -> List[str]:
     lines = ["| chunk | cells | estimated H100 minutes | what |", "|---|---|---|---|"]
     total = 0.0
     for name, ch in rg.CHUNKS.items():
-        est = rg.estimate_chunk(ch.cells, dim, jobs, epochs)
-        total += est if name != "smoke" else 0
-        lines.append(f"| `{name}` | {len(ch.cells)} | {est:.0f} | {ch.description} |")
+        minutes = est.estimate_chunk(ch.cells, dim, jobs, epochs)
+        total += minutes if name != "smoke" else 0
+        lines.append(f"| `{name}` | {len(ch.cells)} | {minutes:.0f} | {ch.description} |")
     lines.append(
         f"| all but smoke | {sum(len(c.cells) for n, c in rg.CHUNKS.items() if n != 'smoke')} | {total:.0f} | |"
     )
@@ -309,7 +310,7 @@ def render(cells: Dict[str, dict], dim: int, jobs: int) -> str:
             if measured_epochs(cells)
             else ""
         )
-        + f"{rg.EPOCHS_EXPECTED} assumed):",
+        + f"{est.EPOCHS_EXPECTED} assumed):",
         "",
         *chunks_table(dim, jobs, measured_epochs(cells)),
         "",

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 from deepinit_tools import multi30k, prepare_bible
+from deepinit_tools.matrix import budget as est
 from deepinit_tools.matrix import plan as plan_mod
 from deepinit_tools.matrix import regimes as rg
 from deepinit_tools.matrix.cell import device_name, pack, run_cell, stall_bits_of
@@ -108,12 +109,11 @@ ESTIMATE_NOTE = (
 
 
 def list_chunks(dim: int, jobs: int) -> str:
-    lines = [f"estimated H100 minutes with --jobs {jobs}, d={dim}, {rg.EPOCHS_EXPECTED} epochs per cell"]
+    lines = [f"estimated H100 minutes with --jobs {jobs}, d={dim}, {est.EPOCHS_EXPECTED} epochs per cell"]
     lines.append(f"({ESTIMATE_NOTE}):")
     for name, ch in {**rg.CHUNKS, **rg.SESSIONS}.items():
-        lines.append(
-            f"  {name:<14} {len(ch.cells):>3} cells {rg.estimate_chunk(ch.cells, dim, jobs):6.1f} min  {ch.description}"
-        )
+        minutes = est.estimate_chunk(ch.cells, dim, jobs)
+        lines.append(f"  {name:<14} {len(ch.cells):>3} cells {minutes:6.1f} min  {ch.description}")
     return "\n".join(lines)
 
 
@@ -195,8 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"# {c.name}: {c.spec.label}")
                 print(printable(train_command(c, o)))
             print(
-                f"# {len(cells)} cells, estimated {rg.estimate_chunk(cells, a.dim, jobs):.1f} H100 minutes with "
-                f"--jobs {jobs} ({rg.EPOCHS_EXPECTED} epochs per cell; {ESTIMATE_NOTE})"
+                f"# {len(cells)} cells, estimated {est.estimate_chunk(cells, a.dim, jobs):.1f} H100 minutes with "
+                f"--jobs {jobs} ({est.EPOCHS_EXPECTED} epochs per cell; {ESTIMATE_NOTE})"
             )
             return 0
         if a.device == "cuda":
