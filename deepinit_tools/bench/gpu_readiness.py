@@ -40,171 +40,30 @@ LayerNorm's + 2, ScaleNorm at most + 3. Usage::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Dict, List
 
-from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
+from deepinit_tools.bench.readiness_build import (
+    Built,
+    batch,
+    build,
+    one_line,
+    plugin,
+    reads,
+    update,
+)
+from deepinit_tools.bench.readiness_table import (
+    INIT_ONLY,
+    NORM_TARGETS,
+    cells,
+    markdown,
+)
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
-
-DROPOUTS = ("--dropout", "0.1", "--attention-dropout", "0.1", "--activation-dropout", "0.1")
-# families whose modules are stock fairseq's (only the initialisation differs): op target 1.02
-INIT_ONLY = ("postln", "preln", "lipschitz", "dsinit")
-OP_TARGET = 1.02
-NORM_TARGETS = {"rmsnorm": 2, "scalenorm": 3}  # at most LayerNorm's kernels + this
-# Admin profiling reads twice per run: its batch's cut (rows and widths) and the profile (numbers to log)
-ADMIN_PROFILING_READS = 2
-
-
-def plugin() -> Any:
-    """The plugin (imported here, once: it registers its models, tasks and criteria)."""
-    import fairseq_deepinit
-
-    return fairseq_deepinit
-
-
-# --- building models and batches the way fairseq-train does ----------------------------------------
-
-
-def dictionary():
-    from fairseq.data import Dictionary
-
-    d = Dictionary()
-    for i in range(60):
-        d.add_symbol(f"w{i}")
-    d.finalize(padding_factor=8)
-    return d
-
-
-@dataclasses.dataclass
-class Built:
-    """One configuration built by fairseq's parser, task and optimizer, ready for updates."""
-
-    kind: str  # "mt" or "lm"
-    args: Any
-    task: Any
-    model: Any
-    criterion: Any
-    optimizer: Any
-
-
-def dims(kind: str, shape: Shape) -> List[str]:
-    """Dimension flags of one shape (both stacks for translation, the decoder for a language model)."""
-    if kind == "mt":
-        return shape.flags()
-    return [*fa.dims(shape.layers, shape.dim, shape.ffn, shape.heads, ("decoder",)), "--tokens-per-sample", "64"]
-
-
-def build(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = None, meta: bool = False) -> Built:
-    """``arch`` (plus ``extra`` flags) built by fairseq's parser, task and optimizer registry from the parsed
-    arguments (fairseq-train's route without the omegaconf round trip, seconds per model); ``meta``: the
-    model moved to the meta device."""
-    import torch
-    from fairseq import optim, options, tasks
-
-    task = task or ("translation" if kind == "mt" else "language_modeling")
-    lang = ["-s", "src", "-t", "tgt"] if kind == "mt" else []
-    argv = ["/nonexistent", "--task", task, *lang, "--arch", arch, *dims(kind, shape), *DROPOUTS,
-            *fa.ADAM, "--lr", "1e-3",
-            "--criterion", "label_smoothed_cross_entropy",
-            "--label-smoothing", "0.1", *extra]  # fmt: skip
-    args = options.parse_args_and_arch(options.get_training_parser(), argv)
-    d = dictionary()
-    task_obj = tasks.TASK_REGISTRY[args.task](args, d, d)
-    torch.manual_seed(1)
-    model = task_obj.build_model(args)
-    criterion = task_obj.build_criterion(args)
-    if meta:
-        counters.to_meta(model)
-    optimizer = optim.build_optimizer(args, [p for p in model.parameters() if p.requires_grad])
-    return Built(kind, args, task_obj, model, criterion, optimizer)
-
-
-def batch(kind: str, device: str = "cpu") -> dict:
-    """Four sentences as fairseq's collaters pad them: sources on the left, targets on the right."""
-    import torch
-    from fairseq.data import data_utils
-
-    d = dictionary()
-    g = torch.Generator().manual_seed(0)
-
-    def sentences(lengths):
-        return [torch.cat([torch.randint(4, 4 + 60, (n,), generator=g), torch.tensor([d.eos()])]) for n in lengths]
-
-    tgts = sentences((6, 4, 8, 5))
-    target = data_utils.collate_tokens(tgts, d.pad(), d.eos(), left_pad=False)
-    prev = data_utils.collate_tokens(tgts, d.pad(), d.eos(), left_pad=False, move_eos_to_beginning=True)
-    ntokens = int(target.ne(d.pad()).sum())
-    if kind == "mt":
-        srcs = sentences((7, 5, 6, 3))
-        src = data_utils.collate_tokens(srcs, d.pad(), d.eos(), left_pad=True)
-        net = {"src_tokens": src, "src_lengths": torch.tensor([len(s) for s in srcs]), "prev_output_tokens": prev}
-    else:  # language modeling: the input is the target shifted right, padded on the right
-        net = {"src_tokens": prev, "src_lengths": prev.ne(d.pad()).sum(1)}
-    sample = {"id": torch.arange(4), "net_input": net, "target": target, "ntokens": ntokens, "nsentences": 4}
-    return counters.tensors_to(sample, device)
-
-
-@contextlib.contextmanager
-def fairseq_clip_on_device() -> Iterator[None]:
-    """fairseq's ``clip_grad_norm_`` takes every gradient's norm to ``torch.device("cpu")`` when CUDA is
-    unavailable (fairseq/utils.py:373-386); on a GPU they stay there (apex's multi-tensor norm, or
-    ``torch.cuda.current_device()``). The meta runs take that GPU branch: one total norm on the device."""
-    import torch
-    from fairseq import utils
-
-    saved = utils.multi_tensor_l2norm_available, utils.multi_tensor_total_norm
-
-    def total_norm(grads, chunk_size=None):
-        return torch.norm(torch.stack([torch.norm(g, p=2, dtype=torch.float32) for g in grads]))
-
-    utils.multi_tensor_l2norm_available, utils.multi_tensor_total_norm = True, total_norm
-    try:
-        yield
-    finally:
-        utils.multi_tensor_l2norm_available, utils.multi_tensor_total_norm = saved
-
-
-def update(b: Built, sample: dict, update_num: int, autocast: bool = False) -> None:
-    """One fairseq training update (``Trainer.train_step`` without its bookkeeping): zero the gradients,
-    ``task.train_step`` (forward, loss, backward), ``multiply_grads``, ``clip_grad_norm``,
-    ``task.optimizer_step`` and ``task.reduce_metrics`` (where statistics are read, as fairseq does).
-    ``autocast``: the forward and loss under ``torch.autocast("cpu", torch.bfloat16)``, backward outside."""
-    import torch
-    from fairseq.logging import metrics
-
-    b.optimizer.zero_grad()
-    if autocast:
-        b.model.train()
-        b.model.set_num_updates(update_num)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, size, log = b.criterion(b.model, sample)
-        b.optimizer.backward(loss)
-    else:
-        _, size, log = b.task.train_step(sample, b.model, b.criterion, b.optimizer, update_num)
-    b.optimizer.multiply_grads(1.0 / float(size or 1))
-    with fairseq_clip_on_device():
-        b.optimizer.clip_grad_norm(0.0)
-    b.task.optimizer_step(b.optimizer, b.model, update_num)
-    with metrics.aggregate(new_root=True):
-        b.task.reduce_metrics([log], b.criterion)
-
-
-def reads(fn: Callable[[], Any], meta: bool) -> counters.HostReads:
-    """Host reads while ``fn`` runs: on ``meta`` (stand-in values) or with the CPU as the device."""
-    with counters.HostReads(cpu_is_device=not meta, stand_in=meta) as hr:
-        fn()
-    return hr
-
-
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-
 
 # --- the measurements of one family ---------------------------------------------------------------
 
@@ -476,126 +335,6 @@ def norm_kernels() -> List[dict]:
                          "limit": None if target is None else ln + target,
                          "ok": None if target is None else n <= ln + target})  # fmt: skip
     return rows
-
-
-# --- the table ------------------------------------------------------------------------------------
-
-
-def verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("ok" if ok else "FAIL")
-
-
-def meta_cell(meta: dict) -> tuple[str, bool]:
-    if "error" in meta:
-        return f"FAIL ({meta['error']})", False
-    ok = meta.get("plugin_reads", 0) == 0
-    return ("ok" if ok else f"FAIL ({meta['plugin_reads']} plugin reads)"), ok
-
-
-def fmt_reads(row: dict) -> str:
-    meta = row.get("meta", {})
-    m = meta.get("reads", "?") if "error" not in meta else "?"
-    stock = row.get("stock", {})
-    text = f"{_num(m)} / {_num(row.get('cpu_reads', '?'))}"
-    if stock:
-        text += f" ({_num(stock.get('meta_reads', '?'))} / {_num(stock.get('cpu_reads', '?'))})"
-    return text
-
-
-def _num(v) -> str:
-    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
-
-
-def row_cells(row: dict) -> List[str]:
-    meta_text, _ = meta_cell(row.get("meta", {}))
-    reads_ok = all(
-        isinstance(v, (int, float)) and v <= 1 for v in (row.get("cpu_reads"), row.get("meta", {}).get("reads"))
-    )
-    cells = [row["row"], meta_text, f"{fmt_reads(row)} {verdict(reads_ok)}"]
-    if "ops" in row:
-        ok = (row["op_ratio"] <= OP_TARGET) if row["init_only"] else None
-        cells.append(f"{row['ops']} / {row['stock']['ops']} = {row['op_ratio']:.3f} {verdict(ok)}")
-    else:
-        cells.append("-")
-    if "causal" in row:
-        n, total = row["causal"]
-        cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
-        n, total = row["sdpa"]
-        cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
-        fp = row["fp32_mm"]
-        ok = all(v == 0 for v in fp.values())
-        cells.append(f"{_num(fp['plain'])} / {_num(fp['checkpoint'])} {verdict(ok)}")
-    else:
-        cells += ["-", "-", "-"]
-    br = row.get("breaks")
-    if br is None:
-        cells.append("-")
-    else:
-        parts, ok = [], True
-        for impl in ("fairseq", "sdpa"):
-            if "error" in br[impl]:
-                parts.append(f"? ({br[impl]['error']})")
-                ok = False
-                continue
-            by = br[impl]["by_origin"]
-            parts.append(f"{by.get('plugin', 0)}/{by.get('fairseq', 0)}")
-            ok = ok and by.get("plugin", 0) == 0
-        cells.append(f"{'; '.join(parts)} {verdict(ok)}")
-    return cells
-
-
-HEADER = ["family", "meta (no plugin read)", "reads/step meta / cpu (stock) <= 1",
-          f"ops plugin / stock (init-only <= {OP_TARGET})", "causal, no TxT (sdpa)", "self-attn on SDPA",
-          "fp32 mm bf16 plain / ckpt = 0", "breaks plugin/fairseq: fairseq; sdpa attn (plugin 0)"]  # fmt: skip
-
-
-def special_cells(row: dict) -> List[str]:
-    meta_text, _ = meta_cell(row.get("meta", {}))
-    meta = row.get("meta", {})
-    if row["row"] == "admin profiling":
-        # by design: the profiling batch's cut (rows and widths) and the profile's numbers, once per run
-        ok = "error" not in meta and meta.get("plugin_reads", 9) <= ADMIN_PROFILING_READS
-        meta_text = f"ok ({meta['plugin_reads']} reads per run)" if ok else meta_text
-        reads_text = (f"{_num(meta.get('reads', '?'))} / {_num(row['cpu_reads'])} per run (cut, readout) "
-                      f"<= {ADMIN_PROFILING_READS} {verdict(ok)}")  # fmt: skip
-        return [row["row"], meta_text, reads_text, "-", "-", "-", "-", "-"]
-    if row["row"].startswith("diagnostics"):
-        ok = meta.get("reads", 9) <= 1 and row["cpu_reads"] <= 1 and meta.get("diagnostic_reads", 9) <= 1
-        text = (
-            f"{_num(meta.get('reads', '?'))} / {_num(row['cpu_reads'])}; diagnostic update: "
-            f"{_num(meta.get('diagnostic_reads', '?'))} / {_num(row['cpu_diagnostic_reads'])} {verdict(ok)}"
-        )
-        return [row["row"], meta_text, text, "-", "-", "-", "-", "-"]
-    return [
-        row["row"],
-        meta_text,
-        f"{fmt_reads(row)} per step {verdict(row['cpu_reads'] <= 1)}",
-        "-",
-        "-",
-        "-",
-        "-",
-        "-",
-    ]
-
-
-def cells(row: dict) -> List[str]:
-    if "error" in row:
-        return [row["row"], f"does not build: {row['error']}", "-", "-", "-", "-", "-", "-"]
-    return special_cells(row) if row["kind"] == "special" else row_cells(row)
-
-
-def markdown(rows: List[dict], norms: List[dict], meta: dict) -> str:
-    body = [cells(r) for r in rows]
-    lines = [harness.provenance(meta), "", harness.markdown_table(HEADER, body), ""]
-    norm_rows = [[n["norm"], n["dtype"], n["kernels"], "-" if n["limit"] is None else f"<= {n['limit']}",
-                  verdict(n["ok"])] for n in norms]  # fmt: skip
-    lines += [harness.markdown_table(["norm", "dtype", "kernels fwd+bwd", "target", ""], norm_rows, right=(2,)), ""]
-    notes = sorted(
-        {f"{impl}: {line}" for r in rows for impl, br in r.get("breaks", {}).items() for line in br.get("plugin", [])}
-    )
-    if notes:
-        lines += ["Graph breaks in the plugin's code:", ""] + [f"- `{n}`" for n in notes] + [""]
-    return "\n".join(lines)
 
 
 def build_parser() -> harness.Parser:
