@@ -478,7 +478,7 @@ def test_every_option_has_help_with_its_default(script):
 
 def test_the_speed_target_is_stated_once_and_as_the_matrix_checks_it():
     """docs/benchmarks.md states the target FAST_TARGET / LOSS_TOLERANCE apply; docs/speed.md refers to it."""
-    from deepinit_tools.bench import gpu_matrix
+    from deepinit_tools.bench import gpu_matrix_rows as gpu_matrix
 
     bench = (REPO / "docs" / "benchmarks.md").read_text()
     stated = re.search(r"\*\*at least ([\d.]+)x stock fairseq fp16 target tokens/s at equal\s+batch", bench)

@@ -303,7 +303,7 @@ def test_translate_stops_at_the_deadline(tmp_path, monkeypatch):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nsleep 60 &\nwait\n")  # a child that would hold the pipe open, as data loaders do
     fake.chmod(0o755)
-    monkeypatch.setattr(decode.sys, "executable", str(fake))
+    monkeypatch.setattr(sys, "executable", str(fake))  # the interpreter every fairseq command runs in
     (tmp_path / "checkpoint_best.pt").write_bytes(b"")
     t0 = decode.time.time()
     with pytest.raises(decode.DecodeDeadline):

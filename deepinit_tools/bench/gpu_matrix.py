@@ -36,7 +36,6 @@ tokens_per_s, ratio_to_stock, peak_mem_gib, mfu; ``note`` when a row was not mea
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import math
@@ -47,6 +46,19 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping
 
 from deepinit_tools import harness
+from deepinit_tools.bench.gpu_matrix_report import markdown, table_rows, targets
+from deepinit_tools.bench.gpu_matrix_rows import (
+    BASE,
+    LAYERS,
+    LR,
+    QUICK_DIMS,
+    QUICK_LAYERS,
+    Row,
+    baseline,
+    compile_pair,
+    matrix,
+    skip_reason,
+)
 from deepinit_tools.harness import flops
 from deepinit_tools.harness.fairseq_train import (
     Run,
@@ -58,85 +70,6 @@ from deepinit_tools.harness.fairseq_train import (
     to_device,
 )
 from deepinit_tools.harness.fairseq_train import train_argv as _train_argv
-
-BASE = (512, 2048, 8)  # transformer base: d, FFN, heads
-LAYERS, QUICK_LAYERS, QUICK_DIMS = (6, 18, 36), (1, 2), (64, 128, 2)
-# the speed target of issue #25, stated once (docs/speed.md and docs/benchmarks.md refer here): the plugin's
-# fastest transformer-base 6-layer path at least 2x stock fairseq fp16 target tokens/s at equal batch, with
-# the same loss curve (final training loss within LOSS_TOLERANCE of stock's)
-INIT_ONLY = ("postln", "lipschitz", "smallinit", "ds-init", "preln")
-FAST_TARGET, INIT_ONLY_TARGET, NORM_TARGET, LOSS_TOLERANCE = 2.0, 0.98, 1.0, 0.02
-LR = 5e-4
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One row of the matrix: a configuration of throughput.CONFIGS, how it runs, at what depth."""
-
-    config: str
-    variant: Variant
-    layers: int
-
-    @property
-    def label(self) -> str:
-        """The ``config`` column: ``plugin-sdpa-compile``, ``stock``..."""
-        v = self.variant
-        return "-".join(
-            [
-                self.config,
-                *([v.attention] if v.attention != "fairseq" else []),
-                *(["foreach"] if v.optimizer == "adam_foreach" else []),
-                *(["compile"] if v.compile else []),
-            ]
-        )
-
-    @property
-    def key(self) -> str:
-        return f"{self.label} {self.variant.precision} {self.layers}L"
-
-
-def compile_pair(full: int) -> List[Row]:
-    """The compiled row and its references: stock fp16 and the same path eager (``--compile-only``)."""
-    eager = Variant("bf16-autocast", "sdpa", optimizer="adam_foreach")
-    compiled = Variant("bf16-autocast", "sdpa", compile=True, optimizer="adam_foreach")
-    return [Row("stock", Variant("fp16"), full), Row("plugin", eager, full), Row("plugin", compiled, full)]
-
-
-def matrix(layers: List[int], compile_row: bool, full: int | None = None) -> List[Row]:
-    """The rows of the matrix (see the module docstring): the whole set at depth ``full`` (default:
-    the first of ``layers``), stock fp16 and the plugin's fp16 / bf16 SDPA paths at every other depth."""
-    first, V = (layers[0] if full is None else full), Variant
-    variants = [("stock", V("fp32")), ("stock", V("fp16")), ("stock-preln", V("fp16")), ("plugin", V("fp16")),
-                ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast")),
-                ("plugin", V("bf16-autocast", "sdpa")),
-                ("plugin", V("bf16-autocast", "sdpa", optimizer="adam_foreach"))]  # fmt: skip
-    if compile_row:
-        variants.append(("plugin", V("bf16-autocast", "sdpa", compile=True, optimizer="adam_foreach")))
-    variants += [(name, V("fp16")) for name in (*INIT_ONLY, "preln-scalenorm")]
-    rows = [Row(c, v, first) for c, v in variants] if first in layers else []
-    deep = [("stock", V("fp16")), ("plugin", V("fp16", "sdpa")), ("plugin", V("bf16-autocast", "sdpa"))]
-    return rows + [Row(c, v, n) for n in layers if n != first for c, v in deep]
-
-
-def skip_reason(row: Row, device: str) -> str | None:
-    """Why ``row`` cannot run on ``device`` (None: it can)."""
-    if device == "cuda":
-        return None
-    if row.variant.precision in ("fp16", "amp"):
-        return "skipped: fp16 needs CUDA (fairseq has no CPU half-precision training)"
-    if row.variant.compile:
-        return "skipped: the compile row runs on CUDA only (inductor on a CPU compiles for minutes)"
-    return None
-
-
-def baseline(row: Row, ok: Mapping[Row, object], configs: Mapping) -> Row | None:
-    """Stock in fp16 at the same depth and norm position; stock fp32 where fp16 was not measured (CPU)."""
-    ref = configs[row.config].ref
-    for precision in ("fp16", "fp32"):
-        cand = Row(ref, Variant(precision), row.layers)
-        if cand in ok:
-            return cand
-    return None
 
 
 def _error(e: BaseException) -> str:
@@ -310,103 +243,6 @@ def loss_check(stock: Row, fast: Row, builder: Builder, opts) -> dict:
     out["difference"] = diff
     out["relative_difference"] = diff / out["stock_final_loss"] if out["stock_final_loss"] else math.nan
     return out
-
-
-def table_rows(results: Mapping[Row, dict], device_name: str) -> List[dict]:
-    """The rows of docs/benchmarks/gpu.json: exactly the schema of issue #13 (+ ``note``)."""
-    rows = []
-    for row, rec in results.items():
-        rates = rec.get("rates") or []
-        tps = harness.median([r for r in rates if math.isfinite(r)])
-        seconds = rec.get("seconds") or []
-        fps = harness.median([rec["flops_per_trial"] / s for s in seconds]) if seconds else math.nan
-        out = {
-            "config": row.label,
-            "layers": row.layers,
-            "device": device_name,
-            "precision": row.variant.precision,
-            "tokens_per_s": None if not math.isfinite(tps) else round(tps, 1),
-            "ratio_to_stock": None if not rec.get("ratios") else round(harness.median(rec["ratios"]), 4),
-            "peak_mem_gib": None if rec.get("peak_mib") is None else round(rec["peak_mib"] / 1024, 3),
-            "mfu": None
-            if not math.isfinite(fps) or flops.mfu(fps, device_name) is None
-            else round(flops.mfu(fps, device_name), 4),
-        }
-        if rec.get("note"):
-            out["note"] = rec["note"]
-        rows.append(out)
-    return rows
-
-
-def targets(results: Mapping[Row, dict], loss: dict | None, first: int) -> List[str]:
-    """The issue's targets on the first (6-layer) depth, as MET / MISSED lines."""
-    lines = []
-
-    def ratio(row: Row) -> float:
-        return harness.median(results.get(row, {}).get("ratios") or [])
-
-    plugin = [r for r in results if r.config == "plugin" and r.layers == first and results[r].get("rates")]
-    if plugin:
-        fast = max(plugin, key=lambda r: harness.median(results[r]["rates"]))
-        got = ratio(fast)
-        base = results[fast].get("baseline") or "no stock row measured in this pass"
-        lines.append(
-            f"fastest plugin path {fast.key} vs {base}: {got:.3f}x; target >= {FAST_TARGET:.2f}: "
-            f"{_verdict(got, FAST_TARGET)}"
-        )
-    for name in INIT_ONLY:
-        row = Row(name, Variant("fp16"), first)
-        if results.get(row, {}).get("ratios"):
-            got = ratio(row)
-            lines.append(
-                f"{row.key} vs {results[row]['baseline']}: {harness.Stat.of(results[row]['ratios']).text()}; "
-                f"target >= {INIT_ONLY_TARGET:.2f}: {_verdict(got, INIT_ONLY_TARGET)}"
-            )
-    sn = results.get(Row("preln-scalenorm", Variant("fp16"), first), {})
-    if sn.get("ratios_to_preln"):
-        got = harness.median(sn["ratios_to_preln"])
-        lines.append(
-            f"ScaleNorm vs LayerNorm (Pre-norm, fp16, {first}L): {harness.Stat.of(sn['ratios_to_preln']).text()}; "
-            f"target >= {NORM_TARGET:.2f}: {_verdict(got, NORM_TARGET)}"
-        )
-    if loss and "note" in loss:
-        lines.append(f"loss curve: {loss['note']}")
-    elif loss:
-        rel = loss["relative_difference"]
-        lines.append(
-            f"loss curve: {loss['fast_config']} final loss {loss['fast_final_loss']:.4f} vs {loss['stock_config']} "
-            f"{loss['stock_final_loss']:.4f} after {loss['updates']} updates ({100 * rel:+.2f} %); "
-            f"target |difference| <= {100 * LOSS_TOLERANCE:.0f} %: {_verdict(-abs(rel), -LOSS_TOLERANCE)}"
-        )
-    return lines
-
-
-def _verdict(got: float, target: float) -> str:
-    return "n/a" if not math.isfinite(got) else "MET" if got >= target else "MISSED"
-
-
-def markdown(doc: dict) -> str:
-    """The ready-to-paste report: provenance, the table, the targets, the loss check."""
-    cells = [[r["config"], r["layers"], r["precision"], _num(r["tokens_per_s"], "{:.0f}"),
-              _num(r["ratio_to_stock"], "{:.3f}"), _num(r["peak_mem_gib"], "{:.2f}"), _num(r["mfu"], "{:.1%}"),
-              r.get("note", "")] for r in doc["rows"]]  # fmt: skip
-    header = ["config", "layers", "precision", "tokens/s", "x stock fp16", "peak GiB", "MFU", "note"]
-    meta = doc["meta"]
-    return "\n".join([
-        f"GPU matrix: --max-tokens {meta['max_tokens']}, {meta['steps']} steps per trial, {meta['repeats']} "
-        f"interleaved rounds, {meta['warmup']} warm-up steps.",
-        harness.provenance(meta), "",
-        "tokens/s: target tokens per second, median over rounds. x stock fp16: median of the per-round ratios to stock "
-        "`transformer` in fp16 at the same depth and norm position (stock fp32 where fp16 was skipped). Peak: "
-        "max_memory_allocated growth (CPU: RSS growth) while building and warming up. MFU: model FLOPs per second "
-        f"over the dense bf16 peak ({doc['peak_note']}).", "",
-        harness.markdown_table(header, cells, right=(1, 3, 4, 5, 6)), "",
-        "Targets:", "", *[f"- {line}" for line in doc["targets"]],
-    ])  # fmt: skip
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else fmt.format(value)
 
 
 def pass_name(opts) -> str:
