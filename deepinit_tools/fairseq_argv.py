@@ -63,11 +63,14 @@ def preprocess(
     tests: Sequence[Path] = (),
     threshold: int | None = None,
     workers: int = 1,
-    langs: Tuple[str, str] = ("de", "en"),
+    langs: Tuple[str, str] | None = ("de", "en"),
+    extra: Sequence[str] = (),
 ) -> List[str]:
-    """``fairseq-preprocess`` of a language pair: ``train`` (the dictionaries' split, min count
-    ``threshold``), ``valid`` and ``tests`` prefixes into ``dest``."""
-    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", langs[0], "--target-lang", langs[1]]
+    """``fairseq-preprocess`` of a language pair (``langs``; None: one language, ``--only-source``, as a
+    language model's text): ``train`` (the dictionaries' split, min count ``threshold``), ``valid`` and
+    ``tests`` prefixes into ``dest``, then ``extra``."""
+    cmd = [sys.executable, "-m", "fairseq_cli.preprocess"]
+    cmd += ["--source-lang", langs[0], "--target-lang", langs[1]] if langs else ["--only-source"]
     cmd += ["--trainpref", str(train)]
     if valid is not None:
         cmd += ["--validpref", str(valid)]
@@ -76,4 +79,4 @@ def preprocess(
     cmd += ["--destdir", str(dest), "--workers", str(workers)]
     if threshold is not None:
         cmd += ["--thresholdsrc", str(threshold), "--thresholdtgt", str(threshold)]
-    return cmd
+    return cmd + list(extra)

@@ -103,10 +103,9 @@ def prepare(work: Path, vocab: int) -> Path:
         for name, lines in splits.items():
             prepare_bible._write_lines(raw / f"{name}.txt", lines)
         log(", ".join(f"{k}: {len(v)} verses" for k, v in splits.items()))
-    cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--nwordssrc", str(vocab)]
-    cmd += ["--trainpref", raw / "train.txt", "--validpref", raw / "valid.txt", "--testpref", raw / "test.txt"]
-    cmd += ["--destdir", dest, "--workers", "1"]
-    subprocess.run(list(map(str, cmd)), check=True, stdout=subprocess.DEVNULL)
+    prefixes = dict(valid=raw / "valid.txt", tests=[raw / "test.txt"])
+    cmd = fa.preprocess(raw / "train.txt", dest, **prefixes, langs=None, extra=("--nwordssrc", str(vocab)))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return dest
 
 
