@@ -79,15 +79,6 @@ def log(msg: str) -> None:
     print(f"[multi30k] {msg}", file=sys.stderr, flush=True)
 
 
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def download(url: str, dest: Path, sha256: str, opener: Opener | None = None) -> Path:
     """Fetch ``url`` to ``dest`` through a temporary file, kept only when its sha256 is ``sha256``,
     so an interrupted or altered download never sits in the cache looking complete. ``opener``
@@ -123,7 +114,7 @@ def fetch_release(cache: Path | None = None, base_url: str | None = None, opener
     for name, sha in SHA256.items():
         path = cache / name
         if path.exists():
-            if sha256_of(path) == sha:
+            if prepare_bible.sha256_of(path) == sha:
                 continue
             log(f"{path} does not match its sha256 (damaged): downloading it again")
         log(f"downloading {name} from {base_url} into {cache}")

@@ -62,6 +62,7 @@ def log(msg: str) -> None:
 
 
 def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in blocks (the wheel here, Multi30k's files in :mod:`deepinit_tools.multi30k`)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
