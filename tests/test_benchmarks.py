@@ -7,7 +7,6 @@ same tokens, and that the printed table agrees with the JSON.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -18,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import MULTI30K, REPO, run_script
+from deepinit_tools.bench import throughput as tp
+from deepinit_tools.bench import throughput_report
+from deepinit_tools.harness import flops, report, timing
 
 SCRIPT = REPO / "benchmarks" / "throughput.py"
 SCRIPTS = (
@@ -30,20 +32,6 @@ SCRIPTS = (
     "gpu_results.py",
     "gpu_readiness.py",
 )
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the scripts import it
-
-from harness import flops, report, timing  # noqa: E402
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("benchmarks_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-tp = load_script()
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +112,7 @@ def _fake(ratios: dict) -> dict:
 def test_verdicts_apply_the_targets():
     res = _fake({"stock": 1.0, "postln": 0.979, "lipschitz": 0.98, "deepnorm": 0.5})
     res["shapes"]["s"]["preln-scalenorm"]["ratio_to_preln"] = [0.999, 1.2, 0.9]
-    lines = tp.verdicts(res)
+    lines = throughput_report.verdicts(res)
     assert any(line.startswith("s postln vs stock") and line.endswith("MISSED") for line in lines)
     assert any(line.startswith("s lipschitz vs stock") and line.endswith("MET") for line in lines)
     assert not any("deepnorm" in line for line in lines)  # not init-only: reported, no target
@@ -322,7 +310,7 @@ def test_gpu_readiness_quick_fills_every_column(tmp_path):
 
 def test_gpu_matrix_rows_and_compile_guard(monkeypatch):
     """The full matrix's rows; a failing torch.compile is recorded in its row, the others still run."""
-    import gpu_matrix
+    from deepinit_tools.bench import gpu_matrix
 
     rows = gpu_matrix.matrix([6, 18, 36], compile_row=True)
     assert len(rows) == 15 + 3 + 3
@@ -490,7 +478,7 @@ def test_every_option_has_help_with_its_default(script):
 
 def test_the_speed_target_is_stated_once_and_as_the_matrix_checks_it():
     """docs/benchmarks.md states the target FAST_TARGET / LOSS_TOLERANCE apply; docs/speed.md refers to it."""
-    import gpu_matrix
+    from deepinit_tools.bench import gpu_matrix_rows as gpu_matrix
 
     bench = (REPO / "docs" / "benchmarks.md").read_text()
     stated = re.search(r"\*\*at least ([\d.]+)x stock fairseq fp16 target tokens/s at equal\s+batch", bench)

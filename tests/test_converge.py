@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import MULTI30K, REPO, read_multi30k
+from deepinit_tools.matrix import budget as est
+from deepinit_tools.matrix import commands as cmds
+from deepinit_tools.matrix import logs
+from deepinit_tools.matrix import regimes as rg
+from deepinit_tools.matrix import report as rp
 
 SCRIPT = REPO / "scripts" / "multi30k_matrix.py"
-sys.path.insert(0, str(REPO / "scripts"))
-from matrix import commands as cmds  # noqa: E402
-from matrix import logs  # noqa: E402
-from matrix import regimes as rg  # noqa: E402
-from matrix import report as rp  # noqa: E402
 
 
 def curve(*losses: float) -> list:
@@ -111,18 +111,18 @@ def test_chunks_cover_the_matrix_and_the_estimate_follows_the_h100_figures():
         assert set(rg.cells_of(d, "both")) <= set(cells)
     assert {c.seed for c in cells if c.depth == 18 and c.regime == "paper" and c.method == "admin"} == {1, 2, 3}
     # the anchors: d=512 at 6 and 18 layers give the known H100 figures (18 layers within the CPU-vs-H100 gap)
-    assert rg.h100_tokens_per_s(6, 512) == pytest.approx(173_000)
-    assert rg.h100_tokens_per_s(18, 512) == pytest.approx(62_000, rel=0.03)
+    assert est.h100_tokens_per_s(6, 512) == pytest.approx(173_000)
+    assert est.h100_tokens_per_s(18, 512) == pytest.approx(62_000, rel=0.03)
     one = [rg.Cell(18, "preln", "paper")]
-    single = rg.estimate_cell_s(one[0], 256, rg.EPOCHS_EXPECTED) / 60
-    assert rg.estimate_chunk(one, 256, 4) == pytest.approx(single)  # one cell: no sharing gain
+    single = est.estimate_cell_s(one[0], 256, est.EPOCHS_EXPECTED) / 60
+    assert est.estimate_chunk(one, 256, 4) == pytest.approx(single)  # one cell: no sharing gain
     eight = [rg.Cell(18, m, "paper") for m in rg.METHODS[:8]]
-    assert rg.estimate_chunk(eight, 256, 4) == pytest.approx(8 * single / rg.JOBS_SPEEDUP[4])
-    assert rg.estimate_chunk(eight, 256, 1) > rg.estimate_chunk(eight, 256, 4)
-    assert rg.estimate_chunk(eight, 512, 4) > rg.estimate_chunk(eight, 256, 4)
+    assert est.estimate_chunk(eight, 256, 4) == pytest.approx(8 * single / est.JOBS_SPEEDUP[4])
+    assert est.estimate_chunk(eight, 256, 1) > est.estimate_chunk(eight, 256, 4)
+    assert est.estimate_chunk(eight, 512, 4) > est.estimate_chunk(eight, 256, 4)
     for name, ch in rg.CHUNKS.items():
         if not name.startswith("100l"):
-            assert rg.estimate_chunk(ch.cells, 256, 4) < 22, name  # one GPU session each
+            assert est.estimate_chunk(ch.cells, 256, 4) < 22, name  # one GPU session each
 
 
 def opts(tmp_path: Path, **kw) -> cmds.Options:
@@ -142,7 +142,7 @@ def test_cuda_commands(tmp_path):
     assert (split[i + 1], split[j + 1]) == ("4096", "2")  # 8192 tokens per update in two forwards
     whole = cmds.train_command(cell, opts(tmp_path, device="cuda", max_tokens_per_job=16384))
     assert whole[whole.index("--update-freq") + 1] == "1"
-    assert rg.update_freq(12000, 5000) == (4000, 3)
+    assert est.update_freq(12000, 5000) == (4000, 3)
     cpu = cmds.train_command(cell, opts(tmp_path))
     assert "--cpu" in cpu and "--patience" in cpu and cpu[cpu.index("--max-epoch") + 1] == "50"
     with pytest.raises(cmds.ConvergeError, match="needs --device cuda"):
@@ -298,12 +298,12 @@ def test_cuda_cells_train_on_the_fast_path(tmp_path):
 def test_translate_stops_at_the_deadline(tmp_path, monkeypatch):
     """fairseq-generate (here a stand-in that never ends) is killed at the deadline; nothing is taken
     for a finished translation, and a deadline already passed starts nothing."""
-    from matrix import decode
+    from deepinit_tools.matrix import decode
 
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nsleep 60 &\nwait\n")  # a child that would hold the pipe open, as data loaders do
     fake.chmod(0o755)
-    monkeypatch.setattr(decode.sys, "executable", str(fake))
+    monkeypatch.setattr(sys, "executable", str(fake))  # the interpreter every fairseq command runs in
     (tmp_path / "checkpoint_best.pt").write_bytes(b"")
     t0 = decode.time.time()
     with pytest.raises(decode.DecodeDeadline):
@@ -317,7 +317,7 @@ def test_translate_stops_at_the_deadline(tmp_path, monkeypatch):
 
 def test_the_pack_is_rewritten_after_every_cell(tmp_path, monkeypatch):
     """A command cut after its first cell still returns that cell's result in the pack."""
-    from matrix import run
+    from deepinit_tools.matrix import run
 
     seen: list = []
 
@@ -350,21 +350,21 @@ def rates_file(path: Path, per: dict, device_type: str = "cuda") -> Path:
 
 
 def test_plan_schedules_the_cells_in_order_on_the_measured_rates(tmp_path):
-    from matrix import plan
+    from deepinit_tools.matrix import plan
 
     assert plan.schedule([4, 1, 1, 1], 2) == [4, 1, 2, 3]  # in order, each to the first free slot
     # perfect sharing: 8 processes each as fast as one alone -> the 8 cells of 6 layers take one cell's time
     rates = plan.load_rates(rates_file(tmp_path / "r.json", {1: 100_000.0, 8: 100_000.0}))
     cells = [rg.Cell(6, m, "paper") for m in rg.MAIN_METHODS[:8]]
     one = plan.cell_seconds(cells[0], rates, 256, 1)
-    assert one == pytest.approx(rg.estimate_cell_s(cells[0], 256, rg.EPOCHS_EXPECTED, tokens_per_s=100_000.0))
+    assert one == pytest.approx(est.estimate_cell_s(cells[0], 256, est.EPOCHS_EXPECTED, tokens_per_s=100_000.0))
     text, best = plan.plan(cells, rates, 256, [1, 8], budget_min=one / 60 + 0.01, command_min=8.5)
     assert best == 8 and "measured by --measure-jobs on NVIDIA H100" in text
     assert f"{8 * one / 60:9.1f}" in text and f"{one / 60:9.1f}" in text  # wall minutes at 1 and 8 jobs
     assert "finished within" in text and all(c.name in text for c in cells)
     # an 18-layer cell: the 6-layer rate scaled by the CPU-measured depth cost, and the plan says so
     value, how = rates.rate(18, 8)
-    assert value == pytest.approx(100_000 / rg.depth_cost(18)) and "scaled" in how
+    assert value == pytest.approx(100_000 / est.depth_cost(18)) and "scaled" in how
     assert plan.best_jobs(plan.load_rates(rates_file(tmp_path / "s.json", {1: 100.0, 8: 20.0, 16: 9.0}))) == 8
 
 
@@ -391,7 +391,7 @@ def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
     import threading
     import time
 
-    from matrix import plan
+    from deepinit_tools.matrix import plan
 
     assert plan.schedule([10, 10, 10], 3, [50, 50, 50], 100) == [10, 10, 20]  # the third waits for memory
     assert plan.schedule([10, 10, 10], 3, [50, 50, 50], None) == [10, 10, 10]  # nothing measured: no gate
@@ -428,7 +428,7 @@ def test_packed_cells_start_in_order_within_the_measured_memory(tmp_path):
 
 
 def test_skip_done_leaves_out_the_cells_with_a_result_on_the_same_device(tmp_path, monkeypatch):
-    from matrix import run
+    from deepinit_tools.matrix import run
 
     ran: list = []
     monkeypatch.setattr(run, "run_cell", lambda c, o, dev, stall: ran.append(c.name))

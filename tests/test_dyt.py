@@ -32,14 +32,14 @@ mutations of the module.
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 from ports import dyt as port
 
-from conftest import REPO, TINY_DIMS, build_model
+from conftest import TINY_DIMS, build_model
+from deepinit_tools.harness.op_counters import OpCounter  # noqa: E402
 from fairseq_deepinit.modules.dyt import (
     DERF_ALPHA_INIT,
     DERF_SHIFT_INIT,
@@ -54,9 +54,6 @@ from fairseq_deepinit.modules.dyt import (
     embed_scale_init,
     learnable_embed_scale,
 )
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
-from harness.op_counters import OpCounter  # noqa: E402
 
 F64 = torch.float64
 HALF = (torch.float16, torch.bfloat16)

@@ -5,7 +5,7 @@ backward, fairseq's update, ``reduce_metrics``) on a padded batch (sources left-
 right-padded, as fairseq collates them):
 
 - with the CPU standing in for the device, at most one host read of device data per update
-  (``benchmarks/harness/host_reads.py: HostReads``; stock fairseq's count is in the message: one per
+  (``deepinit_tools/harness/host_reads.py: HostReads``; stock fairseq's count is in the message: one per
   encoder layer and one in the decoder);
 - on the ``meta`` device, which, like CUDA, refuses a non-scalar CPU operand and has nothing to read:
   no host read by the plugin (reads answered with stand-ins and counted), and a second update with
@@ -27,18 +27,15 @@ do not depend on the width).
 from __future__ import annotations
 
 import functools
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_DIMS, build_model, make_dictionary
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness and the script, as benchmarks import them
-
-import gpu_readiness as gr  # noqa: E402
-from harness import counters  # noqa: E402
-from harness.fairseq_train import Shape  # noqa: E402
+from conftest import TINY_DIMS, build_model, make_dictionary
+from deepinit_tools.bench import gpu_readiness as gr
+from deepinit_tools.bench import readiness_table as rt
+from deepinit_tools.harness import counters
+from deepinit_tools.harness.fairseq_train import Shape
 
 gr.plugin()
 from fairseq_deepinit.architectures import FAMILIES  # noqa: E402
@@ -75,7 +72,7 @@ def test_at_most_one_host_read_per_update_and_none_on_meta(kind, family, stock):
     mb = gr.build(kind, fam.arch, SHAPE, task=fam.task, meta=True)
     ms = gr.batch(kind, "meta")
     first = gr.reads(lambda: gr.update(mb, ms, 0), meta=True)
-    designed = gr.ADMIN_PROFILING_READS if fam.task else 0  # Admin's profiling: its batch's cut, its readout
+    designed = rt.ADMIN_PROFILING_READS if fam.task else 0  # Admin's profiling: its batch's cut, its readout
     assert first.count("plugin") == designed, first.lines()
     gr.update(mb, ms, 1)  # no stand-ins: a read or a CPU operand would raise
 
@@ -189,7 +186,7 @@ def test_init_only_families_launch_at_most_2_percent_more_ops_than_stock(kind, f
     b = gr.build(kind, fam.arch, SHAPE, task=fam.task)
     plugin = _update_ops(kind, fam.arch, task=fam.task)
     stock = _update_ops(kind, gr.stock_arch(kind), *gr.stock_flags(b))
-    assert plugin <= gr.OP_TARGET * stock, (plugin, stock, plugin / stock)
+    assert plugin <= rt.OP_TARGET * stock, (plugin, stock, plugin / stock)
 
 
 def test_norm_kernels_meet_their_targets():

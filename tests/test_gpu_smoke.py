@@ -15,9 +15,7 @@ import pytest
 from conftest import REPO, run_script
 
 SCRIPT = REPO / "benchmarks" / "gpu_smoke.py"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import gpu_smoke  # noqa: E402
+from deepinit_tools.bench import gpu_smoke  # noqa: E402
 
 # one of each kind: stock, a Post-LN init scheme, Admin (profiling on the first step), MAtt (its own
 # incremental decoding), Sub-LN and NormFormer (successors with extra norms), two language models
@@ -120,7 +118,7 @@ def test_bad_options_are_one_line(args, message):
 
 def test_gpu_results_merges_a_session_into_gpu_json_and_refuses_cpu_results(tmp_path):
     """benchmarks/gpu_results.py: each file under its slot; a newer pass replaces the stored one; CPU refused."""
-    import gpu_results
+    from deepinit_tools.bench import gpu_results
 
     def result(name: str, device: str, value: int):
         path = tmp_path / name

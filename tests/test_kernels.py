@@ -10,16 +10,15 @@
 - DeepNorm's residual as one ``torch.add(..., alpha=)``: its rounding bound and op count.
 - aten ops per training step against stock fairseq at equal dimensions.
 
-Counters: ``benchmarks/harness/op_counters.py`` (aten ops after autograd as CUDA would launch them, a fused
+Counters: ``deepinit_tools/harness/op_counters.py`` (aten ops after autograd as CUDA would launch them, a fused
 ``F.rms_norm`` or ``F.scaled_dot_product_attention`` counted once each way) and
-``benchmarks/harness/attention_calls.py`` (the path and mask of every attention call).
+``deepinit_tools/harness/attention_calls.py`` (the path and mask of every attention call).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -29,16 +28,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import REPO, build_model, make_dictionary
+from conftest import build_model, make_dictionary
+from deepinit_tools.harness.attention_calls import AttentionCalls  # noqa: E402
+from deepinit_tools.harness.op_counters import OpCounter  # noqa: E402
 from fairseq_deepinit.modules import padding
 from fairseq_deepinit.modules.attention import SDPAMultiheadAttention
 from fairseq_deepinit.modules.masks import future_mask, is_future_mask
 from fairseq_deepinit.modules.norms import RMSNorm, ScaleNorm, _ScaleNormFunction, build_norm, scalenorm_as_rms_norm
 from fairseq_deepinit.modules.residual import ConstantResidual
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
-from harness.attention_calls import AttentionCalls  # noqa: E402
-from harness.op_counters import OpCounter  # noqa: E402
 
 PAD = 1
 # fairseq's MultiheadAttention vs the fused kernel: same function, different reduction order, each
@@ -609,11 +606,8 @@ def test_step_ops_against_stock(arch, stock_flags):
 def test_norm_speed_benchmark_smoke(capsys):
     """The side-by-side benchmark runs, prints every norm's ratio to LayerNorm and its kernel count;
     bad input is one line and exit status 1; every option's help names its default."""
-    import importlib.util
+    from deepinit_tools.bench import norm_speed as script
 
-    spec = importlib.util.spec_from_file_location("benchmarks_norm_speed", REPO / "benchmarks" / "norm_speed.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     script.main(["--shape", "4x2x16", "--calls", "1", "--rounds", "2", "--warmup", "0"])
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}

@@ -6,7 +6,11 @@
   imports only ``modules/``, ``matt/`` (MAtt's layer) and ``errors``;
 - no module over 400 lines;
 - every method module holds one record that :data:`fairseq_deepinit.methods.METHODS` lists, and
-  docs/schemes.md's method table is the one generated from the records.
+  docs/schemes.md's method table is the one generated from the records;
+- the tools (``deepinit_tools/``): no import cycle, no module over 400 lines, the plugin never imports
+  them; ``scripts/*.py`` and ``benchmarks/*.py`` are entry points only (a docstring, imports of the
+  tools, the ``__main__`` call); no ``sys.path`` bootstrap in the tools, scripts, benchmarks or tests;
+  one builder of fairseq command lines (``deepinit_tools/fairseq_argv.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 from conftest import REPO
 
 PACKAGE = "fairseq_deepinit"
+TOOLS = "deepinit_tools"  # the scripts' and benchmarks' code, above the plugin
 ROOT = REPO / PACKAGE
 MAX_LINES = 400
 
@@ -30,8 +35,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def modules() -> dict:
-    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+def modules(package: str = PACKAGE) -> dict:
+    return {module_name(p): p for p in sorted((REPO / package).rglob("*.py"))}
 
 
 def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -42,8 +47,8 @@ def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(name: str, path: Path, known: set) -> set:
-    """The plugin modules ``name`` imports anywhere in its body (functions included)."""
+def imports_of(name: str, path: Path, known: set, package: str = PACKAGE) -> set:
+    """The modules of ``package`` that ``name`` imports anywhere in its body (functions included)."""
     out = set()
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
@@ -55,22 +60,22 @@ def imports_of(name: str, path: Path, known: set) -> set:
         else:
             continue
         for target in targets:
-            if target == PACKAGE or target.startswith(PACKAGE + "."):
+            if target == package or target.startswith(package + "."):
                 while target not in known:  # an attribute of a module: the module
                     target = target.rsplit(".", 1)[0]
                 out.add(target)
     return out
 
 
-def graph() -> dict:
+def graph(package: str = PACKAGE) -> dict:
     """module -> modules it imports, plus the packages whose ``__init__`` such an import runs first
     (those that do not contain the importing module)."""
-    mods = modules()
+    mods = modules(package)
     known = set(mods)
     edges = {}
     for name, path in mods.items():
         targets = set()
-        for target in imports_of(name, path, known):
+        for target in imports_of(name, path, known, package):
             parts = target.split(".")
             for i in range(2, len(parts) + 1):
                 package = ".".join(parts[:i])
@@ -107,8 +112,9 @@ def find_cycle(edges: dict) -> list | None:
     return None
 
 
-def test_no_import_cycle():
-    cycle = find_cycle(graph())
+@pytest.mark.parametrize("package", [PACKAGE, TOOLS])
+def test_no_import_cycle(package):
+    cycle = find_cycle(graph(package))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
@@ -165,3 +171,102 @@ def test_docs_method_table_is_generated_from_the_records():
     assert table.current(text) == table.render(), (
         "docs/schemes.md's method table differs from the records: run python -m fairseq_deepinit.methods.table --write"
     )
+
+
+# --- the tools: deepinit_tools/, and scripts/ and benchmarks/ as its command lines -----------------
+
+ENTRY_POINTS = sorted([*(REPO / "scripts").glob("*.py"), *(REPO / "benchmarks").glob("*.py")])
+# writes the 0.1.0 fixtures with the 0.1.0 release's plugin, from a worktree of that commit: putting that
+# copy first on the path is what it is for (its docstring)
+SYS_PATH_EXEMPT = {REPO / "tests" / "fixtures" / "make_v010.py"}
+
+
+def _imported(tree: ast.AST) -> list:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            out.append(node.module or "")
+    return out
+
+
+def test_the_plugin_never_imports_the_tools():
+    bad = [
+        f"{name} imports {target}"
+        for name, path in modules().items()
+        for target in _imported(ast.parse(path.read_text()))
+        if target == TOOLS or target.startswith(TOOLS + ".")
+    ]
+    assert not bad, "the plugin must not depend on its tools: " + "; ".join(bad)
+
+
+def test_no_tools_module_over_400_lines():
+    paths = [*modules(TOOLS).values(), *ENTRY_POINTS]
+    long = {str(p.relative_to(REPO)): n for p in paths if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split by responsibility (at most {MAX_LINES} lines): {long}"
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_scripts_and_benchmarks_are_entry_points_of_the_tools(script):
+    """A docstring, imports (``sys`` and the tools), ``if __name__ == "__main__": main()``: the code is in
+    ``deepinit_tools`` (importable by tests and by the other tools without ``sys.path``)."""
+    tree = ast.parse(script.read_text())
+    body = tree.body[1:] if ast.get_docstring(tree) else tree.body
+    for node in body:
+        if isinstance(node, ast.Import):
+            assert [a.name for a in node.names] == ["sys"], f"{script.name}: imports {[a.name for a in node.names]}"
+        elif isinstance(node, ast.ImportFrom):
+            assert (node.module or "").startswith(TOOLS + "."), f"{script.name}: imports from {node.module}"
+        else:
+            assert isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'", (
+                f"{script.name}:{node.lineno}: only imports and the __main__ call belong in an entry point"
+            )
+
+
+def _sys_path_changes(tree: ast.AST) -> list:
+    """Lines that change ``sys.path`` (a method call on it, or an assignment to it)."""
+
+    def is_sys_path(node) -> bool:
+        return ast.unparse(node) == "sys.path"
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            if node.func.attr in ("insert", "append", "extend", "pop", "remove", "clear"):
+                out.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t.value if isinstance(t, ast.Subscript) else t) for t in targets):
+                out.append(node.lineno)
+    return sorted(out)
+
+
+def test_no_sys_path_bootstraps():
+    """Tools, scripts, benchmarks and tests import packages; only the root conftest.py puts the checkout
+    on the path (once, for the tests and the processes they start)."""
+    files = [*modules(TOOLS).values(), *ENTRY_POINTS, *sorted((REPO / "tests").rglob("*.py"))]
+    bad = {
+        str(p.relative_to(REPO)): lines
+        for p in files
+        if p not in SYS_PATH_EXEMPT and (lines := _sys_path_changes(ast.parse(p.read_text())))
+    }
+    assert not bad, f"sys.path changed (import the package instead): {bad}"
+    assert _sys_path_changes(ast.parse("import sys\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']")) == [2, 3]
+
+
+def test_one_builder_of_fairseq_command_lines():
+    """``python -m fairseq_cli.<tool>`` and the plugin's bf16 flag are spelled in fairseq_argv.py only."""
+    own = REPO / TOOLS / "fairseq_argv.py"
+    bad = []
+    for path in modules(TOOLS).values():
+        if path == own:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.List):
+                items = [ast.unparse(e) for e in node.elts]
+                if "'-m'" in items and any(i.startswith(("'fairseq_cli.", "f'fairseq_cli.")) for i in items):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            elif isinstance(node, ast.Constant) and node.value == "--autocast-bf16":
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} (--autocast-bf16)")
+    assert not bad, "build fairseq commands with deepinit_tools.fairseq_argv: " + ", ".join(bad)

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sqlite3
-import sys
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-import lm_depth_study as study  # noqa: E402
+from deepinit_tools import lm_depth_study as study  # noqa: E402
 
 
 def _db(path, rows):

@@ -20,8 +20,7 @@ import pytest
 from conftest import MULTI30K, REPO, read_multi30k
 
 SCRIPT = REPO / "scripts" / "multi30k_matrix.py"
-sys.path.insert(0, str(REPO / "scripts"))
-from matrix import cells, common, early_report  # noqa: E402
+from deepinit_tools.matrix import cells, common, early_report  # noqa: E402
 
 
 def valid_line(update: int, loss: float, nll: float) -> str:

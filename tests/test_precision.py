@@ -1,6 +1,6 @@
 """Low precision on every path: checkpointed recompute under autocast, FixNorm in fp16/bf16, the guard's replay.
 
-- ``--checkpoint-activations`` under bf16 autocast: a dtype audit (``benchmarks/harness/op_counters.py``)
+- ``--checkpoint-activations`` under bf16 autocast: a dtype audit (``deepinit_tools/harness/op_counters.py``)
   of the forward and backward passes finds every matrix product in bf16, the recompute included, and
   the gradients are bit for bit those without checkpointing, dropout on (the recompute replays the
   forward's masks, in the forward's dtypes); fairseq-train gives the same losses and weights.
@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 
 import pytest
 import torch
 from cli_fork import run_forked
 from fairseq import utils
 
-from conftest import REPO, TINY_DIMS, USER_DIR, build_model, make_dictionary, tiny_batch
+from conftest import TINY_DIMS, USER_DIR, build_model, make_dictionary, tiny_batch
+from deepinit_tools.harness.op_counters import MatmulDtypeAudit  # noqa: E402
 from fairseq_deepinit.errors import DivergenceError
 from fairseq_deepinit.modules.fixnorm import FixNormEmbedding, FixNormOutputProjection, norm_floor
 from fairseq_deepinit.training.activation_checkpoint import checkpoint_wrapper
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
-from harness.op_counters import MatmulDtypeAudit  # noqa: E402
 
 BF16 = torch.bfloat16
 # attention dropout apart: with it torch's CPU attention (F.scaled_dot_product_attention, which

@@ -4,7 +4,6 @@ database with the schema of the real one; nothing is downloaded."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import math
 import os
 import random
@@ -16,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from deepinit_tools import prepare_bible as pb
+
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("prepare_bible", REPO / "scripts" / "prepare_bible.py")
-pb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pb)
 
 SCHEMA = (
     "CREATE TABLE bible (id INTEGER NOT NULL, bbName TEXT NOT NULL, bNumber INTEGER NOT NULL, "

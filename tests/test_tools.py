@@ -21,13 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_DIMS, USER_DIR, run_cli
-
-sys.path.insert(0, str(REPO / "scripts"))
-import generate_progress as gp  # noqa: E402
-import multi30k_data as md  # noqa: E402
-import multi30k_matrix as mm  # noqa: E402
-import prepare_bible  # noqa: E402
-from matrix import common  # noqa: E402
+from deepinit_tools import generate_progress as gp  # noqa: E402
+from deepinit_tools import multi30k as md  # noqa: E402
+from deepinit_tools import multi30k_matrix as mm  # noqa: E402
+from deepinit_tools import prepare_bible  # noqa: E402
 
 # ---- Multi30k: given folder, local copy, pinned download --------------------------------------
 
@@ -60,7 +57,7 @@ def offline(monkeypatch, tmp_path):
 def test_pinned_release_is_a_fixed_commit_with_every_file_hashed():
     assert re.fullmatch(r"[0-9a-f]{40}", md.COMMIT) and md.COMMIT in md.BASE_URL
     assert md.BASE_URL.startswith("https://raw.githubusercontent.com/multi30k/dataset/")
-    assert set(common.SPLITS.values()) == {name.split(".")[0] for name in md.SHA256}  # every split the driver reads
+    assert set(md.SPLITS.values()) == {name.split(".")[0] for name in md.SHA256}  # every split the driver reads
     assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in md.SHA256.values()) and len(md.SHA256) == 8
 
 
@@ -270,3 +267,50 @@ def test_shell_scripts_print_their_knobs(script):
     assert proc.returncode == 0 and "Knobs" in proc.stdout and "WORK_DIR" in proc.stdout
     bad = subprocess.run(["bash", str(REPO / "scripts" / script), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and bad.stderr.count("\n") == 1
+
+
+# ---- the one builder of fairseq command lines -------------------------------------------------
+
+
+def test_fairseq_argv_builder():
+    """deepinit_tools.fairseq_argv: the plugin's bf16 (never fairseq's TPU --bf16), the command with the
+    plugin next to the tools, its recorded form, and dimension flags fairseq parses to what was asked."""
+    from fairseq import options
+
+    from deepinit_tools import fairseq_argv as fa
+
+    assert fa.precision_flags("bf16") == ["--task", "translation_deepinit", "--autocast-bf16"]
+    assert fa.precision_flags("bf16", has_task=True) == ["--autocast-bf16"]
+    assert (fa.precision_flags("fp16"), fa.precision_flags("amp"), fa.precision_flags("fp32")) == (
+        ["--fp16"],
+        ["--amp"],
+        [],
+    )
+    with pytest.raises(ValueError, match="choose one of"):
+        fa.precision_flags("bf32")
+    cmd = fa.command("eval_lm", REPO / "data-bin", "--cpu")
+    assert cmd[1:4] == ["-m", "fairseq_cli.eval_lm", str(REPO / "data-bin")] and cmd[4:] == [
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+    ]
+    assert fa.printable(cmd) == "fairseq-eval-lm data-bin --user-dir fairseq_deepinit --cpu"
+    argv = ["/nonexistent", "--task", "translation", "-s", "de", "-t", "en", "--arch", "transformer"]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv + fa.dims(3, 48, 96, 2))
+    got = [
+        getattr(args, f"{s}_{k}")
+        for s in ("encoder", "decoder")
+        for k in ("layers", "embed_dim", "ffn_embed_dim", "attention_heads")
+    ]
+    assert got == [3, 48, 96, 2] * 2
+    lm = fa.dims(5, 32, 64, 4, ("decoder",))
+    assert lm == [
+        "--decoder-layers",
+        "5",
+        "--decoder-embed-dim",
+        "32",
+        "--decoder-ffn-embed-dim",
+        "64",
+        "--decoder-attention-heads",
+        "4",
+    ]

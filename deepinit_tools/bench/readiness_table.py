@@ -1,0 +1,134 @@
+"""gpu_readiness.py's targets and its table: one row per family, the verdict of every target."""
+
+from __future__ import annotations
+
+from typing import List
+
+from deepinit_tools import harness
+
+# families whose modules are stock fairseq's (only the initialisation differs): op target 1.02
+INIT_ONLY = ("postln", "preln", "lipschitz", "dsinit")
+OP_TARGET = 1.02
+NORM_TARGETS = {"rmsnorm": 2, "scalenorm": 3}  # at most LayerNorm's kernels + this
+# Admin profiling reads twice per run: its batch's cut (rows and widths) and the profile (numbers to log)
+ADMIN_PROFILING_READS = 2
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("ok" if ok else "FAIL")
+
+
+def meta_cell(meta: dict) -> tuple[str, bool]:
+    if "error" in meta:
+        return f"FAIL ({meta['error']})", False
+    ok = meta.get("plugin_reads", 0) == 0
+    return ("ok" if ok else f"FAIL ({meta['plugin_reads']} plugin reads)"), ok
+
+
+def fmt_reads(row: dict) -> str:
+    meta = row.get("meta", {})
+    m = meta.get("reads", "?") if "error" not in meta else "?"
+    stock = row.get("stock", {})
+    text = f"{_num(m)} / {_num(row.get('cpu_reads', '?'))}"
+    if stock:
+        text += f" ({_num(stock.get('meta_reads', '?'))} / {_num(stock.get('cpu_reads', '?'))})"
+    return text
+
+
+def _num(v) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+def row_cells(row: dict) -> List[str]:
+    meta_text, _ = meta_cell(row.get("meta", {}))
+    reads_ok = all(
+        isinstance(v, (int, float)) and v <= 1 for v in (row.get("cpu_reads"), row.get("meta", {}).get("reads"))
+    )
+    cells = [row["row"], meta_text, f"{fmt_reads(row)} {verdict(reads_ok)}"]
+    if "ops" in row:
+        ok = (row["op_ratio"] <= OP_TARGET) if row["init_only"] else None
+        cells.append(f"{row['ops']} / {row['stock']['ops']} = {row['op_ratio']:.3f} {verdict(ok)}")
+    else:
+        cells.append("-")
+    if "causal" in row:
+        n, total = row["causal"]
+        cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
+        n, total = row["sdpa"]
+        cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
+        fp = row["fp32_mm"]
+        ok = all(v == 0 for v in fp.values())
+        cells.append(f"{_num(fp['plain'])} / {_num(fp['checkpoint'])} {verdict(ok)}")
+    else:
+        cells += ["-", "-", "-"]
+    br = row.get("breaks")
+    if br is None:
+        cells.append("-")
+    else:
+        parts, ok = [], True
+        for impl in ("fairseq", "sdpa"):
+            if "error" in br[impl]:
+                parts.append(f"? ({br[impl]['error']})")
+                ok = False
+                continue
+            by = br[impl]["by_origin"]
+            parts.append(f"{by.get('plugin', 0)}/{by.get('fairseq', 0)}")
+            ok = ok and by.get("plugin", 0) == 0
+        cells.append(f"{'; '.join(parts)} {verdict(ok)}")
+    return cells
+
+
+HEADER = ["family", "meta (no plugin read)", "reads/step meta / cpu (stock) <= 1",
+          f"ops plugin / stock (init-only <= {OP_TARGET})", "causal, no TxT (sdpa)", "self-attn on SDPA",
+          "fp32 mm bf16 plain / ckpt = 0", "breaks plugin/fairseq: fairseq; sdpa attn (plugin 0)"]  # fmt: skip
+
+
+def special_cells(row: dict) -> List[str]:
+    meta_text, _ = meta_cell(row.get("meta", {}))
+    meta = row.get("meta", {})
+    if row["row"] == "admin profiling":
+        # by design: the profiling batch's cut (rows and widths) and the profile's numbers, once per run
+        ok = "error" not in meta and meta.get("plugin_reads", 9) <= ADMIN_PROFILING_READS
+        meta_text = f"ok ({meta['plugin_reads']} reads per run)" if ok else meta_text
+        reads_text = (f"{_num(meta.get('reads', '?'))} / {_num(row['cpu_reads'])} per run (cut, readout) "
+                      f"<= {ADMIN_PROFILING_READS} {verdict(ok)}")  # fmt: skip
+        return [row["row"], meta_text, reads_text, "-", "-", "-", "-", "-"]
+    if row["row"].startswith("diagnostics"):
+        ok = meta.get("reads", 9) <= 1 and row["cpu_reads"] <= 1 and meta.get("diagnostic_reads", 9) <= 1
+        text = (
+            f"{_num(meta.get('reads', '?'))} / {_num(row['cpu_reads'])}; diagnostic update: "
+            f"{_num(meta.get('diagnostic_reads', '?'))} / {_num(row['cpu_diagnostic_reads'])} {verdict(ok)}"
+        )
+        return [row["row"], meta_text, text, "-", "-", "-", "-", "-"]
+    return [
+        row["row"],
+        meta_text,
+        f"{fmt_reads(row)} per step {verdict(row['cpu_reads'] <= 1)}",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+    ]
+
+
+def cells(row: dict) -> List[str]:
+    if "error" in row:
+        return [row["row"], f"does not build: {row['error']}", "-", "-", "-", "-", "-", "-"]
+    return special_cells(row) if row["kind"] == "special" else row_cells(row)
+
+
+def markdown(rows: List[dict], norms: List[dict], meta: dict) -> str:
+    body = [cells(r) for r in rows]
+    lines = [harness.provenance(meta), "", harness.markdown_table(HEADER, body), ""]
+    norm_rows = [[n["norm"], n["dtype"], n["kernels"], "-" if n["limit"] is None else f"<= {n['limit']}",
+                  verdict(n["ok"])] for n in norms]  # fmt: skip
+    lines += [harness.markdown_table(["norm", "dtype", "kernels fwd+bwd", "target", ""], norm_rows, right=(2,)), ""]
+    notes = sorted(
+        {f"{impl}: {line}" for r in rows for impl, br in r.get("breaks", {}).items() for line in br.get("plugin", [])}
+    )
+    if notes:
+        lines += ["Graph breaks in the plugin's code:", ""] + [f"- `{n}`" for n in notes] + [""]
+    return "\n".join(lines)

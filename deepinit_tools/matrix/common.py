@@ -1,0 +1,64 @@
+"""What every part of the Multi30k matrix shares: paths, splits, the methods and their flags, the
+status thresholds, the error type and the log line.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Dict
+
+TEST_SETS = {"test": "test2016", "test1": "test2017"}
+
+# method -> (label in the tables, fairseq-train flags that select it)
+METHODS: Dict[str, tuple] = {
+    "postln": ("Post-LN", ["--arch", "postln_iwslt_de_en"]),
+    "preln": ("Pre-LN", ["--arch", "preln_iwslt_de_en"]),
+    "lipschitz": ("Lipschitz Post-LN", ["--arch", "lipschitz_iwslt_de_en"]),
+    "tfixup": ("T-Fixup (no LN)", ["--arch", "tfixup_iwslt_de_en"]),
+    "admin": ("Admin", ["--arch", "admin_iwslt_de_en", "--task", "translation_admin"]),
+    "dsinit": ("DS-Init", ["--arch", "dsinit_iwslt_de_en"]),
+    "dsinit_matt": ("DS-Init+MAtt", ["--arch", "dsinit_matt_iwslt_de_en"]),
+    "twt": ("PreNorm+ScaleNorm+FixNorm", ["--arch", "twt_iwslt_de_en"]),
+    "deepnorm": ("DeepNorm", ["--arch", "deepnorm_iwslt_de_en"]),
+    # successors (issue #16); their cells are not run yet (docs/results.md)
+    "admin_closed": ("Admin closed-form (admin-torch)", ["--arch", "admin_closed_iwslt_de_en"]),
+    "subln": ("Sub-LN (Magneto)", ["--arch", "subln_iwslt_de_en"]),
+    "b2t": ("B2T connection", ["--arch", "b2t_iwslt_de_en"]),
+    "deepnorm_torchscale": ("DeepNorm (torchscale)", ["--arch", "deepnorm_torchscale_iwslt_de_en"]),
+    "normformer": ("NormFormer", ["--arch", "normformer_iwslt_de_en"]),
+}
+REGIMES = ("warmup", "nowarmup")
+BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
+BLIND_FRACTION = 0.05  # fewer distinct dev translations than this share of sentences: the source is ignored
+PLATEAU_BITS = 0.1  # a cell whose second half gains less than this (bits/token) stopped learning
+
+
+class MatrixError(RuntimeError):
+    """An expected failure (missing data, unknown cell); the message says what to do."""
+
+
+def log(msg: str) -> None:
+    print(f"[multi30k] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_cell(name: str) -> tuple:
+    try:
+        method, depth, regime = name.split(":")
+        depth_i = int(depth)
+    except ValueError:
+        raise MatrixError(f"cell {name!r} is not METHOD:DEPTH:REGIME (e.g. postln:18:nowarmup)") from None
+    if method not in METHODS:
+        raise MatrixError(f"unknown method {method!r} in {name!r}; choose from {', '.join(METHODS)}")
+    if regime not in REGIMES:
+        raise MatrixError(f"unknown regime {regime!r} in {name!r}; choose from {', '.join(REGIMES)}")
+    return method, depth_i, regime
+
+
+def cell_name(method: str, depth: int, regime: str) -> str:
+    return f"{method}:{depth}:{regime}"
+
+
+def cell_dir(work: Path, name: str) -> Path:
+    return work / "runs" / name.replace(":", "-")
