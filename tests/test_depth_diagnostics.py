@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from fairseq.logging import metrics
 from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 from ports import diagnostics as port
 
-from conftest import REPO, TINY_DIMS, USER_DIR, build_model, make_dictionary, run_cli
+from conftest import TINY_DIMS, USER_DIR, build_model, make_dictionary, run_cli
 from fairseq_deepinit.diagnostics import (
     depth_diagnose,
     depth_hooks,
@@ -363,9 +362,8 @@ def test_criterion_pools_micro_batches_and_logs_maxima_on_diagnostic_updates_onl
 def test_no_host_read_on_plain_updates_and_one_copy_with_every_new_statistic():
     """Issue 22's rule with only the new statistics selected: a plain update reads nothing from the device,
     a diagnostic one reads everything in one copy (meta device, as tests/test_gpu_readiness.py)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu_readiness as gr
-    from harness.fairseq_train import Shape
+    from deepinit_tools.bench import gpu_readiness as gr
+    from deepinit_tools.harness.fairseq_train import Shape
 
     extra = ("--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "2",
              "--diagnostics-stats", "stream,angle,logit,counters")  # fmt: skip

@@ -16,7 +16,6 @@ A wrong alpha, bias, shift, position or embedding scale changes the output by mo
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
@@ -25,13 +24,11 @@ from ports import dyt as port
 from test_kernels import DIMS, RECIPE_DROPOUT, padded_batch, train_step
 from test_lm import N_SYMBOLS, TRAIN, build_lm, lm_bin  # noqa: F401  (lm_bin: the LM corpus fixture)
 
-from conftest import REPO, TINY_DIMS, USER_DIR, build_model, run_cli, tiny_batch
+from conftest import TINY_DIMS, USER_DIR, build_model, run_cli, tiny_batch
+from deepinit_tools.harness.op_counters import OpCounter
 from fairseq_deepinit.checkpoints.config_check import config_differences
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.modules.dyt import RELEASED_ALPHA_INIT, Derf, DyT
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
-from harness.op_counters import OpCounter  # noqa: E402
 
 F64 = torch.float64
 PRE = ["--encoder-normalize-before", "--decoder-normalize-before"]

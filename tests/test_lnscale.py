@@ -26,18 +26,15 @@ from __future__ import annotations
 import logging
 import math
 import re
-import sys
 
 import pytest
 import torch
 from ports import layernorm_scaling as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
 
-from conftest import REPO, USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
+from conftest import USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.methods.lnscale import DEPTH_SCALED_INITS, lns_factor
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
 
 D, FF, H, L = 16, 32, 2, 3
 U32 = 2.0**-24
@@ -209,9 +206,9 @@ def test_depth_scaled_init_warns_in_one_line(scheme, caplog):
 def test_update_ops_within_2_percent_of_stock(kind):
     """One training update (forward, backward, Adam) of the 4-layer family against stock fairseq Pre-LN:
     one multiplication per scaled pre-norm (layers 2..L) each way, at most 1.02x stock's aten ops."""
-    import gpu_readiness as gr
-    from harness.fairseq_train import Shape
-    from harness.op_counters import OpCounter
+    from deepinit_tools.bench import gpu_readiness as gr
+    from deepinit_tools.harness.fairseq_train import Shape
+    from deepinit_tools.harness.op_counters import OpCounter
 
     gr.plugin()
     shape = Shape(4, 16, 32, 2)

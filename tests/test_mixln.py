@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -28,12 +27,10 @@ import torch
 from ports import mix_ln as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
 
-from conftest import REPO, USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
+from conftest import USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.methods.mixln import num_post_layers
 from fairseq_deepinit.modules.stacks import DECODER, DECODER_ONLY, ENCODER
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as the benchmark scripts import it
 
 D, FF, H, L, K = 16, 32, 2, 4, 2
 U32 = 2.0**-24
@@ -182,9 +179,9 @@ def test_refusals_are_one_line(cli, says):
 def test_update_ops_within_2_percent_of_stock(kind):
     """One training update of the 4-layer family (k = 1 per stack) against stock fairseq Pre-LN: the same
     operations in another order, at most 1.02x stock's aten ops."""
-    import gpu_readiness as gr
-    from harness.fairseq_train import Shape
-    from harness.op_counters import OpCounter
+    from deepinit_tools.bench import gpu_readiness as gr
+    from deepinit_tools.harness.fairseq_train import Shape
+    from deepinit_tools.harness.op_counters import OpCounter
 
     gr.plugin()
     shape = Shape(4, 16, 32, 2)

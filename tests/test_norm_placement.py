@@ -270,9 +270,9 @@ def test_language_model_trains_and_reloads(lm_bin, tmp_path):  # noqa: F811
 
 
 def _update_ops(kind: str, arch: str, *flags: str):
-    import gpu_readiness as gr
-    from harness import counters
-    from harness.fairseq_train import Shape
+    from deepinit_tools.bench import gpu_readiness as gr
+    from deepinit_tools.harness import counters
+    from deepinit_tools.harness.fairseq_train import Shape
 
     b = gr.build(kind, arch, Shape(2, 16, 32, 2), *flags)
     sample = gr.batch(kind)
@@ -288,12 +288,8 @@ def test_op_count_against_stock_pre_ln(kind):
     ``peri`` adds one norm per sub-layer (2 per encoder layer, 3 per decoder layer with cross-attention,
     2 per decoder-only layer), each a forward and a backward norm kernel plus its parameters' optimizer
     kernels (the figures: docs/schemes.md)."""
-    import sys
 
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu_readiness as gr
+    from deepinit_tools.bench import gpu_readiness as gr
 
     gr.plugin()
     suffix = "_iwslt_de_en" if kind == "mt" else "_lm_tiny"

@@ -22,7 +22,6 @@ each was checked to fail here.
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 import torch
@@ -30,11 +29,9 @@ from ports import resi_dual as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
 from test_lm import build_lm, lm_bin  # noqa: F401  (the LM corpus fixture)
 
-from conftest import REPO, TINY_DIMS, USER_DIR, build_model, run_cli
+from conftest import TINY_DIMS, USER_DIR, build_model, run_cli
+from deepinit_tools.harness.op_counters import OpCounter
 from fairseq_deepinit.errors import DeepInitConfigError
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # the harness, as benchmarks import it
-from harness.op_counters import OpCounter  # noqa: E402
 
 D, FF, H, L = 16, 32, 2, 2
 DIMS = [
