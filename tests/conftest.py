@@ -171,6 +171,18 @@ def build_model(arch: str = "deepinit_tiny", *cli: str, n_symbols: int = 50, see
     return model, args
 
 
+def perturb_norms(model, seed: int = 5) -> None:
+    """Norm gains and biases away from 1 and 0, so that a norm applied in the wrong place shows."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                base = 1.0 if name.endswith("weight") else 0.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
 def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int = 6, seed: int = 0) -> dict:
     """A random ``net_input`` for a model built by :func:`build_model` (no padding)."""
     import torch

@@ -31,8 +31,9 @@ import pytest
 import torch
 from ports import layernorm_scaling as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
+from test_lm import build_lm as lm_build
 
-from conftest import USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
+from conftest import USER_DIR, build_model, perturb_norms, run_cli, tiny_batch
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.methods.lnscale import DEPTH_SCALED_INITS, lns_factor
 
@@ -52,28 +53,9 @@ def dims(layers: int = L, d: int = D, ffn: int = FF) -> list:
 
 
 def build_lm(*cli: str):
-    from fairseq import options, tasks
-
-    import fairseq_deepinit  # noqa: F401
-
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(
-        parser, ["/nonexistent", "--task", "language_modeling", "--arch", "lnscale_lm_tiny", *cli]
-    )
-    d = make_dictionary(50)
-    task = tasks.TASK_REGISTRY["language_modeling"](args, d, d)
-    torch.manual_seed(1)
-    return task.build_model(args), args
-
-
-@torch.no_grad()
-def perturb_norms(model: torch.nn.Module, seed: int = 5) -> None:
-    """Norm gains and biases away from 1 and 0, so that a norm applied in the wrong place shows."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            base = 1.0 if name.endswith("weight") else 0.0
-            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
+    """``(model, args)`` of ``lnscale_lm_tiny`` built as fairseq-train builds it (tests/test_lm.py)."""
+    model, args, _ = lm_build("lnscale_lm_tiny", *cli)
+    return model, args
 
 
 def enc_dec_features(model, batch):

@@ -26,8 +26,9 @@ import pytest
 import torch
 from ports import mix_ln as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
+from test_lm import build_lm as lm_build
 
-from conftest import USER_DIR, build_model, make_dictionary, run_cli, tiny_batch
+from conftest import USER_DIR, build_model, perturb_norms, run_cli, tiny_batch
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.methods.mixln import num_post_layers
 from fairseq_deepinit.modules.stacks import DECODER, DECODER_ONLY, ENCODER
@@ -47,27 +48,9 @@ def dims(layers=(L, L), d: int = D) -> list:
 
 
 def build_lm(*cli: str):
-    from fairseq import options, tasks
-
-    import fairseq_deepinit  # noqa: F401
-
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(
-        parser, ["/nonexistent", "--task", "language_modeling", "--arch", "mixln_lm_tiny", *cli]
-    )
-    d = make_dictionary(50)
-    task = tasks.TASK_REGISTRY["language_modeling"](args, d, d)
-    torch.manual_seed(1)
-    return task.build_model(args), args
-
-
-@torch.no_grad()
-def perturb_norms(model: torch.nn.Module, seed: int = 5) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            base = 1.0 if name.endswith("weight") else 0.0
-            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
+    """``(model, args)`` of ``mixln_lm_tiny`` built as fairseq-train builds it (tests/test_lm.py)."""
+    model, args, _ = lm_build("mixln_lm_tiny", *cli)
+    return model, args
 
 
 def decoder_embedding(decoder, tokens):
