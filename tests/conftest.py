@@ -232,6 +232,27 @@ NUMERIC_MODULES = {
 }
 
 
+TRAIN_2 = ["--optimizer", "adam", "--lr", "1e-3", "--cpu", "--num-workers", "0", "--log-format", "simple",
+           "--log-interval", "1", "--seed", "1", "--max-update", "2"]  # fmt: skip
+
+
+def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
+    """``(log, model)``: 2 updates of fairseq-train on ``data`` (translation src->tgt, no validation), then the
+    saved ``checkpoint_last.pt`` loaded by fairseq's loader, every tensor equal to the saved one."""
+    import torch
+    from fairseq import checkpoint_utils
+
+    log = run_cli("train", data, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt", *argv,
+                  "--max-tokens", "500", *TRAIN_2, "--save-dir", save_dir, "--no-epoch-checkpoints",
+                  "--disable-validation").stdout  # fmt: skip
+    ckpt = save_dir / "checkpoint_last.pt"
+    saved = torch.load(ckpt, map_location="cpu")["model"]
+    (model,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"data": str(data)})
+    assert set(model.state_dict()) == set(saved)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    return log, model
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in NUMERIC_MODULES:

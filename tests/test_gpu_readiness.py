@@ -34,6 +34,7 @@ import torch
 from conftest import TINY_DIMS, build_model, make_dictionary
 from deepinit_tools.bench import gpu_readiness as gr
 from deepinit_tools.bench import readiness_table as rt
+from deepinit_tools.bench.readiness_build import update_ops
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -170,12 +171,7 @@ def test_attention_on_sdpa_causal_and_every_matmul_bf16_with_checkpointing(kind,
 @functools.cache
 def _update_ops(kind: str, arch: str, *flags: str, task: str | None = None) -> int:
     """Kernels of one training update after a warm-up one, the recipes' dropouts on (gpu_readiness.py)."""
-    b = gr.build(kind, arch, SHAPE, *flags, task=task)
-    sample = gr.batch(kind)
-    gr.update(b, sample, 0)
-    with counters.OpCounter() as ops:
-        gr.update(b, sample, 1)
-    return ops.total
+    return update_ops(kind, arch, SHAPE, *flags, task=task)[0].total
 
 
 @pytest.mark.parametrize("kind,family", [(k, f) for k in ("mt", "lm") for f in gr.INIT_ONLY])

@@ -32,8 +32,9 @@ import torch
 from ports import layernorm_scaling as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
 from test_lm import build_lm as lm_build
+from test_lm import lm_bin  # noqa: F401  (the LM corpus fixture)
 
-from conftest import USER_DIR, build_model, perturb_norms, run_cli, tiny_batch
+from conftest import TRAIN_2, USER_DIR, build_model, perturb_norms, run_cli, tiny_batch, train_and_reload
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.methods.lnscale import DEPTH_SCALED_INITS, lns_factor
 
@@ -189,54 +190,26 @@ def test_update_ops_within_2_percent_of_stock(kind):
     """One training update (forward, backward, Adam) of the 4-layer family against stock fairseq Pre-LN:
     one multiplication per scaled pre-norm (layers 2..L) each way, at most 1.02x stock's aten ops."""
     from deepinit_tools.bench import gpu_readiness as gr
+    from deepinit_tools.bench.readiness_build import update_ops
     from deepinit_tools.harness.fairseq_train import Shape
-    from deepinit_tools.harness.op_counters import OpCounter
 
     gr.plugin()
     shape = Shape(4, 16, 32, 2)
-
-    def ops(arch, *flags):
-        b = gr.build(kind, arch, shape, *flags)
-        sample = gr.batch(kind)
-        gr.update(b, sample, 0)
-        with OpCounter() as counted:
-            gr.update(b, sample, 1)
-        return counted.total, b
-
-    plugin, b = ops(gr.Family(kind, "lnscale").arch)
-    stock, _ = ops(gr.stock_arch(kind), *gr.stock_flags(b))
-    assert plugin <= 1.02 * stock, (plugin, stock, plugin / stock)
-
-
-TRAIN = ["--optimizer", "adam", "--lr", "1e-3", "--cpu", "--num-workers", "0", "--log-format", "simple",
-         "--log-interval", "1", "--seed", "1", "--max-update", "2"]  # fmt: skip
+    plugin, b = update_ops(kind, gr.Family(kind, "lnscale").arch, shape)
+    stock, _ = update_ops(kind, gr.stock_arch(kind), shape, *gr.stock_flags(b))
+    assert plugin.total <= 1.02 * stock.total, (plugin.total, stock.total, plugin.total / stock.total)
 
 
 def test_fairseq_train_translation_saves_and_reloads(synthetic_bin, tmp_path):
-    from fairseq import checkpoint_utils
-
-    log = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
-                  "--arch", "lnscale_iwslt_de_en", *dims(2), "--max-tokens", "500", *TRAIN, "--save-dir", tmp_path,
-                  "--no-epoch-checkpoints", "--disable-validation").stdout  # fmt: skip
+    log, model = train_and_reload(synthetic_bin, tmp_path, "--arch", "lnscale_iwslt_de_en", *dims(2))
     assert "layernorm-scaling=1/sqrt(l)" in log and re.search(r"num_updates 2\b", log), log[-2000:]
-    ckpt = tmp_path / "checkpoint_last.pt"
-    saved = torch.load(ckpt, map_location="cpu")["model"]
-    (model,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"data": str(synthetic_bin)})
-    assert set(model.state_dict()) == set(saved)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert [layer.input_scale for layer in model.decoder.layers] == [1.0, port.lns_factor(1)]
 
 
-def test_fairseq_train_language_model(tmp_path):
-    root = tmp_path / "raw"
-    root.mkdir()
-    for split, n in (("train", 60), ("valid", 10)):
-        (root / f"{split}.txt").write_text("\n".join(" ".join(f"w{(i * j) % 20}" for j in range(8)) for i in range(n)))
-    run_cli("preprocess", "--only-source", "--trainpref", root / "train.txt", "--validpref", root / "valid.txt",
-            "--destdir", tmp_path / "bin", "--workers", "1")  # fmt: skip
-    log = run_cli("train", tmp_path / "bin", "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
+def test_fairseq_train_language_model(lm_bin):  # noqa: F811
+    log = run_cli("train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
                   "lnscale_lm_tiny", "--decoder-layers", "2", "--tokens-per-sample", "16", "--max-tokens", "128",
-                  *TRAIN, "--no-save", "--disable-validation").stdout  # fmt: skip
+                  *TRAIN_2, "--no-save", "--disable-validation").stdout  # fmt: skip
     assert "layernorm-scaling=1/sqrt(l)" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]

@@ -270,16 +270,10 @@ def test_language_model_trains_and_reloads(lm_bin, tmp_path):  # noqa: F811
 
 
 def _update_ops(kind: str, arch: str, *flags: str):
-    from deepinit_tools.bench import gpu_readiness as gr
-    from deepinit_tools.harness import counters
+    from deepinit_tools.bench.readiness_build import update_ops
     from deepinit_tools.harness.fairseq_train import Shape
 
-    b = gr.build(kind, arch, Shape(2, 16, 32, 2), *flags)
-    sample = gr.batch(kind)
-    gr.update(b, sample, 0)
-    with counters.OpCounter() as ops:
-        gr.update(b, sample, 1)
-    return ops
+    return update_ops(kind, arch, Shape(2, 16, 32, 2), *flags)[0]
 
 
 @pytest.mark.parametrize("kind", ["mt", "lm"])

@@ -156,3 +156,14 @@ def reads(fn: Callable[[], Any], meta: bool) -> counters.HostReads:
 
 def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+
+
+def update_ops(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = None) -> tuple:
+    """``(kernels, built)``: the :class:`counters.OpCounter` of one training update after a warm-up one (the
+    first warms caches and profiles Admin), the recipes' dropouts on, and the model it counted."""
+    b = build(kind, arch, shape, *extra, task=task)
+    sample = batch(kind)
+    update(b, sample, 0)
+    with counters.OpCounter() as ops:
+        update(b, sample, 1)
+    return ops, b
