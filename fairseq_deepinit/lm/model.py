@@ -36,7 +36,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
 
-from .. import options, plan
+from .. import model_config, options, plan
 from ..checkpoints import config_check
 from ..errors import DeepInitConfigError
 from ..model import DeepInitDecoder
@@ -110,6 +110,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         280-302, through fairseq's ``build_embedding`` hook for the plain table), and the
         ``--tie-adaptive-weights`` checks (lines 304-312, here one error instead of asserts).
         """
+        args = model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: fairseq-train's Namespace
         distributed.check_ddp_backend(args)
         resolve_lm_args(args)
         if args.decoder_layers_to_keep:
@@ -168,3 +169,6 @@ class DeepInitLanguageModel(TransformerLanguageModel):
     def build_decoder(cls, args, tgt_dict, embed_tokens) -> DeepInitDecoder:
         """The plugin's decoder (its layers and output projection carry the axes), without cross-attention."""
         return DeepInitDecoder(TransformerConfig.from_namespace(args), tgt_dict, embed_tokens, no_encoder_attn=True)
+
+
+model_config.register(MODEL_NAME, model_config.DeepInitLMConfig)  # fairseq-hydra-train (model_config.py)
