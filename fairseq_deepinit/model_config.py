@@ -1,36 +1,40 @@
-"""The ``deepinit`` and ``deepinit_lm`` models' fairseq dataclass configs, generated from the method records, so
-that both train from a YAML file with ``fairseq-hydra-train`` (docs/usage.md, ``examples/configs/``).
+"""The ``deepinit`` and ``deepinit_lm`` models' configs as fairseq dataclasses, generated from the method records,
+so that both train from a YAML file with ``fairseq-hydra-train`` (docs/usage.md, ``examples/configs/``).
 
-fairseq 0.12 has two configuration paths. ``fairseq-train`` parses flags into one flat
-``argparse.Namespace`` (every component's options side by side), calls the ``--arch`` function on it and keeps
-it as ``cfg.model``; ``fairseq-hydra-train`` composes a YAML file into a ``DictConfig`` and merges its
-``model`` node with the dataclass registered for the model's name (``fairseq/models/__init__.py:82-89``). The
-plugin's model code, options and checks work on the first; this module makes the second end in it:
+fairseq 0.12 has two configuration paths. ``fairseq-train`` parses flags into one flat ``argparse.Namespace``
+(every component's options side by side), calls the ``--arch`` function on it and keeps it as ``cfg.model``;
+``fairseq-hydra-train`` composes a YAML file into a ``DictConfig`` whose ``model`` node names the model or a
+named architecture in ``_name``. For a model without a registered dataclass, as fairseq's own ``transformer``,
+fairseq runs the architecture function on that node and passes it to ``build_model``
+(``fairseq/models/__init__.py:89-106``). The plugin's model code, options and checks work on the Namespace;
+:func:`as_namespace`, the first step of both models' ``build_model``, turns the node into the Namespace
+``fairseq-train`` would have built from the same options:
 
 - :data:`DeepInitConfig` / :data:`DeepInitLMConfig` are flat, with the argparse path's names: fairseq's own
   model options (:class:`~fairseq.models.transformer.TransformerConfig`'s fields, its ``encoder`` /
   ``decoder`` / ``quant_noise`` sub-configs prefixed as ``TransformerModel.add_args`` names them,
   ``transformer_legacy.py:87-94`` and ``dataclass/utils.py:157-166``; ``TransformerLanguageModelConfig``'s
   as they are), then every record option (:func:`fairseq_deepinit.options.option_table`), then
-  ``allow_config_change``. ``TransformerConfig`` itself is not subclassed: its nested sub-configs hold
-  ``encoder.layers`` where the architecture functions and the plugin read ``encoder_layers``, and fairseq's
-  own ``transformer`` is not registered with it either (it takes the legacy path).
-- Every default is None, as in the argparse path (``TransformerModel.add_args`` deletes fairseq's defaults,
-  every record option's is None), so that a named architecture given as ``_name`` (``tfixup_iwslt_de_en``)
-  fills in what the YAML leaves out, as ``--arch`` does, and the YAML's values win. The exceptions are
-  fairseq's interpolations of task values (``II("task.tokens_per_sample")``; the argparse path reads those
-  from the shared Namespace) and ``max_source_positions`` / ``max_target_positions``, which the translation
-  tasks own in the argparse path too.
-- A record option with choices is a ``ChoiceEnum``: a value outside them is refused when the YAML is merged.
-- :func:`as_namespace` turns the merged ``model`` node into the Namespace ``fairseq-train`` would have built
-  (the values, ``arch`` and ``task``, then the architecture function); ``build_model`` of both models starts
-  with it, and the resume check reads a hydra checkpoint's ``cfg.model`` with it.
-- :func:`register` registers a config where fairseq looks it up (its ``MODEL_DATACLASS_REGISTRY`` and hydra's
-  ``model`` group), as ``register_model(name, dataclass=...)`` does (``fairseq/models/__init__.py:143-154``),
-  without that decorator's two other effects, which would change the argparse path: ``cls.__dataclass``
-  makes ``convert_namespace_to_omegaconf`` rebuild ``cfg.model`` from the dataclass (``_override_attr``),
-  dropping every value it has no field for and storing a dict instead of the Namespace in checkpoints, and
-  the no-op architecture it registers under the model's name would replace ``deepinit`` / ``deepinit_lm``'s.
+  ``allow_config_change``. ``TransformerConfig`` is not subclassed: its nested sub-configs hold
+  ``encoder.layers`` where the architecture functions and the plugin read ``encoder_layers``.
+- Every default is None, "not given", as in the argparse path (``TransformerModel.add_args`` deletes fairseq's
+  defaults, every record option's is None), so that a named architecture given as ``_name``
+  (``tfixup_iwslt_de_en``) fills in what the YAML leaves out, as ``--arch`` does, and the YAML's values win.
+  The exceptions are fairseq's interpolations of task values (``II("task.tokens_per_sample")``; the argparse
+  path reads those from the shared Namespace) and ``max_source_positions`` / ``max_target_positions``, which
+  the translation tasks own in the argparse path too.
+- The YAML's ``model`` node is checked against the config (unknown keys, types, a record option's choices as a
+  ``ChoiceEnum``), each problem one :class:`~fairseq_deepinit.errors.DeepInitConfigError` line.
+- The configs are kept here (:func:`register`), not in fairseq's ``MODEL_DATACLASS_REGISTRY``
+  (``register_model(name, dataclass=...)``): ``fairseq_cli/train.py:49`` (``add_defaults``) merges every
+  ``cfg.model`` whose architecture maps to a registered dataclass with it, which fails on the argparse path's
+  Namespace, and ``convert_namespace_to_omegaconf`` would rebuild that Namespace from the dataclass
+  (``_override_attr``, which cannot read ``TransformerConfig``'s nested fields), storing a dict instead of the
+  Namespace in the checkpoints of ``fairseq-train``. fairseq's own ``transformer`` is not registered either.
+
+A hydra run's checkpoint stores its ``model`` node as a dict (plain values, which torch's ``weights_only``
+loader accepts); loading it (``fairseq-generate``, a resume, the resume check) goes through the same
+:func:`as_namespace`.
 """
 
 from __future__ import annotations
@@ -41,13 +45,14 @@ import inspect
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import ARCH_CONFIG_REGISTRY, MODEL_DATACLASS_REGISTRY
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
-from hydra.core.config_store import ConfigStore
 from omegaconf import II, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import options
+from .errors import DeepInitConfigError
 
 __all__ = ["DeepInitConfig", "DeepInitLMConfig", "as_namespace", "config_fields", "register"]
 
@@ -97,17 +102,10 @@ def config_fields(fairseq_config: type, task_values: Dict[str, Any]) -> List[tup
         )
     specs["allow_config_change"] = (
         "allow_config_change",
-        bool,
-        dataclasses.field(default=False, metadata={"help": "resume a checkpoint whose model options differ"}),
+        Optional[bool],  # noqa: UP045
+        dataclasses.field(default=None, metadata={"help": "resume a checkpoint whose model options differ"}),
     )
     return list(specs.values())
-
-
-def _from_namespace(cls, args):
-    """fairseq's ``build_model`` passes the argparse path's Namespace here when ``--arch`` is the model's own
-    name (``fairseq/models/__init__.py:87-88``): it stays the Namespace, resolved in place and stored in the
-    checkpoint, as under every other ``--arch``."""
-    return args if isinstance(args, argparse.Namespace) else FairseqDataclass.from_namespace.__func__(cls, args)
 
 
 def _make(name: str, fairseq_config: type, task_values: Dict[str, Any], doc: str) -> type:
@@ -115,7 +113,7 @@ def _make(name: str, fairseq_config: type, task_values: Dict[str, Any], doc: str
         name,
         config_fields(fairseq_config, task_values),
         bases=(FairseqDataclass,),
-        namespace={"from_namespace": classmethod(_from_namespace), "__doc__": doc},
+        namespace={"__doc__": doc},
     )
     dc.__module__ = __name__
     return dc
@@ -135,39 +133,77 @@ DeepInitLMConfig = _make(
 )
 
 
+# model name -> its config (register)
+CONFIGS: Dict[str, type] = {}
+
+
 def register(model_name: str, dc: type) -> None:
-    """Register ``dc`` as ``model_name``'s config for fairseq's hydra path (see the module docstring)."""
-    MODEL_DATACLASS_REGISTRY[model_name] = dc
-    node = dc()
-    node._name = model_name
-    ConfigStore.instance().store(name=model_name, group="model", node=node, provider="fairseq")
+    """``dc`` is ``model_name``'s config: :func:`as_namespace` checks and completes its hydra configs with it."""
+    CONFIGS[model_name] = dc
 
 
 def _task_name(task: Any) -> str | None:
+    """``--task``: a hydra task config's ``_name``, or the ``task`` of the Namespace a task was built from."""
     cfg = getattr(task, "cfg", None)
-    name = cfg.get("_name") if OmegaConf.is_config(cfg) or isinstance(cfg, dict) else getattr(cfg, "_name", None)
-    return name if name is not None else getattr(getattr(task, "args", None), "task", None)
+    if OmegaConf.is_config(cfg) or isinstance(cfg, dict):
+        return cfg.get("_name")
+    return getattr(cfg, "_name", None) or getattr(cfg, "task", None)
+
+
+def _checked(name: str, dc: type, given: Dict[str, Any]) -> None:
+    """Refuse a key of the YAML's ``model`` node that is no option of the model, or a value of the wrong type.
+
+    fairseq merges the node with the model's dataclass only when ``_name`` is the model's own name; for a named
+    architecture it runs the architecture function on the bare node instead (``fairseq/models/__init__.py:89-97``),
+    so the check is made here for both. Values the architecture function set are not the user's and are left
+    out (fairseq's ``base_lm_architecture`` sets ``base_shuffle`` to False where its dataclass says int).
+    """
+    by_arch = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[name](by_arch)
+    arch_values = vars(by_arch)
+    fields = {f.name for f in dataclasses.fields(dc)}
+    user = {k: v for k, v in given.items() if not k.startswith("_") and (k not in arch_values or arch_values[k] != v)}
+    unknown = sorted(k for k in user if k not in fields)
+    if unknown:
+        raise DeepInitConfigError(
+            f"model.{unknown[0]} is not an option of the model {name} (its options are fairseq-train's model flags "
+            f"with underscores: fairseq-train --arch {name} --user-dir <plugin> --help); remove or rename it"
+        )
+    try:
+        OmegaConf.merge(OmegaConf.structured(dc), user)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise DeepInitConfigError(f"model.{key}: {str(e).splitlines()[0]}") from None
 
 
 def as_namespace(cfg: Any, task: Any = None) -> argparse.Namespace:
     """The Namespace ``fairseq-train`` builds the model from, for a model config of either path.
 
-    A Namespace (the argparse path) is returned as it is. A hydra ``model`` node (a ``DictConfig``, or the dict
-    a hydra checkpoint stores) gives its values other than None (interpolations resolved, choices as strings),
-    ``arch`` and ``_name`` its ``_name``, ``task`` the task's name where ``task`` is given, then the architecture
-    function of ``_name`` (fairseq's ``build_model`` already ran it for a named architecture; it only sets
-    what is None, so once more changes nothing).
+    A Namespace (the argparse path) is returned as it is. A hydra ``model`` node (a ``DictConfig``; checked by
+    :func:`_checked`, completed by the dataclass's defaults, whose interpolations of task values are resolved
+    against the node's root as fairseq's ``merge_with_parent`` does; or the complete dict a hydra checkpoint
+    stores) gives its values other than None (choices as strings), ``arch`` and ``_name`` its ``_name``,
+    ``task`` the task's name where ``task`` is given, then the architecture function of ``_name`` (fairseq's
+    ``build_model`` already ran it for a named architecture; it only sets what is absent, so once more changes
+    nothing).
     """
     if isinstance(cfg, argparse.Namespace):
         return cfg
-    values = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    name = cfg.get("_name")
+    if OmegaConf.is_config(cfg):
+        given = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        dc = CONFIGS[ARCH_MODEL_NAME_REGISTRY[name]]
+        _checked(name, dc, given)
+        defaults = OmegaConf.structured(dc)
+        defaults.__dict__["_parent"] = cfg.__dict__["_parent"]  # II("task....") resolves against the root
+        values = {**OmegaConf.to_container(defaults, resolve=True, enum_to_str=True), **given}
+    else:
+        values = dict(cfg)
     # None is "not given": absent, as fairseq's model options are from a Namespace unless given
     # (argparse.SUPPRESS, fairseq/options.py:141-146), so that the architecture functions' getattr defaults apply
     args = argparse.Namespace(**{k: v for k, v in values.items() if v is not None})
-    args.arch = values.get("_name")
+    args.arch = name
     if task is not None:
         args.task = _task_name(task)
-    arch_fn = ARCH_CONFIG_REGISTRY.get(args.arch)
-    if arch_fn is not None:
-        arch_fn(args)
+    ARCH_CONFIG_REGISTRY[name](args)
     return args
