@@ -195,14 +195,18 @@ def hydra_train(config: str, data: Path, save_dir: Path, *overrides: str, update
     )
 
 
-# config -> (what its model's log line says, extra overrides)
+# config -> (what its model's log line says, extra overrides); the plugin's task, criterion and optimizer that no
+# YAML uses ride along on three runs (their options come from their own dataclasses, as fairseq's)
 PAPER_CONFIGS = {
     "tfixup_iwslt14_de_en": ("init=t-fixup, norm=none", []),
-    "lipschitz_wmt14_en_de": ("init=lipschitz", []),
+    "lipschitz_wmt14_en_de": ("init=lipschitz", ["optimizer._name=adam_foreach"]),
     "admin_iwslt14_de_en": ("residual=admin", ["++model.admin_profile_max_tokens=512"]),
-    "dsinit_matt_iwslt14_de_en": ("decoder-layer=matt", []),
+    "dsinit_matt_iwslt14_de_en": (
+        "decoder-layer=matt",
+        ["criterion._name=label_smoothed_cross_entropy_diagnostics", "++criterion.diagnostics_interval=1"],
+    ),
     "twt_iwslt15_en_vi": ("norm=scalenorm", ["task.source_lang=de", "task.target_lang=en"]),
-    "deepnorm_wmt17_en_de": ("init=deepnorm", []),
+    "deepnorm_wmt17_en_de": ("init=deepnorm", ["task._name=translation_deepinit"]),
     "deepnorm_lm_48l": ("init=deepnorm", []),
 }
 

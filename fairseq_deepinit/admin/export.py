@@ -45,7 +45,7 @@ import torch
 from fairseq.models import build_model
 from omegaconf import OmegaConf
 
-from .. import errors
+from .. import errors, model_config
 from ..checkpoints.integrity import torch_load_checked
 from ..errors import AdminExportError
 from ..model import DeepInitTransformerModel
@@ -106,6 +106,9 @@ def save_export(state: dict, dst: str) -> None:
 def _model_args(state: dict):
     cfg = state.get("cfg") or {}
     args = cfg.get("model") if isinstance(cfg, dict) else None
+    if isinstance(args, dict) and args.get("_name"):  # fairseq-hydra-train's: the Namespace fairseq-train builds
+        with contextlib.suppress(Exception):
+            args = model_config.as_namespace(args)
     if not isinstance(args, argparse.Namespace):
         args = state.get("args")
     if not isinstance(args, argparse.Namespace):
