@@ -54,7 +54,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import options
 from .errors import DeepInitConfigError
 
-__all__ = ["DeepInitConfig", "DeepInitLMConfig", "as_namespace", "config_fields", "register"]
+__all__ = ["CONFIGS", "DeepInitConfig", "DeepInitLMConfig", "as_namespace", "config_fields", "register"]
 
 # translation: the tasks' values, one shared flag in the argparse path (TranslationConfig owns them)
 _TASK_VALUES = {name: II(f"task.{name}") for name in ("max_source_positions", "max_target_positions")}
