@@ -357,12 +357,13 @@ class DeepInitTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        args = model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: fairseq-train's Namespace
+        cfg, args = args, model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: a Namespace
         distributed.check_ddp_backend(args)  # before any model work (fairseq-hydra-train, scripts)
         options.resolve_and_validate(args)
         model = super().build_model(args, task)
         model.decoder.set_target_padding(target_padding(task))  # the task that batches the data
         plan.apply_init(model, TransformerConfig.from_namespace(args))
+        model_config.keep_resolved(cfg, args)
         logger.info(options.describe(args))
         return model
 

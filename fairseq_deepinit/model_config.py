@@ -48,13 +48,21 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
-from omegaconf import II, OmegaConf
+from omegaconf import II, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from . import options
 from .errors import DeepInitConfigError
 
-__all__ = ["CONFIGS", "DeepInitConfig", "DeepInitLMConfig", "as_namespace", "config_fields", "register"]
+__all__ = [
+    "CONFIGS",
+    "DeepInitConfig",
+    "DeepInitLMConfig",
+    "as_namespace",
+    "config_fields",
+    "keep_resolved",
+    "register",
+]
 
 # translation: the tasks' values, one shared flag in the argparse path (TranslationConfig owns them)
 _TASK_VALUES = {name: II(f"task.{name}") for name in ("max_source_positions", "max_target_positions")}
@@ -207,3 +215,20 @@ def as_namespace(cfg: Any, task: Any = None) -> argparse.Namespace:
         args.task = _task_name(task)
     ARCH_CONFIG_REGISTRY[name](args)
     return args
+
+
+def keep_resolved(cfg: Any, args: argparse.Namespace) -> None:
+    """Write the resolved options of ``args`` back into ``cfg``, the hydra ``model`` node it came from.
+
+    fairseq-train resolves its Namespace in place, so its checkpoints store the resolved options (the
+    module docstring of :mod:`fairseq_deepinit.options`); fairseq passes the YAML's node itself to
+    ``build_model`` (the trainer's ``cfg.model``), so this makes a hydra checkpoint store them too. Only the
+    config's fields are written (a field the build left unset stays as it is); a Namespace is left alone.
+    """
+    if not OmegaConf.is_config(cfg):
+        return
+    fields = {f.name for f in dataclasses.fields(CONFIGS[ARCH_MODEL_NAME_REGISTRY[cfg.get("_name")]])}
+    with open_dict(cfg):
+        for name, value in vars(args).items():
+            if name in fields and not name.startswith("_"):
+                cfg[name] = value

@@ -66,7 +66,9 @@ def _hydra_model(arch: str, values: dict, task, seed: int = 1, task_values: dict
     )
     root.model = {"_name": arch, **values}
     torch.manual_seed(seed)
-    return models.build_model(root.model, task)
+    model = models.build_model(root.model, task)
+    model.hydra_node = root.model  # the node, as the trainer's cfg.model: the checkpoint stores it
+    return model
 
 
 def _same_model(cli_model, yaml_model, model_name: str) -> None:
@@ -78,6 +80,11 @@ def _same_model(cli_model, yaml_model, model_name: str) -> None:
     fields = [f.name for f in dataclasses.fields(DATACLASSES[model_name]) if not f.name.startswith(("_", "allow_"))]
     differ = {f: (getattr(cli_model.args, f, None), getattr(yaml_model.args, f, None)) for f in fields}
     assert {f: v for f, v in differ.items() if v[0] != v[1]} == {}
+    # the node keeps the resolved model options (model_config.keep_resolved), as fairseq-train's Namespace does
+    from fairseq_deepinit.checkpoints.config_check import CHECKED_OPTIONS
+
+    checked = [f for f in CHECKED_OPTIONS if f in fields and hasattr(cli_model.args, f)]
+    assert {f: yaml_model.hydra_node.get(f) for f in checked} == {f: getattr(cli_model.args, f) for f in checked}
 
 
 # case -> (arch / _name, extra flags, the same options as YAML values)

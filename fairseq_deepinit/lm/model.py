@@ -110,7 +110,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         280-302, through fairseq's ``build_embedding`` hook for the plain table), and the
         ``--tie-adaptive-weights`` checks (lines 304-312, here one error instead of asserts).
         """
-        args = model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: fairseq-train's Namespace
+        cfg, args = args, model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: a Namespace
         distributed.check_ddp_backend(args)
         resolve_lm_args(args)
         if args.decoder_layers_to_keep:
@@ -133,6 +133,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         model.decoder.set_target_padding(target_padding(task))
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
         plan.apply_init(model, TransformerConfig.from_namespace(args))
+        model_config.keep_resolved(cfg, args)
         logger.info(options.describe(args))
         return model
 
