@@ -32,9 +32,9 @@ fairseq runs the architecture function on that node and passes it to ``build_mod
   (``_override_attr``, which cannot read ``TransformerConfig``'s nested fields), storing a dict instead of the
   Namespace in the checkpoints of ``fairseq-train``. fairseq's own ``transformer`` is not registered either.
 
-A hydra run's checkpoint stores its ``model`` node as a dict (plain values, which torch's ``weights_only``
-loader accepts); loading it (``fairseq-generate``, a resume, the resume check) goes through the same
-:func:`as_namespace`.
+A hydra run's checkpoint stores its ``model`` node as a dict of plain values (which torch's ``weights_only``
+loader accepts), with the resolved options written back by :func:`keep_resolved`; loading it
+(``fairseq-generate``, a resume, the resume check, Admin's export) goes through the same :func:`as_namespace`.
 """
 
 from __future__ import annotations
