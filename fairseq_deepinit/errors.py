@@ -198,6 +198,20 @@ def install() -> None:
     if not getattr(sys.excepthook, "deepinit", False):
         sys.excepthook = _excepthook(sys.excepthook)
     atexit.register(stop_batch_prefetching)
+    _pass_hydra_errors_on()
+
+
+def _pass_hydra_errors_on() -> None:
+    """Under ``fairseq-hydra-train``, let hydra hand the job's exceptions on to the excepthook above.
+
+    hydra catches every exception of the job and prints a traceback itself (``hydra/_internal/utils.py``,
+    ``run_and_report``, lines 218-300 in hydra 1.3), so a plugin error would end in a traceback; with
+    ``HYDRA_FULL_ERROR=1`` it re-raises (line 222-223) and the excepthook prints the plugin's one line (other
+    exceptions: Python's whole traceback instead of hydra's shortened one). A value the user set is kept.
+    """
+    hydra_config = sys.modules.get("hydra.core.hydra_config")
+    if hydra_config is not None and hydra_config.HydraConfig.initialized():
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
 
 def stop_batch_prefetching(timeout: float = STOP_TIMEOUT_S) -> int:

@@ -44,7 +44,7 @@ from fairseq.models.transformer import (
 )
 from torch import Tensor
 
-from . import options, plan
+from . import model_config, options, plan
 from .checkpoints import config_check
 from .modules.attention import declare_target_padding
 from .modules.dual_stream import DualStream
@@ -372,11 +372,13 @@ class DeepInitTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        cfg, args = args, model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: a Namespace
         distributed.check_ddp_backend(args)  # before any model work (fairseq-hydra-train, scripts)
         options.resolve_and_validate(args)
         model = super().build_model(args, task)
         model.decoder.set_target_padding(target_padding(task))  # the task that batches the data
         plan.apply_init(model, TransformerConfig.from_namespace(args))
+        model_config.keep_resolved(cfg, args)
         logger.info(options.describe(args))
         return model
 
@@ -393,3 +395,6 @@ class DeepInitTransformerModel(TransformerModel):
     def build_decoder(cls, args, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(args)
         return DeepInitDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+
+model_config.register(MODEL_NAME, model_config.DeepInitConfig)  # fairseq-hydra-train (model_config.py)

@@ -45,7 +45,8 @@ import torch
 from fairseq.models import build_model
 from omegaconf import OmegaConf
 
-from .. import errors
+from .. import errors, model_config, options
+from ..checkpoints import config_check
 from ..checkpoints.integrity import torch_load_checked
 from ..errors import AdminExportError
 from ..model import DeepInitTransformerModel
@@ -103,9 +104,26 @@ def save_export(state: dict, dst: str) -> None:
         raise AdminExportError(f"cannot write {dst}: {errors.one_line(e)}") from e
 
 
+def _hydra_model_args(node: dict) -> argparse.Namespace | None:
+    """A hydra checkpoint's model node as the resolved Namespace a fairseq-train checkpoint stores: the model's
+    ``build_model`` resolves a copy (model_config.py), the YAML's values are what the checkpoint keeps."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    try:
+        args = model_config.as_namespace(node)
+        if ARCH_MODEL_NAME_REGISTRY.get(args.arch) == config_check.LM_MODEL:
+            args.encoder_layers = 0  # what the language model's build stores (lm/model.py, resolve_lm_args)
+        options.resolve_and_validate(args)
+    except Exception:  # not a model this plugin can build: "no model arguments" below
+        return None
+    return args
+
+
 def _model_args(state: dict):
     cfg = state.get("cfg") or {}
     args = cfg.get("model") if isinstance(cfg, dict) else None
+    if isinstance(args, dict) and args.get("_name"):  # fairseq-hydra-train's YAML node
+        args = _hydra_model_args(args)
     if not isinstance(args, argparse.Namespace):
         args = state.get("args")
     if not isinstance(args, argparse.Namespace):

@@ -78,19 +78,21 @@ class AdminProfilingMixin:
 
     def build_model(self, cfg, from_checkpoint: bool = False):
         model = super().build_model(cfg, from_checkpoint)
+        # the model's resolved options (fairseq-hydra-train's cfg is the YAML's, unresolved: model_config.py)
+        args = getattr(model, "args", None) or cfg
         if not admin_residuals(model):
             raise AdminConfigError(
-                f"--task {self.task_name} profiles Admin's omega, but --arch {getattr(cfg, 'arch', '?')} has none. "
+                f"--task {self.task_name} profiles Admin's omega, but --arch {getattr(args, 'arch', '?')} has none. "
                 f"Use --arch {self.arch_hint} (or --init-scheme admin / --residual-scale admin), "
                 f"or --task {self.plain_task}."
             )
-        path = getattr(cfg, "admin_profile_path", None)
-        if path and cfg.admin_profile_only and not from_checkpoint and is_writing_rank():
+        path = getattr(args, "admin_profile_path", None)
+        if path and args.admin_profile_only and not from_checkpoint and is_writing_rank():
             # a destination that cannot be written fails now, before any data is loaded or profiled
             check_profile_destination(path)
-        if path and not cfg.admin_profile_only and not from_checkpoint:
+        if path and not args.admin_profile_only and not from_checkpoint:
             profile = load_profile(path)
-            apply_profile(model, profile, cfg.admin_formula, path)
+            apply_profile(model, profile, args.admin_formula, path)
             log_profile(profile, f"profile {path} (a checkpoint, if resumed from, overrides it)")
         return model
 

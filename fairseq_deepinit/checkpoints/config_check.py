@@ -18,7 +18,9 @@ import copy
 import logging
 from typing import Any, List, Tuple
 
-from .. import options
+from omegaconf import OmegaConf
+
+from .. import model_config, options
 from ..errors import ConfigChangeError
 from .integrity import CheckpointStatus
 
@@ -78,6 +80,20 @@ def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     return out
 
 
+def _namespace(args: Any) -> argparse.Namespace | None:
+    """fairseq-train's model Namespace as it is; fairseq-hydra-train's model config (the trainer's ``DictConfig``,
+    the dict its checkpoints store) of a deepinit model as the Namespace fairseq-train would have built."""
+    if args is None or isinstance(args, argparse.Namespace):
+        return args
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    if not (isinstance(args, dict) or OmegaConf.is_config(args)) or (
+        ARCH_MODEL_NAME_REGISTRY.get(args.get("_name")) not in DEEPINIT_MODELS
+    ):
+        return None
+    return model_config.as_namespace(args)
+
+
 def _norm(value: Any) -> Any:
     return False if value is None else value
 
@@ -109,9 +125,10 @@ def check_config(status: CheckpointStatus, current: Any, fine_tuning: bool) -> N
     With ``--allow-config-change``, or when ``fine_tuning`` (any ``--reset-*`` flag: the run starts
     anew from the weights), the differences are logged as a warning instead.
     """
-    if not isinstance(current, argparse.Namespace) or not _is_deepinit(current) or status.model_args is None:
+    saved, current = _namespace(status.model_args), _namespace(current)
+    if current is None or not _is_deepinit(current) or saved is None:
         return
-    diffs = config_differences(status.model_args, current)
+    diffs = config_differences(saved, current)
     if not diffs:
         return
     what = f"{status.path} was trained with different model options (checkpoint -> now): {_fmt_diffs(diffs)}"

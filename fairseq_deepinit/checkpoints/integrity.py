@@ -38,7 +38,7 @@ class CheckpointStatus:
     refused: bool = False  # torch's weights_only refusal (unexpected class), not damage
     refused_globals: List[str] = field(default_factory=list)  # what it pickles that torch refuses
     num_updates: int | None = None
-    model_args: argparse.Namespace | None = field(default=None, repr=False)
+    model_args: argparse.Namespace | dict | None = field(default=None, repr=False)  # dict: fairseq-hydra-train's
 
     @property
     def ok(self) -> bool:
@@ -98,9 +98,12 @@ def refused_globals(path: PathLike, error: BaseException) -> List[str] | None:
     return [n for n in dict.fromkeys(names) if n not in allowed]
 
 
-def _saved_model_args(state: Any) -> argparse.Namespace | None:
+def _saved_model_args(state: Any) -> argparse.Namespace | dict | None:
+    """fairseq-train's model Namespace, or the dict fairseq-hydra-train stores (its YAML's ``model`` node)."""
     cfg = state.get("cfg") if isinstance(state, dict) else None
     args = cfg.get("model") if isinstance(cfg, dict) else None
+    if isinstance(args, dict) and args.get("_name"):
+        return args
     if not isinstance(args, argparse.Namespace) and isinstance(state, dict):
         args = state.get("args")
     return args if isinstance(args, argparse.Namespace) else None

@@ -36,7 +36,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
 
-from .. import options, plan
+from .. import model_config, options, plan
 from ..checkpoints import config_check
 from ..errors import DeepInitConfigError
 from ..model import DeepInitDecoder
@@ -110,6 +110,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         280-302, through fairseq's ``build_embedding`` hook for the plain table), and the
         ``--tie-adaptive-weights`` checks (lines 304-312, here one error instead of asserts).
         """
+        cfg, args = args, model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: a Namespace
         distributed.check_ddp_backend(args)
         resolve_lm_args(args)
         if args.decoder_layers_to_keep:
@@ -132,6 +133,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         model.decoder.set_target_padding(target_padding(task))
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
         plan.apply_init(model, TransformerConfig.from_namespace(args))
+        model_config.keep_resolved(cfg, args)
         logger.info(options.describe(args))
         return model
 
@@ -168,3 +170,6 @@ class DeepInitLanguageModel(TransformerLanguageModel):
     def build_decoder(cls, args, tgt_dict, embed_tokens) -> DeepInitDecoder:
         """The plugin's decoder (its layers and output projection carry the axes), without cross-attention."""
         return DeepInitDecoder(TransformerConfig.from_namespace(args), tgt_dict, embed_tokens, no_encoder_attn=True)
+
+
+model_config.register(MODEL_NAME, model_config.DeepInitLMConfig)  # fairseq-hydra-train (model_config.py)
