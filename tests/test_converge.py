@@ -104,6 +104,19 @@ def test_each_paper_regime_has_its_recipe_flags():
     assert {c.regime for c in both if c.method == "tfixup"} == {"paper", "paper-warmup", "common"}
 
 
+def test_every_warm_up_starts_above_the_stop_floor(tmp_path):
+    """fairseq-train stops before an epoch whose lr is <= --stop-min-lr, the first one included
+    (fairseq_cli/train.py:196): a plateau cell that warms up from below the floor trains 0 updates."""
+    opts = cmds.Options(data=tmp_path, runs=tmp_path)
+    for method in rg.METHODS:
+        for regime in rg.regimes_of(method):
+            argv = cmds.train_command(rg.Cell(18, method, regime), opts)
+            if "--warmup-init-lr" in argv and "--stop-min-lr" in argv:
+                init = float(argv[argv.index("--warmup-init-lr") + 1])
+                assert init > float(argv[argv.index("--stop-min-lr") + 1]), (method, regime)
+    assert "--warmup-init-lr" in cmds.train_command(rg.Cell(18, "twt", "paper"), opts)
+
+
 def test_chunks_cover_the_matrix_and_the_estimate_follows_the_h100_figures():
     cells = [c for name, ch in rg.CHUNKS.items() if name != "smoke" for c in ch.cells]
     assert len(cells) == len(set(cells))

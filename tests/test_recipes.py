@@ -125,6 +125,8 @@ def test_rows_reproduce_the_papers_settings(tmp_path):
     assert "--warmup-updates" not in tfixup
     twt = train_argv("twt/iwslt15_en_vi.sh", "prenorm-fixnorm-scalenorm")
     assert value(twt, "--lr-scheduler") == "reduce_lr_on_plateau"
+    # fairseq-train stops before an epoch with lr <= --stop-min-lr (train.py:196): the warm-up starts above it
+    assert float(value(twt, "--warmup-init-lr")) > float(value(twt, "--stop-min-lr"))
     assert (value(twt, "--lr-shrink"), value(twt, "--lr-patience")) == ("0.8", "3")
     assert value(twt, "--best-checkpoint-metric") == "bleu" and "--maximize-best-checkpoint-metric" in twt
     fr = train_argv("admin/table2_wmt14_en_fr.sh", "admin-60-12l")

@@ -20,7 +20,6 @@ _VALID = re.compile(r"\| valid \| (\{.*\})\s*$")
 _TRAIN = re.compile(r"\| train \| (\{.*\})\s*$")
 _EARLY_PATIENCE = "early stop since valid performance hasn't improved"
 _EARLY_LR = "early stop since lr is lower than"
-STOP_MIN_LR = 5e-5  # examples/twt/iwslt15_en_vi.sh --stop-min-lr (TwT's plateau schedule ends there)
 
 
 class ConvergeError(RuntimeError):
@@ -96,7 +95,7 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "0"]
     cmd += fast_path_flags(regime.flags(batch), o)
     if regime.scheduler == "reduce_lr_on_plateau":
-        cmd += ["--stop-min-lr", f"{STOP_MIN_LR:g}"]
+        cmd += ["--stop-min-lr", f"{rg.STOP_MIN_LR:g}"]
     cmd += ["--max-tokens", str(per_forward), "--update-freq", str(freq), "--seed", str(cell.seed)]
     cmd += ["--max-epoch", str(o.max_epochs), "--patience", str(o.patience), "--validate-interval", "1"]
     cmd += ["--save-dir", str(o.runs / cell.dirname), "--no-epoch-checkpoints", "--save-interval", "1"]

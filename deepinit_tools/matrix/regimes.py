@@ -52,6 +52,13 @@ M30K_TARGET_TOKENS = 549_873
 M30K_UPDATES_PER_EPOCH: Dict[int, int] = {2048: 353, 4096: 184, 8192: 100, 16384: 58}
 MAX_TOKENS = 8192
 
+STOP_MIN_LR = 5e-5  # examples/twt/iwslt15_en_vi.sh --stop-min-lr (TwT's plateau schedule ends there)
+# fairseq-train stops before an epoch whose learning rate is <= --stop-min-lr (fairseq_cli/train.py:196),
+# the first one included: a warm-up of the plateau schedule starts just above that floor, not at 1e-7
+# (from 1e-7 it would train 0 updates)
+WARMUP_INIT_LR = {"reduce_lr_on_plateau": 1.2 * STOP_MIN_LR}
+DEFAULT_WARMUP_INIT_LR = 1e-7
+
 
 def updates_per_epoch(max_tokens: int) -> int:
     """Multi30k updates per epoch at ``max_tokens`` (measured values, else proportional)."""
@@ -94,7 +101,8 @@ class Regime:
         if self.scheduler == "tfixup":
             f += ["--decay-period", str(round(self.decay_epochs * updates_per_epoch(max_tokens or self.max_tokens)))]
         if warm:
-            f += ["--warmup-updates", str(warm), "--warmup-init-lr", "1e-07"]
+            init = WARMUP_INIT_LR.get(self.scheduler, DEFAULT_WARMUP_INIT_LR)
+            f += ["--warmup-updates", str(warm), "--warmup-init-lr", f"{init:g}"]
         f += ["--dropout", f"{self.dropout:g}"]
         if self.attention_dropout:
             f += ["--attention-dropout", f"{self.attention_dropout:g}"]
