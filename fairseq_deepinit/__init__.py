@@ -32,7 +32,7 @@ from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smooth
 from .training import adam_foreach, autocast, depth_mup, distributed, radam, tfixup_schedule  # noqa: E402,F401
 
 adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
-depth_mup.install()  # --depth-mup: per-group lr/eps reach the optimizer fairseq's trainer builds (training/depth_mup.py)
+depth_mup.install()  # --depth-mup: per-group lr/eps reach the optimizer of the trainer (training/depth_mup.py)
 
 # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py); after every
 # architecture is registered (above)

@@ -55,16 +55,15 @@ has its own ``m_L = L_stack / L_base_stack``, the block groups are per stack (``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import torch
-from torch import nn
-
 from fairseq.trainer import Trainer
+from torch import nn
 
 from ..errors import DeepInitConfigError
 from ..modules.residual import depth_branch_multiplier
