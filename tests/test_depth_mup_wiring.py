@@ -313,11 +313,15 @@ def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, t
     assert by_name["encoder.hidden_norm"]["eps"] == pytest.approx(1e-8 * 2.0, rel=1e-14)  # (3/6)^-1
     assert by_name["embedding"]["eps"] == 1e-8
     log = train(3)  # resumes checkpoint_last.pt: groups, rates and Adam's state
-    assert "loaded checkpoint" in log and re.search(r"num_updates 3\b", log), log[-2000:]
-    resumed = torch.load(ckpt, map_location="cpu", weights_only=False)["last_optimizer_state"]["param_groups"]
-    assert [(g["group"], g["eps"], g["lr_scale"]) for g in resumed] == [
+    assert re.search(r"[Ll]oaded checkpoint .*\(epoch 1 @ 2 updates\)", log) and re.search(r"num_updates 3\b", log), (
+        log[-2000:]
+    )
+    assert "resuming with this run's optimizer group multipliers" not in log  # the saved multipliers are the run's
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["last_optimizer_state"]
+    assert [(g["group"], g["eps"], g["lr_scale"]) for g in state["param_groups"]] == [
         (g["group"], g["eps"], g["lr_scale"]) for g in saved
     ]
+    assert {s["step"] for s in state["state"].values()} == {3}  # Adam's state continued, not restarted
 
 
 def test_fairseq_train_language_model(tmp_path):
