@@ -339,3 +339,12 @@ def test_fairseq_train_language_model(tmp_path):
     assert "decoder.hidden_weight" in log and f"lr x{2**-0.5:.4g}" in log, log[-2000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]
+
+
+def test_fairseq_train_refuses_fairseqs_adam_in_one_line(synthetic_bin, tmp_path):
+    proc = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
+                   "--arch", "completep_iwslt_de_en", *dims(2, 2), "--max-tokens", "500", *TRAIN, "--optimizer",
+                   "adam", "--max-update", "1", "--no-save", "--disable-validation", check=False)  # fmt: skip
+    errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-2000:]
+    assert "use --optimizer adam_foreach" in errors[0] and "Traceback" not in proc.stdout
