@@ -323,6 +323,14 @@ def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, t
         (g["group"], g["eps"], g["lr_scale"]) for g in saved
     ]
     assert {s["step"] for s in state["state"].values()} == {3}  # Adam's state continued, not restarted
+    from fairseq import checkpoint_utils  # fairseq's loader (generate, interactive): the stored options resolve again
+
+    (model,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"data": str(synthetic_bin)})
+    saved_model = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved_model.items())
+    assert [m.multiplier for m in residual_modules(model).values()] == pytest.approx(
+        [port.branch_multiplier(ENC, 6, 1.0)] * (2 * ENC) + [port.branch_multiplier(DEC, 6, 1.0)] * (3 * DEC)
+    )
 
 
 def test_fairseq_train_language_model(tmp_path):
