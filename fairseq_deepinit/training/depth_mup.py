@@ -71,7 +71,7 @@ from .param_groups import GroupScale, check_groups_reached, tag_parameter
 
 logger = logging.getLogger(__name__)
 
-# the flags the messages name (the option record that adds them is the method's wiring)
+# the flags the messages name (added by the method's record, fairseq_deepinit/methods/depth_mup.py)
 OPT_ALPHA = "--depth-mup-alpha"
 OPT_BASE = "--depth-mup-base-layers"
 OPT_SOURCE = "--depth-mup-source"
