@@ -207,6 +207,7 @@ NUMERIC_MODULES = {
     "test_deep",
     "test_depth_diagnostics",
     "test_depth_mup",
+    "test_depth_mup_wiring",
     "test_diagnostics",
     "test_dyt",
     "test_dyt_model",

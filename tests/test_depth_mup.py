@@ -38,10 +38,11 @@ from conftest import build_model, make_dictionary
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import depth_mup as dm
 from fairseq_deepinit.training import param_groups as pg
+from fairseq_deepinit.training.adam_foreach import FairseqAdamForeach
 
 PRE = ("--encoder-normalize-before", "--decoder-normalize-before")
 LR, EPS, WD, WARMUP = 2e-3, 1e-8, 0.01, 4
-OPTIMIZERS = [pg.FairseqAdamScaled, pg.FairseqAdamForeachScaled]
+OPTIMIZERS = [pg.FairseqAdamScaled, FairseqAdamForeach]
 ULPS = 32  # rounding budget of two Adam steps in float64 (module docstring)
 
 
@@ -73,7 +74,11 @@ def language_model(*cli: str):
 def train_args(*extra: str):
     """fairseq-train's parsed arguments for the optimizer and scheduler under test (Adam's flags unless
     ``extra`` names another ``--optimizer``)."""
-    adam = () if "--optimizer" in extra else ("--optimizer", "adam", "--adam-eps", str(EPS), "--weight-decay", str(WD))
+    adam = (
+        ()
+        if "--optimizer" in extra
+        else ("--optimizer", "adam_foreach", "--adam-eps", str(EPS), "--weight-decay", str(WD))
+    )
     parser = options.get_training_parser()
     return options.parse_args_and_arch(
         parser,
@@ -307,7 +312,7 @@ def test_get_lr_is_the_base_rate_when_no_group_keeps_it():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
     pg.tag_parameter(params[0], "a", pg.GroupScale(lr=0.5, eps=0.25))
     pg.tag_parameter(params[1], "b", pg.GroupScale(lr=3.0, weight_decay=0.0))
-    opt = pg.FairseqAdamForeachScaled(train_cfg().optimizer, params)
+    opt = FairseqAdamForeach(train_cfg().optimizer, params)
     assert [(g["lr"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [
         (LR * 0.5, EPS * 0.25, WD),
         (LR * 3.0, EPS, 0.0),
@@ -473,7 +478,7 @@ def test_fairseqs_fp16_wrappers_carry_the_groups(wrapper):
         # what FP16Optimizer.build_optimizer / MemoryEfficientFP16Optimizer.build_optimizer do, with our class
         if wrapper == "fp16_no_flatten":
             fp32 = FP16Optimizer.build_fp32_params(cfg.optimizer, params, flatten=False)
-            return FP16Optimizer(cfg, params, pg.FairseqAdamForeachScaled(cfg.optimizer, fp32), fp32)
+            return FP16Optimizer(cfg, params, FairseqAdamForeach(cfg.optimizer, fp32), fp32)
         return MemoryEfficientFP16Optimizer(cfg, params, pg.FairseqAdamScaled(cfg.optimizer, params))
 
     opt = build(trained(model))
@@ -518,6 +523,7 @@ def test_a_path_that_loses_the_groups_stops_in_one_line():
         (("--optimizer", "sgd"), "--optimizer sgd"),
         (("--optimizer", "composite"), "--optimizer composite"),
         (("--optimizer", "radam"), "--optimizer radam"),
+        (("--optimizer", "adam"), "use --optimizer adam_foreach"),
         (("--fp16",), "--fp16-no-flatten-grads"),
         (("--zero-sharding", "os"), "--zero-sharding os"),
     ],
@@ -530,33 +536,25 @@ def test_training_options_that_cannot_work_are_refused_in_one_line(extra, fragme
 
 @pytest.mark.parametrize(
     "extra",
-    [(), ("--optimizer", "adam_foreach"), ("--fp16", "--fp16-no-flatten-grads"), ("--fp16", "--memory-efficient-fp16"),
+    [(), ("--fp16", "--fp16-no-flatten-grads"), ("--fp16", "--memory-efficient-fp16"),
      ("--amp",)],
 )  # fmt: skip
 def test_training_options_that_work_pass_the_check(extra):
     dm.check_training_config(train_args(*extra))
 
 
-TEST_OPTIMIZER = "deepinit_test_adam_foreach_scaled"
-
-
 @pytest.mark.parametrize("precision", [(), ("--fp16", "--fp16-no-flatten-grads")])
 def test_fairseqs_trainer_builds_saves_and_resumes_the_groups(tmp_path, precision):
     """fairseq's own ``Trainer``: optimizer and scheduler built by ``_build_optimizer`` (under ``--fp16``
     after ``model.half()``, through ``FP16Optimizer``'s fp32 copies), saved by ``save_checkpoint`` and
-    resumed by ``load_checkpoint`` (rates restored by ``set_num_updates``). The optimizer is registered
-    under a test-only name: choosing it for ``--optimizer adam`` is the method's wiring."""
-    from fairseq.optim import OPTIMIZER_REGISTRY, register_optimizer
-    from fairseq.optim.adam import FairseqAdamConfig
+    resumed by ``load_checkpoint`` (rates restored by ``set_num_updates``), with ``--optimizer adam_foreach``
+    (registered with the mixin); the parameters tagged by hand."""
     from fairseq.tasks.translation import TranslationTask
     from fairseq.trainer import Trainer
 
-    if TEST_OPTIMIZER not in OPTIMIZER_REGISTRY:
-        register_optimizer(TEST_OPTIMIZER, dataclass=FairseqAdamConfig)(pg.FairseqAdamForeachScaled)
-
     def trainer():
         cfg = convert_namespace_to_omegaconf(
-            train_args(*PRE, "--optimizer", TEST_OPTIMIZER, "--cpu", "--save-dir", str(tmp_path), *precision)
+            train_args(*PRE, "--optimizer", "adam_foreach", "--cpu", "--save-dir", str(tmp_path), *precision)
         )
         d = make_dictionary(50)
         task = TranslationTask(cfg.task, d, d)

@@ -274,8 +274,10 @@ def test_left_padded_targets_keep_the_mask():
 
 
 @pytest.mark.parametrize(
-    "arch", ["deepinit_tiny", "subln_iwslt_de_en", "normformer_iwslt_de_en", "twt_iwslt_de_en", "qknorm_iwslt_de_en"]
-)
+    "arch",
+    ["deepinit_tiny", "subln_iwslt_de_en", "normformer_iwslt_de_en", "twt_iwslt_de_en", "qknorm_iwslt_de_en",
+     "completep_iwslt_de_en"],
+)  # fmt: skip
 def test_fast_paths_equal_the_reference(arch):
     """The whole training step with the fast paths (is_causal, Sub-LN on SDPA, fused norms off the CPU
     are covered below) against --attention-impl fairseq: real logits, loss and every gradient."""

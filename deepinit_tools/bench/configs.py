@@ -58,6 +58,7 @@ CONFIG_LIST: List[Config] = [
         _C("reordered", "reordered_wmt_en_de", (), "OLMo 2 reordered: a norm on each branch's output",
            ref="stock-preln"),
         _C("qknorm", "qknorm_wmt_en_de", (), "QK-Norm: Pre-LN + per-head RMSNorm on q, k", ref="stock-preln"),
+        _C("completep", "completep_wmt_en_de", (), "CompleteP: Pre-LN, each branch x (L/6)^-1", ref="stock-preln"),
 ]  # fmt: skip
 CONFIGS: Dict[str, Config] = {c.name: c for c in CONFIG_LIST}
 TABLE_CONFIGS = tuple(n for n in CONFIGS if n != "plugin")  # the CPU table's default set

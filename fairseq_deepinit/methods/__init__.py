@@ -19,6 +19,7 @@ from . import (
     baseline,
     core,
     deepnorm,
+    depth_mup,
     derf,
     dsinit,
     dyt,
@@ -60,6 +61,7 @@ METHODS: Dict[str, Method] = {
         qk_norm.METHOD,
         dyt.METHOD,
         derf.METHOD,
+        depth_mup.METHOD,
     )
 }
 

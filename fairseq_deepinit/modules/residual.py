@@ -14,6 +14,8 @@ profiling, diagnostics). Which module a sub-layer gets is the ``--residual-scale
   (Bachlechner et al. 2020, eq. (5));
 - :class:`AdminResidual`: ``residual * omega + x`` with a learned vector omega that profiling sets
   before the first update (Liu et al. 2020, sec. 4.3; :mod:`fairseq_deepinit.admin`);
+- :class:`BranchScaleResidual`: ``residual + m * x`` with a constant branch multiplier m (depth-muP,
+  Yang et al. 2023, and CompleteP, Dey et al. 2025: ``m = (L / L_base)^-alpha``, :func:`depth_branch_multiplier`);
 - :class:`B2TResidual`: the plain sum, plus the layer's input on the layer's last sub-layer (Takase et
   al. 2022, eq. (5)-(6); released code takase/b2t_connection @ c8e2ad4,
   fairseq/modules/transformer_layer.py:104-105 and 136-141 (encoder), 278-279 and 368-373 (decoder)).
@@ -78,6 +80,39 @@ class ConstantResidual(Residual):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.6g}"
+
+
+def depth_branch_multiplier(layers: int, base_layers: int, alpha: float) -> float:
+    """``(L / L_base) ** -alpha``: the residual-branch multiplier of depth-muP (alpha 1/2, Yang et al. 2023,
+    Tensor Programs VI) and CompleteP (alpha 1, Dey et al. 2025, Table 1); EleutherAI/nanoGPT-mup @ 6f8bc3b
+    (branch ``completep``) ``model.py:113`` (``residual_scaling``), Megatron-LM PR 4999
+    ``residual_branch_multiplier``."""
+    return (layers / base_layers) ** -alpha
+
+
+class BranchScaleResidual(Residual):
+    """``residual + m * x`` with a constant ``m`` (depth-muP / CompleteP; nanoGPT-mup ``model.py:117-118``:
+    ``x = x + self.residual_scaling * self.attn(self.ln_1(x))``).
+
+    One ``torch.add(residual, x, alpha=m)``: the multiplier rides on the add (one kernel forward, one
+    backward for the ``m *`` of the branch's gradient), as :class:`ConstantResidual` does on the skip. The
+    sum takes the layout of its first operand, here the skip; where the skip is still fairseq's transposed
+    (T, B, C) view of the embedding (a stack's first sub-layer) it is made contiguous first (one copy per
+    stack), so that the stream and every later Linear stay on the contiguous fast path (``Residual.forward``).
+    Same value as ``residual + m * x`` up to one rounding: the fused add rounds once (an FMA on vectorised
+    CPU paths), the two-kernel form rounds the product first; a 16-bit kernel may round ``m`` to the
+    operand's dtype (:class:`ConstantResidual`'s note).
+    """
+
+    def __init__(self, multiplier: float) -> None:
+        super().__init__()
+        self.multiplier = float(multiplier)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return torch.add(residual.contiguous(), x, alpha=self.multiplier)
+
+    def extra_repr(self) -> str:
+        return f"multiplier={self.multiplier:.6g}"
 
 
 class ReZeroResidual(Residual):

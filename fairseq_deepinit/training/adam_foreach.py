@@ -42,6 +42,7 @@ from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
 
 from ..errors import DeepInitConfigError
+from .param_groups import ScaledParamGroups
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +159,9 @@ class AdamForeach(torch.optim.Optimizer):
         return loss
 
 
-@register_optimizer("adam_foreach", dataclass=FairseqAdamConfig)
-class FairseqAdamForeach(FairseqAdam):
-    """``--optimizer adam_foreach``: ``adam``'s options and state, :class:`AdamForeach`'s arithmetic."""
+class _FairseqAdamForeach(FairseqAdam):
+    """``adam``'s options and state, :class:`AdamForeach`'s arithmetic (:class:`FairseqAdamForeach` without
+    the parameter groups)."""
 
     def __init__(self, cfg: FairseqAdamConfig, params) -> None:
         FairseqOptimizer.__init__(self, cfg)  # not FairseqAdam's: it would build apex's or the per-tensor Adam
@@ -199,6 +200,14 @@ class FairseqAdamForeach(FairseqAdam):
             clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
             torch._foreach_mul_(grads, clip_coef)
         return total_norm
+
+
+@register_optimizer("adam_foreach", dataclass=FairseqAdamConfig)
+class FairseqAdamForeach(ScaledParamGroups, _FairseqAdamForeach):
+    """``--optimizer adam_foreach``: ``adam``'s options and state, :class:`AdamForeach`'s arithmetic, and one
+    param group per tagged parameter group with its lr/eps/weight-decay multipliers
+    (:class:`~.param_groups.ScaledParamGroups`; depth-muP's groups). Without tags: one group, the same keys
+    and state dict as fairseq's ``adam``."""
 
 
 def accept_adam_state(trainer: Trainer) -> None:

@@ -55,17 +55,23 @@ has its own ``m_L = L_stack / L_base_stack``, the block groups are per stack (``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import torch
+from fairseq.trainer import Trainer
 from torch import nn
 
 from ..errors import DeepInitConfigError
-from .param_groups import GroupScale, tag_parameter
+from ..modules.residual import depth_branch_multiplier
+from .param_groups import GroupScale, check_groups_reached, tag_parameter
 
-# the flags the messages name (the option record that adds them is the method's wiring)
+logger = logging.getLogger(__name__)
+
+# the flags the messages name (added by the method's record, fairseq_deepinit/methods/depth_mup.py)
 OPT_ALPHA = "--depth-mup-alpha"
 OPT_BASE = "--depth-mup-base-layers"
 OPT_SOURCE = "--depth-mup-source"
@@ -82,8 +88,9 @@ STACKS = ("encoder", "decoder")
 EMBEDDING_CHILDREN = ("embed_tokens", "embed_positions", "project_in_dim")
 OUTPUT_CHILDREN = ("output_projection", "project_out_dim", "adaptive_softmax")
 OUTER_NORM_CHILDREN = ("layer_norm", "layernorm_embedding")
-# optimizers whose update is Adam's (Table 1 is for AdamW; Megatron's recipe rejects SGD and Muon)
-ADAM_OPTIMIZERS = ("adam", "adam_foreach")
+# optimizers whose update is Adam's (Table 1 is for AdamW; Megatron's recipe rejects SGD and Muon) and that
+# build one param group per tagged group (fairseq's own ``adam`` builds one group: refused, adam_foreach named)
+ADAM_OPTIMIZERS = ("adam_foreach",)
 
 
 def depth_multiplier(n_layers: int, base_layers: int) -> float:
@@ -120,7 +127,8 @@ def branch_multiplier(n_layers: int, base_layers: int, alpha: float = DEFAULT_AL
     bias, ``scale_residual_branch_output``).
     """
     check_alpha(alpha)
-    return depth_multiplier(n_layers, base_layers) ** -alpha
+    depth_multiplier(n_layers, base_layers)  # the one-line refusals of a bad depth
+    return depth_branch_multiplier(n_layers, base_layers, alpha)
 
 
 def group_scales(
@@ -304,11 +312,16 @@ def check_training_config(args: Any) -> None:
     ``args`` is fairseq's flat namespace (``fairseq-train``'s parsed arguments).
     """
     optimizer = getattr(args, "optimizer", None)
+    if optimizer == "adam":
+        raise DeepInitConfigError(
+            "--optimizer adam (fairseq's FairseqAdam) builds one parameter group and depth-muP needs one per group: "
+            "use --optimizer adam_foreach (the same Adam update and flags; it resumes adam's state)"
+        )
     if optimizer not in ADAM_OPTIMIZERS:
         raise DeepInitConfigError(
             f"depth-muP scales Adam's learning rate and eps per parameter group (CompleteP Table 1 is for AdamW; "
             f"Megatron's recipe rejects SGD and Muon), which --optimizer {optimizer} does not do: use --optimizer "
-            "adam or adam_foreach"
+            "adam_foreach"
         )
     fp16 = getattr(args, "fp16", False)
     efficient = getattr(args, "memory_efficient_fp16", False) or getattr(args, "memory_efficient_bf16", False)
@@ -336,3 +349,50 @@ def describe(groups: List[ParamGroup]) -> str:
         f"{g.name} ({len(g.param_names)}): lr x{g.scale.lr:.4g}, eps x{g.scale.eps:.4g}, wd x{g.scale.weight_decay:.4g}"
         for g in groups
     )
+
+
+# --- fairseq's trainer ----------------------------------------------------------------------------------
+
+
+def training_args(cfg: Any) -> SimpleNamespace:
+    """The options :func:`check_training_config` reads, from fairseq's ``Trainer.cfg`` (its sections)."""
+    flags = ("fp16", "memory_efficient_fp16", "memory_efficient_bf16", "fp16_no_flatten_grads")
+    dist = cfg.distributed_training
+    return SimpleNamespace(
+        optimizer=getattr(cfg.optimizer, "_name", None), zero_sharding=dist.zero_sharding,
+        ddp_backend=dist.ddp_backend, **{f: getattr(cfg.common, f) for f in flags},
+    )  # fmt: skip
+
+
+def tag_for_training(trainer: Trainer) -> bool:
+    """Before fairseq's trainer builds its optimizer: under ``--depth-mup`` (the model's arguments) refuse
+    training options that cannot carry per-group rates, tag every parameter with its group and log the
+    groups; False when the model does not use depth-muP."""
+    args = getattr(trainer._model, "args", None)
+    if not getattr(args, "depth_mup", False):
+        return False
+    check_training_config(training_args(trainer.cfg))
+    groups = param_groups(trainer._model, args.depth_mup_base_layers, args.depth_mup_alpha, args.depth_mup_source)
+    tag_parameters(trainer._model, groups)
+    logger.info("depth-muP optimizer groups: " + describe(groups))
+    return True
+
+
+def install() -> None:
+    """Wrap ``Trainer._build_optimizer`` (``fairseq/trainer.py:289-344``, where fairseq hands the optimizer
+    its flat parameter list) with :func:`tag_for_training` before and
+    :func:`~.param_groups.check_groups_reached` after (idempotent)."""
+    build = Trainer._build_optimizer
+    if getattr(build, "_deepinit_depth_mup", False):
+        return
+
+    def _build_optimizer(self, *args, **kwargs):
+        tagged = tag_for_training(self)
+        out = build(self, *args, **kwargs)
+        if tagged:
+            check_groups_reached(self._optimizer, self._model)
+        return out
+
+    _build_optimizer.__dict__.update(build.__dict__)  # the markers of the wrappers below (their idempotence)
+    _build_optimizer._deepinit_depth_mup = True
+    Trainer._build_optimizer = _build_optimizer

@@ -56,7 +56,6 @@ from fairseq.optim import AMPOptimizer, FairseqBMUF, FairseqOptimizer, FP16Optim
 from fairseq.optim.adam import FairseqAdam
 
 from ..errors import DeepInitConfigError
-from .adam_foreach import FairseqAdamForeach
 
 logger = logging.getLogger(__name__)
 
@@ -194,12 +193,9 @@ def _describe(names: List[str | None]) -> str:
 
 
 class FairseqAdamScaled(ScaledParamGroups, FairseqAdam):
-    """fairseq's ``--optimizer adam`` with :class:`ScaledParamGroups` (not registered: the method's wiring
-    decides how ``--optimizer adam`` reaches it)."""
-
-
-class FairseqAdamForeachScaled(ScaledParamGroups, FairseqAdamForeach):
-    """The plugin's ``--optimizer adam_foreach`` with :class:`ScaledParamGroups` (not registered)."""
+    """fairseq's ``--optimizer adam`` with :class:`ScaledParamGroups`; not registered: depth-muP runs refuse
+    ``--optimizer adam`` (fairseq's class builds one group) and use ``adam_foreach``, whose registered class
+    has the mixin (:class:`~.adam_foreach.FairseqAdamForeach`)."""
 
 
 def innermost(optimizer: FairseqOptimizer) -> FairseqOptimizer:
@@ -233,6 +229,6 @@ def check_groups_reached(optimizer: FairseqOptimizer, model: torch.nn.Module) ->
     if got != expected or not isinstance(inner, ScaledParamGroups):
         raise DeepInitConfigError(
             f"the model's {len(expected)} optimizer groups did not reach {type(inner).__name__} "
-            f"(it has {_describe(got)}): per-group multipliers need --optimizer adam or adam_foreach, and under "
+            f"(it has {_describe(got)}): per-group multipliers need --optimizer adam_foreach, and under "
             "--fp16 --fp16-no-flatten-grads or --memory-efficient-fp16"
         )
