@@ -28,6 +28,15 @@ METHODS: Dict[str, tuple] = {
     "b2t": ("B2T connection", ["--arch", "b2t_iwslt_de_en"]),
     "deepnorm_torchscale": ("DeepNorm (torchscale)", ["--arch", "deepnorm_torchscale_iwslt_de_en"]),
     "normformer": ("NormFormer", ["--arch", "normformer_iwslt_de_en"]),
+    # issue 24 (CompleteP needs --optimizer adam_foreach, which the cells' Adam flags override: not listed)
+    "qknorm": ("QK-Norm (per head, RMSNorm)", ["--arch", "qknorm_iwslt_de_en"]),
+    "periln": ("Peri-LN", ["--arch", "periln_iwslt_de_en"]),
+    "reordered": ("OLMo 2 reordered norm", ["--arch", "reordered_iwslt_de_en"]),
+    "lnscale": ("LayerNorm Scaling", ["--arch", "lnscale_iwslt_de_en"]),
+    "mixln": ("Mix-LN", ["--arch", "mixln_iwslt_de_en"]),
+    "resi_dual": ("ResiDual", ["--arch", "resi_dual_iwslt_de_en"]),
+    "dyt": ("DyT", ["--arch", "dyt_iwslt_de_en"]),
+    "derf": ("Derf", ["--arch", "derf_iwslt_de_en"]),
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
