@@ -55,6 +55,9 @@ RECIPES: dict[str, tuple[tuple, tuple]] = {
     "twt": (TWT_PLATEAU, ()),
     "preln": (INVERSE_SQRT, ("--checkpoint-activations",)),  # activation checkpointing, train and resume
     "admin": (INVERSE_SQRT, ("--task", "translation_admin")),  # profiles omega on the first batch
+    # per-group lr and Adam eps need the plugin's adam_foreach (fairseq's adam is refused under --depth-mup)
+    "depth_mup": (INVERSE_SQRT, ("--optimizer", "adam_foreach")),
+    "completep": (INVERSE_SQRT, ("--optimizer", "adam_foreach")),
 }
 CONTROL = "transformer"  # fairseq's own model, same recipe: tells plugin failures from harness failures
 CASES = [*architectures.FAMILIES, CONTROL]
