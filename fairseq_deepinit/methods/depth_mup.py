@@ -31,7 +31,7 @@ from __future__ import annotations
 from ..errors import DeepInitConfigError
 from ..modules.residual import BranchScaleResidual, depth_branch_multiplier
 from ..modules.stacks import ENCODER, StackKind
-from .record import Method, Option, ResidualScale, has_encoder
+from .record import Method, Option, ResidualScale, missing_pre_ln_flags
 
 NAME = "depth-mup"
 ALPHAS = {"depth-mup": 0.5, "completep": 1.0}  # Yang et al. 2023; Dey et al. 2025
@@ -99,11 +99,11 @@ def validate_depth_mup_args(args) -> None:
         )
     if args.norm_type == "none":
         raise DeepInitConfigError("--depth-mup is defined on Pre-LN blocks and --norm-type none removes the norms")
-    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))):
-        flags = "--encoder-normalize-before --decoder-normalize-before" if has_encoder(args) else ""
+    flags = missing_pre_ln_flags(args)
+    if flags:
         raise DeepInitConfigError(
             "--depth-mup is defined on Pre-LN (Post-LN's LN(x + m F(x)) normalises the multiplier away); add "
-            f"{flags or '--decoder-normalize-before'} (the depth_mup_* / completep_* architectures set them)"
+            f"{flags} (the depth_mup_* / completep_* architectures set them)"
         )
     placement = getattr(args, "norm_placement", "auto")
     if placement not in ("auto", "pre"):

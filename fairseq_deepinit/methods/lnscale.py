@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import DeepInitConfigError
-from .record import InitScheme, Method, Option, has_encoder, iter_layers
+from .record import InitScheme, Method, Option, iter_layers, missing_pre_ln_flags
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,8 @@ def validate_lns_args(args) -> None:
         raise DeepInitConfigError(
             "--layernorm-scaling scales each Pre-LN norm's output and --norm-type none removes the norms; drop one"
         )
-    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))):
-        flags = "--encoder-normalize-before --decoder-normalize-before" if has_encoder(args) else ""
-        flags = flags or "--decoder-normalize-before"
+    flags = missing_pre_ln_flags(args)
+    if flags:
         raise DeepInitConfigError(
             f"--layernorm-scaling scales the output of each Pre-LN norm (under Post-LN it would scale the residual "
             f"stream itself); add {flags} (the lnscale_* architectures set them)"

@@ -29,7 +29,7 @@ import math
 
 from ..errors import DeepInitConfigError
 from ..modules.stacks import StackKind
-from .record import Method, Option, has_encoder
+from .record import Method, Option, has_encoder, missing_pre_ln_flags
 
 POST_LN_RATIO = 0.25  # k / L of every released run (3 of 12, 6 of 24 layers)
 
@@ -70,11 +70,11 @@ def validate_mixln_args(args) -> None:
         return
     if args.norm_type == "none":
         raise DeepInitConfigError("--mix-ln places norms and --norm-type none removes them; drop one")
-    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))):
-        flags = "--encoder-normalize-before --decoder-normalize-before" if has_encoder(args) else ""
+    flags = missing_pre_ln_flags(args)
+    if flags:
         raise DeepInitConfigError(
             "--mix-ln makes the first layers Post-LN and the rest Pre-LN with the stack's final norm, which "
-            f"fairseq builds for a Pre-LN stack only; add {flags or '--decoder-normalize-before'} (the mixln_* "
+            f"fairseq builds for a Pre-LN stack only; add {flags} (the mixln_* "
             "architectures set them)"
         )
     if getattr(args, "norm_placement", "auto") in ("peri", "reordered"):

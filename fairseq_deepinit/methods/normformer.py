@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..errors import DeepInitConfigError
 from ..modules.stacks import ENCODER
-from .record import Method, Option, has_encoder
+from .record import Method, Option, missing_pre_ln_flags
 
 NORMFORMER_FLAGS = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
 
@@ -61,16 +61,10 @@ def validate_normformer_args(args) -> None:
     flags = " ".join("--" + n.replace("_", "-") for n in given)
     if args.norm_type == "none" and (args.scale_attn or args.scale_fc):
         raise DeepInitConfigError(f"{flags}: NormFormer adds norms and --norm-type none removes them; drop one")
-    pre_ln = args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))
-    if not pre_ln:
+    missing = missing_pre_ln_flags(args)
+    if missing:
         raise DeepInitConfigError(
-            f"{flags}: NormFormer is defined on Pre-LN; add "
-            + (
-                "--encoder-normalize-before --decoder-normalize-before"
-                if has_encoder(args)
-                else "--decoder-normalize-before"
-            )
-            + " (the normformer_* architectures set them)"
+            f"{flags}: NormFormer is defined on Pre-LN; add {missing} (the normformer_* architectures set them)"
         )
     if args.residual_scale != "none":
         raise DeepInitConfigError(f"{flags} keep the plain residual; drop --residual-scale {args.residual_scale}")

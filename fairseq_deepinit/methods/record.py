@@ -210,6 +210,16 @@ def has_encoder(args) -> bool:
     return getattr(args, "encoder_layers", None) != 0
 
 
+def missing_pre_ln_flags(args) -> str:
+    """For a method defined on Pre-LN: the normalize-before flags to add ("" when every stack of the model
+    is Pre-LN; a decoder-only model has only the decoder's)."""
+    if args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args)):
+        return ""
+    if has_encoder(args):
+        return "--encoder-normalize-before --decoder-normalize-before"
+    return "--decoder-normalize-before"
+
+
 def flag(name: str) -> str:
     """``ds_init_alpha`` -> ``--ds-init-alpha``."""
     return "--" + name.replace("_", "-")

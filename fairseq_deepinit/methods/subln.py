@@ -36,7 +36,7 @@ import torch.nn as nn
 from ..errors import DeepInitConfigError
 from ..modules.linear import NormedLinear
 from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
-from .record import Method, Option, has_encoder, iter_layers
+from .record import Method, Option, iter_layers, missing_pre_ln_flags
 
 # init schemes with their own depth-dependent scaling or norm removal, which Sub-LN's gain would compound
 _SCHEME_CONFLICTS = {
@@ -95,12 +95,10 @@ def validate_subln_args(args) -> None:
         )
     if args.norm_type == "none":
         raise DeepInitConfigError("--subln adds norms inside each sub-layer; --norm-type none removes them. Drop one.")
-    if not (args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args))):
-        flags = "--decoder-normalize-before"
-        if has_encoder(args):
-            flags = "--encoder-normalize-before " + flags
+    missing = missing_pre_ln_flags(args)
+    if missing:
         raise DeepInitConfigError(
-            f"--subln is Pre-LN with extra norms (Magneto); add {flags} (the subln_* architectures set them)"
+            f"--subln is Pre-LN with extra norms (Magneto); add {missing} (the subln_* architectures set them)"
         )
     if args.residual_scale != "none":
         raise DeepInitConfigError(
