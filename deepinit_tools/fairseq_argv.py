@@ -16,8 +16,15 @@ from typing import List, Sequence, Tuple
 
 from deepinit_tools.paths import REPO, USER_DIR
 
-# Adam with the Transformer's betas (Vaswani et al. 2017, sec. 5.3), as every recipe here
-ADAM = ("--optimizer", "adam", "--adam-betas", "(0.9, 0.98)")
+
+def adam(optimizer: str = "adam") -> Tuple[str, ...]:
+    """Adam with the Transformer's betas (Vaswani et al. 2017, sec. 5.3), as every recipe here;
+    ``optimizer="adam_foreach"`` for the plugin's multi-tensor Adam, which depth-muP / CompleteP need
+    (it applies their per-group lr / eps multipliers: fairseq_deepinit/methods/depth_mup.py)."""
+    return ("--optimizer", optimizer, "--adam-betas", "(0.9, 0.98)")
+
+
+ADAM = adam()
 # the plugin's bf16: autocast on its own translation task (fairseq's --bf16 means TPU)
 BF16_TASK = "translation_deepinit"
 AUTOCAST_BF16 = "--autocast-bf16"

@@ -28,7 +28,7 @@ METHODS: Dict[str, tuple] = {
     "b2t": ("B2T connection", ["--arch", "b2t_iwslt_de_en"]),
     "deepnorm_torchscale": ("DeepNorm (torchscale)", ["--arch", "deepnorm_torchscale_iwslt_de_en"]),
     "normformer": ("NormFormer", ["--arch", "normformer_iwslt_de_en"]),
-    # issue 24 (CompleteP needs --optimizer adam_foreach, which the cells' Adam flags override: not listed)
+    # issue 24
     "qknorm": ("QK-Norm (per head, RMSNorm)", ["--arch", "qknorm_iwslt_de_en"]),
     "periln": ("Peri-LN", ["--arch", "periln_iwslt_de_en"]),
     "reordered": ("OLMo 2 reordered norm", ["--arch", "reordered_iwslt_de_en"]),
@@ -37,7 +37,11 @@ METHODS: Dict[str, tuple] = {
     "resi_dual": ("ResiDual", ["--arch", "resi_dual_iwslt_de_en"]),
     "dyt": ("DyT", ["--arch", "dyt_iwslt_de_en"]),
     "derf": ("Derf", ["--arch", "derf_iwslt_de_en"]),
+    "depth_mup": ("depth-muP (branch x (L/6)^-1/2)", ["--arch", "depth_mup_iwslt_de_en"]),
+    "completep": ("CompleteP (branch x (L/6)^-1)", ["--arch", "completep_iwslt_de_en"]),
 }
+# methods whose Adam is the plugin's adam_foreach: it applies depth-muP's per-group lr / eps multipliers
+OPTIMIZER: Dict[str, str] = {"depth_mup": "adam_foreach", "completep": "adam_foreach"}
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
 BLIND_FRACTION = 0.05  # fewer distinct dev translations than this share of sentences: the source is ignored
