@@ -104,6 +104,17 @@ def stock_key(b: Built) -> str:
     return f"{b.kind} {' '.join(stock_flags(b))}".strip()
 
 
+# DyT/Derf's alpha gradient is one full reduction (sum of dz * x over the batch) run as a dot in the
+# norm's fp32 (fairseq_deepinit/modules/dyt.py _full_dot), as LayerNorm's backward reduces in fp32: not a
+# matrix product of the model
+NORM_REDUCTIONS = ("(_full_dot)",)
+
+
+def model_products_off(audit) -> dict:
+    """``audit.off`` (origin -> count of products not in the audited dtype) less the norms' own reductions."""
+    return {origin: n for origin, n in audit.off.items() if not any(r in origin for r in NORM_REDUCTIONS)}
+
+
 class Measure:
     """Every column of the table for one family (stock's figures cached per stack kind and norm position)."""
 
@@ -188,7 +199,7 @@ class Measure:
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
-        return audit.other()
+        return sum(model_products_off(audit).values())
 
     def breaks(self, fam: Family) -> dict:
         """Graph breaks of the training-mode forward, by origin: ``--attention-impl fairseq`` and ``sdpa``."""
