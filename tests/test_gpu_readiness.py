@@ -172,10 +172,11 @@ def _update_ops(kind: str, arch: str, *flags: str, task: str | None = None) -> i
     return update_ops(kind, arch, SHAPE, *flags, task=task)[0].total
 
 
-@pytest.mark.parametrize("kind,family", [(k, f) for k in ("mt", "lm") for f in gr.INIT_ONLY])
+@pytest.mark.parametrize("kind,family", [(k, f) for k in ("mt", "lm") for f in gr.OP_TARGETED])
 def test_init_only_families_launch_at_most_2_percent_more_ops_than_stock(kind, family):
     """Kernels per training update against stock fairseq at its norm position: the init-only families run
-    stock's modules, at most 1.02x its ops (the 6-layer figures: docs/benchmarks.md)."""
+    stock's modules, and the methods that only move or rescale its computation (reordered, Mix-LN,
+    depth-muP, CompleteP) add none: at most 1.02x its ops (the 6-layer figures: docs/benchmarks.md)."""
     fam = gr.Family(kind, family)
     b = gr.build(kind, fam.arch, SHAPE, task=fam.task)
     plugin = _update_ops(kind, fam.arch, task=fam.task)
