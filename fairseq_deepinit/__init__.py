@@ -29,10 +29,10 @@ resume.install()  # atomic checkpoint copies, resume fallback, one-line errors f
 from . import architectures, intercepts, lm, model  # noqa: E402,F401  (deepinit, deepinit_lm and their --arch)
 from .admin import task  # noqa: E402,F401  (--task translation_admin)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from .training import adam_foreach, autocast, depth_mup, distributed, radam, tfixup_schedule  # noqa: E402,F401
+from .training import adam_foreach, autocast, depth_mup_trainer, distributed, radam, tfixup_schedule  # noqa: E402,F401
 
 adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
-depth_mup.install()  # --depth-mup: per-group lr/eps reach the optimizer of the trainer (training/depth_mup.py)
+depth_mup_trainer.install()  # --depth-mup: per-group lr/eps reach the optimizer (training/depth_mup_trainer.py)
 
 # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py); after every
 # architecture is registered (above)

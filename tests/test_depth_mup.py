@@ -37,6 +37,7 @@ from ports import depth_mup as port
 from conftest import build_model, make_dictionary
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import depth_mup as dm
+from fairseq_deepinit.training import depth_mup_trainer as dmt
 from fairseq_deepinit.training import param_groups as pg
 from fairseq_deepinit.training.adam_foreach import FairseqAdamForeach
 
@@ -469,7 +470,7 @@ def test_fairseqs_fp16_wrappers_carry_the_groups(wrapper):
         ("--fp16", "--fp16-no-flatten-grads") if wrapper == "fp16_no_flatten" else ("--fp16", "--memory-efficient-fp16")
     )
     args = train_args(*extra)
-    dm.check_training_config(args)
+    dmt.check_training_config(args)
     cfg = convert_namespace_to_omegaconf(args)
     model = translation()
     groups = tagged(model, 1, 0.5, "paper")
@@ -530,7 +531,7 @@ def test_a_path_that_loses_the_groups_stops_in_one_line():
 )
 def test_training_options_that_cannot_work_are_refused_in_one_line(extra, fragment):
     with pytest.raises(DeepInitConfigError) as exc:
-        dm.check_training_config(train_args(*extra))
+        dmt.check_training_config(train_args(*extra))
     assert fragment in one_line(exc)
 
 
@@ -540,7 +541,7 @@ def test_training_options_that_cannot_work_are_refused_in_one_line(extra, fragme
      ("--amp",)],
 )  # fmt: skip
 def test_training_options_that_work_pass_the_check(extra):
-    dm.check_training_config(train_args(*extra))
+    dmt.check_training_config(train_args(*extra))
 
 
 @pytest.mark.parametrize("precision", [(), ("--fp16", "--fp16-no-flatten-grads")])

@@ -1,5 +1,5 @@
 """Depth-muP / CompleteP wired into the models and fairseq's trainer (``fairseq_deepinit/methods/depth_mup.py``,
-``modules/residual.py: BranchScaleResidual``, ``training/depth_mup.py: install``), against the independent port
+``modules/residual.py: BranchScaleResidual``, ``training/depth_mup_trainer.py: install``), against the independent port
 (``tests/ports/depth_mup.py``: nanoGPT-mup ``completep`` model.py:113,117-118; CompleteP Table 1; Megatron-LM
 PR 4999). The constants and the optimizer classes themselves: tests/test_depth_mup.py.
 

@@ -30,7 +30,7 @@ import re
 import pytest
 import torch
 from ports import layernorm_scaling as port
-from ports.common import AttnWeights, FFNWeights, NormSpec
+from ports.common import AttnWeights, FFNWeights, NormSpec, decoder_input, lm_layers
 from test_lm import build_lm as lm_build
 from test_lm import lm_bin  # noqa: F401  (the LM corpus fixture)
 
@@ -66,11 +66,6 @@ def enc_dec_features(model, batch):
     return enc["encoder_out"][0].transpose(0, 1), feats
 
 
-def decoder_embedding(decoder, tokens):
-    """fairseq's decoder input (``transformer_decoder.py``: embed_scale * tokens + positions), eval mode."""
-    return decoder.embed_scale * decoder.embed_tokens(tokens) + decoder.embed_positions(tokens)
-
-
 def port_translation(model, batch):
     """The port's encoder-decoder on the plugin's weights: every layer i (from 0) of each stack scaled by
     ``port.lns_factor(i)``, the stacks' final norms unscaled."""
@@ -80,7 +75,7 @@ def port_translation(model, batch):
         x = port.encoder_layer(x, AttnWeights.from_module(layer.self_attn), FFNWeights.from_module(layer),
                                n(layer.self_attn_layer_norm), n(layer.final_layer_norm), H, i)  # fmt: skip
     memory = n(model.encoder.layer_norm)(x)
-    y = decoder_embedding(model.decoder, batch["prev_output_tokens"])
+    y = decoder_input(model.decoder, batch["prev_output_tokens"])
     for i, layer in enumerate(model.decoder.layers):
         y = port.decoder_layer(y, memory, AttnWeights.from_module(layer.self_attn),
                                AttnWeights.from_module(layer.encoder_attn), FFNWeights.from_module(layer),
@@ -125,13 +120,7 @@ def test_language_model_equals_the_port(dtype):
     with torch.no_grad():
         got, _ = model.decoder(tokens, features_only=True)
         dec = model.double().decoder
-        n = NormSpec.from_module
-        layers = [
-            {"attn_w": AttnWeights.from_module(lay.self_attn), "ffn_w": FFNWeights.from_module(lay),
-             "norm_attn": n(lay.self_attn_layer_norm), "norm_ffn": n(lay.final_layer_norm)}
-            for lay in dec.layers
-        ]  # fmt: skip
-        want = port.lm_stack(decoder_embedding(dec, tokens), layers, H, n(dec.layer_norm))
+        want = port.lm_stack(decoder_input(dec, tokens), lm_layers(dec), H, NormSpec.from_module(dec.layer_norm))
     tol = 1e-12 if dtype == torch.float64 else TOL32
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from ports import mix_ln as port
-from ports.common import AttnWeights, FFNWeights, NormSpec
+from ports.common import AttnWeights, FFNWeights, NormSpec, decoder_input, lm_layers
 from test_lm import build_lm as lm_build
 from test_lm import lm_bin  # noqa: F401  (the LM corpus fixture)
 
@@ -52,10 +52,6 @@ def build_lm(*cli: str):
     """``(model, args)`` of ``mixln_lm_tiny`` built as fairseq-train builds it (tests/test_lm.py)."""
     model, args, _ = lm_build("mixln_lm_tiny", *cli)
     return model, args
-
-
-def decoder_embedding(decoder, tokens):
-    return decoder.embed_scale * decoder.embed_tokens(tokens) + decoder.embed_positions(tokens)
 
 
 @pytest.mark.parametrize("layers", [6, 12, 18, 24, 48])
@@ -106,7 +102,7 @@ def test_translation_model_equals_the_port(norm, dtype):
             x = port.translation_layer(x, kind, None, AttnWeights.from_module(lay.self_attn), None,
                                        FFNWeights.from_module(lay), norms, H, causal=False)  # fmt: skip
         memory = n(m.encoder.layer_norm)(x)
-        y = decoder_embedding(m.decoder, b["prev_output_tokens"])
+        y = decoder_input(m.decoder, b["prev_output_tokens"])
         for kind, lay in zip(kinds, m.decoder.layers, strict=True):
             norms = {"attn": n(lay.self_attn_layer_norm), "cross": n(lay.encoder_attn_layer_norm),
                      "ffn": n(lay.final_layer_norm)}  # fmt: skip
@@ -130,13 +126,7 @@ def test_language_model_equals_the_port(dtype):
     with torch.no_grad():
         got, _ = model.decoder(tokens, features_only=True)
         dec = model.double().decoder
-        n = NormSpec.from_module
-        layers = [
-            {"attn_w": AttnWeights.from_module(lay.self_attn), "ffn_w": FFNWeights.from_module(lay),
-             "n_attn": n(lay.self_attn_layer_norm), "n_ffn": n(lay.final_layer_norm)}
-            for lay in dec.layers
-        ]  # fmt: skip
-        want = port.lm_stack(decoder_embedding(dec, tokens), layers, K, H, n(dec.layer_norm))
+        want = port.lm_stack(decoder_input(dec, tokens), lm_layers(dec), K, H, NormSpec.from_module(dec.layer_norm))
     tol = 1e-12 if dtype == torch.float64 else TOL32
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 

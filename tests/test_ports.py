@@ -349,8 +349,8 @@ def test_mixln_post_layer_count():
 def test_mixln_stack_is_post_then_pre_with_a_final_norm():
     g = gen(7)
     d, h = 8, 2
-    layers = [{"attn_w": AttnWeights.random(d, g), "ffn_w": FFNWeights.random(d, 16, g), "n_attn": _random_ln(d, g),
-               "n_ffn": _random_ln(d, g)} for _ in range(4)]  # fmt: skip
+    layers = [{"attn_w": AttnWeights.random(d, g), "ffn_w": FFNWeights.random(d, 16, g), "norm_attn": _random_ln(d, g),
+               "norm_ffn": _random_ln(d, g)} for _ in range(4)]  # fmt: skip
     fin = _random_ln(d, g)
     x = torch.randn(2, 5, d, generator=g, dtype=F64)
     for k in (0, 1, 4):
@@ -358,19 +358,18 @@ def test_mixln_stack_is_post_then_pre_with_a_final_norm():
         for i, p in enumerate(layers):
             placement = "post" if i < k else "pre"
             role = "out" if i < k else "in"
-            want = norm_placement.decoder_layer(
-                want, None, p["attn_w"], None, p["ffn_w"], {f"attn.{role}": p["n_attn"], f"ffn.{role}": p["n_ffn"]},
-                placement, h)  # fmt: skip
+            norms = {f"attn.{role}": p["norm_attn"], f"ffn.{role}": p["norm_ffn"]}
+            want = norm_placement.decoder_layer(want, None, p["attn_w"], None, p["ffn_w"], norms, placement, h)
         torch.testing.assert_close(mix_ln.lm_stack(x, layers, k, h, fin), fin(want), **TOL)
     # the translation layer's two kinds are the post/pre placements with cross-attention
     mem = torch.randn(2, 3, d, generator=g, dtype=F64)
     cw = AttnWeights.random(d, g)
     p = layers[0]
-    norms = {"attn": p["n_attn"], "cross": fin, "ffn": p["n_ffn"]}
+    norms = {"attn": p["norm_attn"], "cross": fin, "ffn": p["norm_ffn"]}
     for kind, role in (("post", "out"), ("pre", "in")):
         got = mix_ln.translation_layer(x, kind, mem, p["attn_w"], cw, p["ffn_w"], norms, h, causal=True)
-        want = norm_placement.decoder_layer(x, mem, p["attn_w"], cw, p["ffn_w"], {f"attn.{role}": p["n_attn"],
-            f"cross.{role}": fin, f"ffn.{role}": p["n_ffn"]}, kind, h)  # fmt: skip
+        want = norm_placement.decoder_layer(x, mem, p["attn_w"], cw, p["ffn_w"], {f"attn.{role}": p["norm_attn"],
+            f"cross.{role}": fin, f"ffn.{role}": p["norm_ffn"]}, kind, h)  # fmt: skip
         torch.testing.assert_close(got, want, **TOL)
 
 

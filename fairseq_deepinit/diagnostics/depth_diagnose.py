@@ -65,8 +65,8 @@ def plot(result: dict, out_dir: str) -> List[str]:
     label = result.get("label", "")
     depth = result.get("depth")
     if depth:
-        written.append(depth_plots.plot_stream(depth, label, os.path.join(out_dir, "residual_stream.png")))
-        written.append(depth_plots.plot_angle(depth, label, os.path.join(out_dir, "angular_distance.png")))
+        for figure, name in ((depth_plots.STREAM, "residual_stream.png"), (depth_plots.ANGLE, "angular_distance.png")):
+            written.append(depth_plots.plot_over_depth(figure, depth, label, os.path.join(out_dir, name)))
         if depth.get("max_logit"):
             written.append(depth_plots.plot_max_logit(depth, label, os.path.join(out_dir, "max_attention_logit.png")))
     if result.get("layer_removal"):

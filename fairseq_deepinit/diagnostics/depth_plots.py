@@ -11,16 +11,56 @@ as logged every ``--diagnostics-interval`` updates, and the spike and loss-scale
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 from .plots import _plt, _save
 
-STREAM = (
-    ("stream_norm", "mean ||h||_2 per token"),
-    ("stream_var", "Var per sentence (OLMo-core GAP)"),
-    ("stream_max", "max |h| (OLMo-core GAP)"),
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of a figure over depth: the statistic, its y label, an optional title and whether the y axis
+    starts at 0 (all but the residual stream's variance, whose axis follows its values)."""
+
+    stat: str
+    ylabel: str
+    title: str | None = None
+    from_zero: bool = True
+
+
+@dataclass(frozen=True)
+class DepthFigure:
+    """A row of :class:`Panel` s over the layers of each stack; ``first`` is the x of a curve's first value
+    (0: the first layer's input, 1: the first layer), ``width`` each panel's width in inches."""
+
+    panels: Tuple[Panel, ...]
+    first: int
+    xlabel: str
+    suptitle: str
+    width: float
+
+
+STREAM = DepthFigure(
+    panels=(
+        Panel("stream_norm", "mean ||h||_2 per token"),
+        Panel("stream_var", "Var per sentence (OLMo-core GAP)", from_zero=False),
+        Panel("stream_max", "max |h| (OLMo-core GAP)"),
+    ),
+    first=0,
+    xlabel="layer (0: the first layer's input)",
+    suptitle="residual stream after every layer (LayerNorm Scaling, Peri-LN)",
+    width=4.0,
 )
-ANGLE = (("angle", "mean over real tokens"), ("angle_last", "last real token (ShortGPT)"))
+ANGLE = DepthFigure(
+    panels=(
+        Panel("angle", "arccos(cos) / pi", "mean over real tokens"),
+        Panel("angle_last", "arccos(cos) / pi", "last real token (ShortGPT)"),
+    ),
+    first=1,
+    xlabel="layer l (distance between the streams after l-1 and l)",
+    suptitle="angular distance between consecutive layers (LayerNorm Scaling, Mix-LN)",
+    width=4.5,
+)
 TITLES = {
     "stream_norm": "residual stream: mean per-token l2 norm",
     "stream_var": "residual stream: per-sentence variance (OLMo-core GAP)",
@@ -48,37 +88,24 @@ def _points(values: Sequence, first: int):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_stream(depth: dict, label: str, path: str) -> str:
+def plot_over_depth(figure: DepthFigure, depth: dict, label: str, path: str) -> str:
+    """``figure``'s statistics of one measurement over depth (``deepinit-diagnose --measure depth``): a panel
+    per statistic, a curve per stack; a layer without a value (None) is left out of its curve."""
     plt = _plt()
-    fig, axes = plt.subplots(1, len(STREAM), figsize=(4 * len(STREAM), 3.2))
-    for ax, (stat, ylabel) in zip(axes, STREAM, strict=True):
-        for i, (stack, values) in enumerate(depth.get(stat, {}).items()):
-            ax.plot(*_points(values, 0), marker="o", ms=3, label=stack, color=f"C{i}")
-        ax.set_xlabel("layer (0: the first layer's input)")
+    fig, axes = plt.subplots(1, len(figure.panels), figsize=(figure.width * len(figure.panels), 3.2))
+    for ax, panel in zip(axes, figure.panels, strict=True):
+        for i, (stack, values) in enumerate(depth.get(panel.stat, {}).items()):
+            ax.plot(*_points(values, figure.first), marker="o", ms=3, label=stack, color=f"C{i}")
+        ax.set_xlabel(figure.xlabel)
         _integer_axes(ax)
-        ax.set_ylabel(ylabel)
-        if stat != "stream_var":
+        ax.set_ylabel(panel.ylabel)
+        if panel.from_zero:
             ax.set_ylim(bottom=0)
+        if panel.title is not None:
+            ax.set_title(panel.title, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"residual stream after every layer (LayerNorm Scaling, Peri-LN)\n{label}", fontsize=8)
-    return _save(fig, path)
-
-
-def plot_angle(depth: dict, label: str, path: str) -> str:
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(ANGLE), figsize=(4.5 * len(ANGLE), 3.2))
-    for ax, (stat, title) in zip(axes, ANGLE, strict=True):
-        for i, (stack, values) in enumerate(depth.get(stat, {}).items()):
-            ax.plot(*_points(values, 1), marker="o", ms=3, label=stack, color=f"C{i}")
-        ax.set_xlabel("layer l (distance between the streams after l-1 and l)")
-        _integer_axes(ax)
-        ax.set_ylabel("arccos(cos) / pi")
-        ax.set_ylim(0, None)
-        ax.set_title(title, fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"angular distance between consecutive layers (LayerNorm Scaling, Mix-LN)\n{label}", fontsize=8)
+    fig.suptitle(f"{figure.suptitle}\n{label}", fontsize=8)
     return _save(fig, path)
 
 

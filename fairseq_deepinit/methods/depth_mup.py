@@ -10,9 +10,10 @@ Released code: EleutherAI/nanoGPT-mup @ 6f8bc3b (branch ``completep``) ``model.p
 (``residual_scaling = 1 / depth_multiplier ** depth_alpha_exp``); Megatron-LM PR 4999
 ``residual_branch_multiplier`` (``depth_mult ** -1``, alpha fixed to 1). The matching learning-rate and
 Adam-eps multipliers per parameter group are the optimizer's side
-(:mod:`fairseq_deepinit.training.depth_mup`, installed on fairseq's ``Trainer``: it reads this record's
-options from the model's arguments, tags every parameter with its group and refuses optimizers and
-precision paths that cannot carry per-group rates).
+(:mod:`fairseq_deepinit.training.depth_mup`, installed on fairseq's ``Trainer`` by
+:mod:`fairseq_deepinit.training.depth_mup_trainer`: it reads this record's options from the model's
+arguments, tags every parameter with its group and refuses optimizers and precision paths that cannot carry
+per-group rates).
 
 Defaults: alpha 1 (CompleteP, the newer paper's recommendation and the only value Megatron's recipe
 ships, ``residual_branch_depth_power = -1``), L_base 6 (a learning rate tuned at 6 layers, reused at 48),

@@ -51,25 +51,22 @@ Encoder-decoder translation (this plugin's extension; Table 1 is for a Pre-LN de
 has its own ``m_L = L_stack / L_base_stack``, the block groups are per stack (``encoder.hidden_weight``,
 ``decoder.hidden_weight``, ...), and a decoder layer's cross-attention is hidden like its self-attention.
 ``"nanogpt"``'s single eps needs a single ``m_L``: it is refused when the stacks' ratios differ.
+
+The training side (the options check and the wrapped trainer): :mod:`.depth_mup_trainer`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-from fairseq.trainer import Trainer
 from torch import nn
 
 from ..errors import DeepInitConfigError
 from ..modules.residual import depth_branch_multiplier
-from .param_groups import GroupScale, check_groups_reached, tag_parameter
-
-logger = logging.getLogger(__name__)
+from .param_groups import GroupScale, tag_parameter
 
 # the flags the messages name (added by the method's record, fairseq_deepinit/methods/depth_mup.py)
 OPT_ALPHA = "--depth-mup-alpha"
@@ -88,9 +85,6 @@ STACKS = ("encoder", "decoder")
 EMBEDDING_CHILDREN = ("embed_tokens", "embed_positions", "project_in_dim")
 OUTPUT_CHILDREN = ("output_projection", "project_out_dim", "adaptive_softmax")
 OUTER_NORM_CHILDREN = ("layer_norm", "layernorm_embedding")
-# optimizers whose update is Adam's (Table 1 is for AdamW; Megatron's recipe rejects SGD and Muon) and that
-# build one param group per tagged group (fairseq's own ``adam`` builds one group: refused, adam_foreach named)
-ADAM_OPTIMIZERS = ("adam_foreach",)
 
 
 def depth_multiplier(n_layers: int, base_layers: int) -> float:
@@ -303,96 +297,9 @@ def tag_parameters(model: nn.Module, groups: List[ParamGroup]) -> None:
             tag_parameter(params[name], group.name, group.scale)
 
 
-# --- options that cannot work ---------------------------------------------------------------------------
-
-
-def check_training_config(args: Any) -> None:
-    """Refuse, with one line, training options under which per-group multipliers cannot reach the update.
-
-    ``args`` is fairseq's flat namespace (``fairseq-train``'s parsed arguments).
-    """
-    optimizer = getattr(args, "optimizer", None)
-    if optimizer == "adam":
-        raise DeepInitConfigError(
-            "--optimizer adam (fairseq's FairseqAdam) builds one parameter group and depth-muP needs one per group: "
-            "use --optimizer adam_foreach (the same Adam update and flags; it resumes adam's state)"
-        )
-    if optimizer not in ADAM_OPTIMIZERS:
-        raise DeepInitConfigError(
-            f"depth-muP scales Adam's learning rate and eps per parameter group (CompleteP Table 1 is for AdamW; "
-            f"Megatron's recipe rejects SGD and Muon), which --optimizer {optimizer} does not do: use --optimizer "
-            "adam_foreach"
-        )
-    fp16 = getattr(args, "fp16", False)
-    efficient = getattr(args, "memory_efficient_fp16", False) or getattr(args, "memory_efficient_bf16", False)
-    if fp16 and not efficient and not getattr(args, "fp16_no_flatten_grads", False):
-        raise DeepInitConfigError(
-            "--fp16 flattens every parameter into one fp32 tensor (fairseq's FP16Optimizer), which has one learning "
-            "rate, and depth-muP needs one per parameter group: add --fp16-no-flatten-grads, or use "
-            "--memory-efficient-fp16"
-        )
-    if getattr(args, "zero_sharding", "none") != "none":
-        raise DeepInitConfigError(
-            f"--zero-sharding {args.zero_sharding} rebuilds the optimizer inside fairscale's OSS, where depth-muP's "
-            "per-group multipliers are not supported: drop --zero-sharding"
-        )
-    if getattr(args, "ddp_backend", None) == "fully_sharded":
-        raise DeepInitConfigError(
-            "--ddp-backend fully_sharded flattens the parameters, which leaves one learning rate for all of them, "
-            "and depth-muP needs one per parameter group: use --ddp-backend pytorch_ddp or legacy_ddp"
-        )
-
-
 def describe(groups: List[ParamGroup]) -> str:
     """One line per group for the training log: name, parameter count, multipliers."""
     return "; ".join(
         f"{g.name} ({len(g.param_names)}): lr x{g.scale.lr:.4g}, eps x{g.scale.eps:.4g}, wd x{g.scale.weight_decay:.4g}"
         for g in groups
     )
-
-
-# --- fairseq's trainer ----------------------------------------------------------------------------------
-
-
-def training_args(cfg: Any) -> SimpleNamespace:
-    """The options :func:`check_training_config` reads, from fairseq's ``Trainer.cfg`` (its sections)."""
-    flags = ("fp16", "memory_efficient_fp16", "memory_efficient_bf16", "fp16_no_flatten_grads")
-    dist = cfg.distributed_training
-    return SimpleNamespace(
-        optimizer=getattr(cfg.optimizer, "_name", None), zero_sharding=dist.zero_sharding,
-        ddp_backend=dist.ddp_backend, **{f: getattr(cfg.common, f) for f in flags},
-    )  # fmt: skip
-
-
-def tag_for_training(trainer: Trainer) -> bool:
-    """Before fairseq's trainer builds its optimizer: under ``--depth-mup`` (the model's arguments) refuse
-    training options that cannot carry per-group rates, tag every parameter with its group and log the
-    groups; False when the model does not use depth-muP."""
-    args = getattr(trainer._model, "args", None)
-    if not getattr(args, "depth_mup", False):
-        return False
-    check_training_config(training_args(trainer.cfg))
-    groups = param_groups(trainer._model, args.depth_mup_base_layers, args.depth_mup_alpha, args.depth_mup_source)
-    tag_parameters(trainer._model, groups)
-    logger.info("depth-muP optimizer groups: " + describe(groups))
-    return True
-
-
-def install() -> None:
-    """Wrap ``Trainer._build_optimizer`` (``fairseq/trainer.py:289-344``, where fairseq hands the optimizer
-    its flat parameter list) with :func:`tag_for_training` before and
-    :func:`~.param_groups.check_groups_reached` after (idempotent)."""
-    build = Trainer._build_optimizer
-    if getattr(build, "_deepinit_depth_mup", False):
-        return
-
-    def _build_optimizer(self, *args, **kwargs):
-        tagged = tag_for_training(self)
-        out = build(self, *args, **kwargs)
-        if tagged:
-            check_groups_reached(self._optimizer, self._model)
-        return out
-
-    _build_optimizer.__dict__.update(build.__dict__)  # the markers of the wrappers below (their idempotence)
-    _build_optimizer._deepinit_depth_mup = True
-    Trainer._build_optimizer = _build_optimizer

@@ -30,7 +30,7 @@ scheduler, the log and ``--stop-min-lr`` see the rate the user set. fairseq's wr
 innermost optimizer serves all of them. Without tags the mixin is the optimizer it extends: one group,
 no extra keys, the same state dict.
 
-What cannot work, refused by the method's configuration check (:func:`.depth_mup.check_training_config`)
+What cannot work, refused by the method's configuration check (:func:`.depth_mup_trainer.check_training_config`)
 and, whatever built the optimizer, by :func:`check_groups_reached`: ``--fp16`` with flattened
 gradients (one tensor, one rate), and ``--optimizer composite`` (one optimizer and scheduler per
 ``param_group`` from its own YAML config, which reads ``optim_overrides`` as its own per-group config,

@@ -238,3 +238,25 @@ def attention(
 def default_scale(head_dim: int) -> float:
     """fairseq's ``MultiheadAttention.scaling`` (``multihead_attention.py:114``)."""
     return 1.0 / math.sqrt(head_dim)
+
+
+def decoder_input(decoder: torch.nn.Module, tokens: Tensor) -> Tensor:
+    """A fairseq decoder's input in eval mode, ``embed_scale * embed_tokens(tokens) + embed_positions(tokens)``
+    (``fairseq/models/transformer/transformer_decoder.py``, ``extract_features_scriptable``; the compared models
+    have no ``project_in_dim`` or ``layernorm_embedding``)."""
+    return decoder.embed_scale * decoder.embed_tokens(tokens) + decoder.embed_positions(tokens)
+
+
+def lm_layers(decoder: torch.nn.Module) -> list[dict]:
+    """The layers of a fairseq decoder-only stack as the ports' ``lm_stack`` functions take them: per layer
+    ``attn_w`` (``self_attn``), ``ffn_w`` (``fc1``/``fc2``), ``norm_attn`` (``self_attn_layer_norm``) and
+    ``norm_ffn`` (``final_layer_norm``), whichever side of the sub-layer the port applies each norm."""
+    return [
+        {
+            "attn_w": AttnWeights.from_module(layer.self_attn),
+            "ffn_w": FFNWeights.from_module(layer),
+            "norm_attn": NormSpec.from_module(layer.self_attn_layer_norm),
+            "norm_ffn": NormSpec.from_module(layer.final_layer_norm),
+        }
+        for layer in decoder.layers
+    ]

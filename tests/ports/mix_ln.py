@@ -68,10 +68,11 @@ def pre_layer(x: Tensor, attn_w: AttnWeights, ffn_w: FFNWeights, n_attn: Norm, n
 
 
 def lm_stack(x: Tensor, layers: list[dict], k: int, n_heads: int, final_norm: Norm) -> Tensor:
-    """The decoder-only model: ``k`` Post-LN layers, the rest Pre-LN, then the final norm (always)."""
+    """The decoder-only model: ``k`` Post-LN layers, the rest Pre-LN, then the final norm (always); ``layers``
+    as :func:`.common.lm_layers` gives them."""
     for kind, p in zip(layer_kinds(len(layers), k), layers, strict=True):
         fn = post_layer if kind == "post" else pre_layer
-        x = fn(x, p["attn_w"], p["ffn_w"], p["n_attn"], p["n_ffn"], n_heads)
+        x = fn(x, p["attn_w"], p["ffn_w"], p["norm_attn"], p["norm_ffn"], n_heads)
     return final_norm(x)
 
 

@@ -1,0 +1,142 @@
+"""Depth-muP / CompleteP on fairseq's trainer: the training options that cannot carry per-group rates are
+refused, and every parameter is tagged with its group (:mod:`.depth_mup`) right before fairseq's
+``Trainer._build_optimizer`` hands the optimizer its flat parameter list (:func:`install`).
+
+Why fairseq's method is wrapped rather than the model's parameters tagged when the model is built and the
+optimizer left to read them (checked against fairseq 0.12.3 for the
+issue-24 follow-up, 2026-11-25). The reading half is already that design: each parameter carries its group
+and multipliers, which ``--optimizer adam_foreach`` turns into torch param groups
+(:class:`~.param_groups.ScaledParamGroups`, whose ``set_lr`` writes ``lr * lr_scale`` into each group where
+fairseq's writes one value into all, ``fairseq/optim/fairseq_optimizer.py:70-73``, so inverse_sqrt and every
+other scheduler keep the ratios; its ``load_state_dict`` resumes them). They sit in ``optim_overrides``, not
+in attributes of their own such as ``p.deepinit_lr_scale``: ``--fp16 --fp16-no-flatten-grads`` hands the
+optimizer fp32 copies that keep only ``param_group``, ``optim_overrides`` and the expert flags
+(``FP16Optimizer.build_fp32_params``, ``fp16_optimizer.py:62-78``). What needs the trainer:
+
+- the refusals of :func:`check_training_config`. Tagged at build time with nothing wrapped, ``--optimizer
+  adam`` or ``sgd`` train silently with one group at the base lr and eps (their optimizers never read the
+  tags), and so does ``--fp16`` with flattened gradients (one fp32 tensor); ``--optimizer composite`` stops
+  in an assertion of its own (it reads ``optim_overrides`` as its per-group config and finds them unequal
+  within its default group, ``fairseq/optim/composite.py:73-93``). The check needs the training options,
+  which ``build_model`` does not reliably have: under ``fairseq-hydra-train`` it gets the ``model`` section
+  only (:func:`fairseq_deepinit.model_config.as_namespace`), and it also builds models that fairseq's
+  trainer never trains: fairseq-generate's (``checkpoint_utils.load_model_ensemble``, with the training
+  run's options whatever the generation's precision), deepinit-diagnose's, the benchmarks' and the tests'
+  (``args.optimizer`` None). ``Trainer.cfg`` has them on every path;
+- :func:`~.param_groups.check_groups_reached`, which compares the tags with the optimizer fairseq actually
+  built inside its fp16 / AMP / BMUF wrappers: ``_build_optimizer`` (``fairseq/trainer.py:289-382``) calls
+  no model, task or criterion method between collecting the parameters and building the lr scheduler, so
+  there is no hook at that point.
+
+The wrapper only runs these around fairseq's method and changes nothing inside it. The data-parallel
+wrappers keep the parameter objects, so the groups reach the optimizer under them too (``--ddp-backend
+no_c10d`` and ``pytorch_ddp``, two CPU ranks of tests/dist_worker.py, run by hand on 2026-11-25: the groups
+logged, both ranks' parameters bit-identical after 3 updates). ``--optimizer adam_foreach`` wraps the same
+method for the ``adam`` state it resumes (:func:`.adam_foreach.install`).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+from fairseq.trainer import Trainer
+
+from ..errors import DeepInitConfigError
+from .depth_mup import describe, param_groups, tag_parameters
+from .param_groups import check_groups_reached
+
+logger = logging.getLogger(__name__)
+
+# optimizers whose update is Adam's (Table 1 is for AdamW; Megatron's recipe rejects SGD and Muon) and that
+# build one param group per tagged group (fairseq's own ``adam`` builds one group: refused, adam_foreach named)
+ADAM_OPTIMIZERS = ("adam_foreach",)
+
+
+# --- options that cannot work ---------------------------------------------------------------------------
+
+
+def check_training_config(args: Any) -> None:
+    """Refuse, with one line, training options under which per-group multipliers cannot reach the update.
+
+    ``args`` is fairseq's flat namespace (``fairseq-train``'s parsed arguments).
+    """
+    optimizer = getattr(args, "optimizer", None)
+    if optimizer == "adam":
+        raise DeepInitConfigError(
+            "--optimizer adam (fairseq's FairseqAdam) builds one parameter group and depth-muP needs one per group: "
+            "use --optimizer adam_foreach (the same Adam update and flags; it resumes adam's state)"
+        )
+    if optimizer not in ADAM_OPTIMIZERS:
+        raise DeepInitConfigError(
+            f"depth-muP scales Adam's learning rate and eps per parameter group (CompleteP Table 1 is for AdamW; "
+            f"Megatron's recipe rejects SGD and Muon), which --optimizer {optimizer} does not do: use --optimizer "
+            "adam_foreach"
+        )
+    fp16 = getattr(args, "fp16", False)
+    efficient = getattr(args, "memory_efficient_fp16", False) or getattr(args, "memory_efficient_bf16", False)
+    if fp16 and not efficient and not getattr(args, "fp16_no_flatten_grads", False):
+        raise DeepInitConfigError(
+            "--fp16 flattens every parameter into one fp32 tensor (fairseq's FP16Optimizer), which has one learning "
+            "rate, and depth-muP needs one per parameter group: add --fp16-no-flatten-grads, or use "
+            "--memory-efficient-fp16"
+        )
+    if getattr(args, "zero_sharding", "none") != "none":
+        raise DeepInitConfigError(
+            f"--zero-sharding {args.zero_sharding} rebuilds the optimizer inside fairscale's OSS, where depth-muP's "
+            "per-group multipliers are not supported: drop --zero-sharding"
+        )
+    if getattr(args, "ddp_backend", None) == "fully_sharded":
+        raise DeepInitConfigError(
+            "--ddp-backend fully_sharded flattens the parameters, which leaves one learning rate for all of them, "
+            "and depth-muP needs one per parameter group: use --ddp-backend pytorch_ddp or legacy_ddp"
+        )
+
+
+# --- fairseq's trainer ----------------------------------------------------------------------------------
+
+
+def training_args(cfg: Any) -> SimpleNamespace:
+    """The options :func:`check_training_config` reads, from fairseq's ``Trainer.cfg`` (its sections)."""
+    flags = ("fp16", "memory_efficient_fp16", "memory_efficient_bf16", "fp16_no_flatten_grads")
+    dist = cfg.distributed_training
+    return SimpleNamespace(
+        optimizer=getattr(cfg.optimizer, "_name", None), zero_sharding=dist.zero_sharding,
+        ddp_backend=dist.ddp_backend, **{f: getattr(cfg.common, f) for f in flags},
+    )  # fmt: skip
+
+
+def tag_for_training(trainer: Trainer) -> bool:
+    """Before fairseq's trainer builds its optimizer: under ``--depth-mup`` (the model's arguments) refuse
+    training options that cannot carry per-group rates, tag every parameter with its group and log the
+    groups; False when the model does not use depth-muP."""
+    args = getattr(trainer._model, "args", None)
+    if not getattr(args, "depth_mup", False):
+        return False
+    check_training_config(training_args(trainer.cfg))
+    groups = param_groups(trainer._model, args.depth_mup_base_layers, args.depth_mup_alpha, args.depth_mup_source)
+    tag_parameters(trainer._model, groups)
+    logger.info("depth-muP optimizer groups: " + describe(groups))
+    return True
+
+
+def install() -> None:
+    """Wrap ``Trainer._build_optimizer`` (``fairseq/trainer.py:289-344``, where fairseq hands the optimizer
+    its flat parameter list) with :func:`tag_for_training` before and
+    :func:`~.param_groups.check_groups_reached` after (idempotent; why a wrapper and not only tags read by the
+    optimizer: the module docstring)."""
+    build = Trainer._build_optimizer
+    if getattr(build, "_deepinit_depth_mup", False):
+        return
+
+    def _build_optimizer(self, *args, **kwargs):
+        tagged = tag_for_training(self)
+        out = build(self, *args, **kwargs)
+        if tagged:
+            check_groups_reached(self._optimizer, self._model)
+        return out
+
+    _build_optimizer.__dict__.update(build.__dict__)  # the markers of the wrappers below (their idempotence)
+    _build_optimizer._deepinit_depth_mup = True
+    Trainer._build_optimizer = _build_optimizer
