@@ -121,6 +121,18 @@ def test_every_sublayer_takes_its_stacks_multiplier(alpha):
 
 
 @pytest.mark.parametrize("alpha", ALPHAS)
+def test_at_the_base_depth_the_model_is_pre_lns(alpha):
+    """(L / L_base)^-alpha = 1 at L = L_base: the Pre-LN family's weights and output, bit for bit (so the
+    Multi30k matrix runs depth-muP at 18 layers, not at its base depth 6: docs/results.md)."""
+    model, _ = build_model(f"{family(alpha)}_iwslt_de_en", *dims(BASE, BASE), "--depth-mup-base-layers", str(BASE))
+    pre_ln, _ = build_model("preln_iwslt_de_en", *dims(BASE, BASE))
+    mine, theirs = model.state_dict(), pre_ln.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    batch = tiny_batch()
+    assert torch.equal(model.eval()(**batch)[0], pre_ln.eval()(**batch)[0])
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_translation_model_equals_the_port(alpha, dtype):
     model, _ = translation(alpha)
