@@ -260,18 +260,21 @@ def plot(results: List[dict], out: Path, name: str) -> None:
 
     for depth in DEPTHS:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in results:
-            if r["depth"] != depth:
-                continue
+        for n, r in enumerate([c for c in results if c["depth"] == depth]):
+            # one style per scheme in both panels; past matplotlib's 10 colours the line style tells them apart
+            style = dict(color=f"C{n % 10}", linestyle=("-", "--", ":")[n // 10 % 3])
             if r["curve"]:
-                ax2.plot(*zip(*r["curve"], strict=True), label=r["scheme"])
+                ax2.plot(*zip(*r["curve"], strict=True), label=r["scheme"], **style)
             if r["grad_norms"]:
                 first = min(r["grad_norms"], key=int)
                 g = r["grad_norms"][first]
                 layers = sorted((int(k.split(".")[2]), v) for k, v in g.items() if k.startswith("decoder.layers."))
                 if layers:
                     ax1.semilogy(
-                        [i + 1 for i, _ in layers], [v for _, v in layers], label=f"{r['scheme']} (upd {first})"
+                        [i + 1 for i, _ in layers],
+                        [v for _, v in layers],
+                        label=f"{r['scheme']} (upd {first})",
+                        **style,
                     )
         ax1.set(xlabel="layer", ylabel="gradient norm", title=f"{depth} layers: per-layer gradient norm, first log")
         ax2.set(xlabel="update", ylabel="train loss (base 2)", title=f"{depth} layers: training loss")
