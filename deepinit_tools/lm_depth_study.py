@@ -50,7 +50,21 @@ SCHEMES: Dict[str, List[str]] = {
     "tfixup": ["--arch", "tfixup_lm_tiny"],
     "rezero": ["--arch", "rezero_lm_tiny"],
     "twt": ["--arch", "twt_lm_tiny"],
+    # issue 24
+    "qknorm": ["--arch", "qknorm_lm_tiny"],
+    "periln": ["--arch", "periln_lm_tiny"],
+    "reordered": ["--arch", "reordered_lm_tiny"],
+    "lnscale": ["--arch", "lnscale_lm_tiny"],
+    "mixln": ["--arch", "mixln_lm_tiny"],
+    "resi_dual": ["--arch", "resi_dual_lm_tiny"],
+    "dyt": ["--arch", "dyt_lm_tiny"],
+    "derf": ["--arch", "derf_lm_tiny"],
+    "depth_mup": ["--arch", "depth_mup_lm_tiny"],
+    "completep": ["--arch", "completep_lm_tiny"],
 }
+# schemes whose optimizer replaces the study's Adam (fa.ADAM): depth-muP's per-group lr / eps multipliers
+# need fairseq's Adam update over several param groups, which only adam_foreach builds (training/depth_mup.py)
+OPTIMIZERS: Dict[str, str] = {"depth_mup": "adam_foreach", "completep": "adam_foreach"}
 DEPTHS = (6, 24, 48)
 
 
@@ -114,6 +128,12 @@ def prepare(work: Path, vocab: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def optimizer_flags(scheme: str) -> List[str]:
+    """The study's Adam (:data:`fa.ADAM`), its ``--optimizer`` replaced by the scheme's (:data:`OPTIMIZERS`)."""
+    i = fa.ADAM.index("--optimizer") + 1
+    return [*fa.ADAM[:i], OPTIMIZERS.get(scheme, fa.ADAM[i]), *fa.ADAM[i + 1 :]]
+
+
 def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.Namespace) -> List[str]:
     extra = SCHEMES[scheme]
     task = [] if "--task" in extra else ["--task", "language_modeling"]
@@ -121,7 +141,7 @@ def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.N
     cmd += ["--decoder-layers", str(depth), "--share-decoder-input-output-embed", "--dropout", "0.1"]
     cmd += ["--tokens-per-sample", str(a.tokens_per_sample), "--sample-break-mode", "none"]
     cmd += ["--max-tokens", str(a.max_tokens), "--max-update", str(a.updates), "--seed", "1"]
-    cmd += [*fa.ADAM, "--lr", str(a.lr), "--clip-norm", "0"]
+    cmd += [*optimizer_flags(scheme), "--lr", str(a.lr), "--clip-norm", "0"]
     cmd += ["--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(a.warmup), "--warmup-init-lr", "1e-7"]
     cmd += ["--criterion", "cross_entropy_diagnostics", "--diagnostics-interval", str(a.log_interval)]
     cmd += ["--diagnostics-stats", "grad,var", "--log-interval", str(a.log_interval), "--log-format", "simple"]
@@ -209,27 +229,30 @@ def fmt_ppl(r: dict | None) -> str:
 
 
 def report(results: List[dict], out: Path, a: argparse.Namespace) -> Path:
+    """``<name>_study.md`` and ``<name>_<depth>l.png`` in ``out``: a row per scheme with a cell in ``results``
+    (a work folder of some of the schemes reports those), in :data:`SCHEMES`' order."""
     out.mkdir(parents=True, exist_ok=True)
     by = {(r["scheme"], r["depth"]): r for r in results}
+    rows = [s for s in SCHEMES if any(r["scheme"] == s for r in results)]
     lines = ["| scheme | " + " | ".join(f"{d} layers" for d in DEPTHS) + " |", "|---" * (len(DEPTHS) + 1) + "|"]
-    for s in SCHEMES:
+    for s in rows:
         lines.append(f"| {s} | " + " | ".join(fmt_ppl(by.get((s, d))) for d in DEPTHS) + " |")
     lines += ["", "Valid loss (base 2) at the last update, and wall-clock seconds of training:", ""]
     lines += ["| scheme | " + " | ".join(f"{d}L loss / s" for d in DEPTHS) + " |", "|---" * (len(DEPTHS) + 1) + "|"]
-    for s in SCHEMES:
+    for s in rows:
         cells = []
         for d in DEPTHS:
             r = by.get((s, d))
             v = None if r is None else r.get("valid_loss")
             cells.append("-" if r is None else f"{'-' if v is None else f'{v:.2f}'} / {r['seconds']:.0f}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    table = out / "lm_depth_study.md"
+    table = out / f"{a.name}_study.md"
     table.write_text("\n".join(lines) + "\n")
-    plot(results, out)
+    plot(results, out, a.name)
     return table
 
 
-def plot(results: List[dict], out: Path) -> None:
+def plot(results: List[dict], out: Path, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,25 +260,28 @@ def plot(results: List[dict], out: Path) -> None:
 
     for depth in DEPTHS:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in results:
-            if r["depth"] != depth:
-                continue
+        for n, r in enumerate([c for c in results if c["depth"] == depth]):
+            # one style per scheme in both panels; past matplotlib's 10 colours the line style tells them apart
+            style = dict(color=f"C{n % 10}", linestyle=("-", "--", ":")[n // 10 % 3])
             if r["curve"]:
-                ax2.plot(*zip(*r["curve"], strict=True), label=r["scheme"])
+                ax2.plot(*zip(*r["curve"], strict=True), label=r["scheme"], **style)
             if r["grad_norms"]:
                 first = min(r["grad_norms"], key=int)
                 g = r["grad_norms"][first]
                 layers = sorted((int(k.split(".")[2]), v) for k, v in g.items() if k.startswith("decoder.layers."))
                 if layers:
                     ax1.semilogy(
-                        [i + 1 for i, _ in layers], [v for _, v in layers], label=f"{r['scheme']} (upd {first})"
+                        [i + 1 for i, _ in layers],
+                        [v for _, v in layers],
+                        label=f"{r['scheme']} (upd {first})",
+                        **style,
                     )
         ax1.set(xlabel="layer", ylabel="gradient norm", title=f"{depth} layers: per-layer gradient norm, first log")
         ax2.set(xlabel="update", ylabel="train loss (base 2)", title=f"{depth} layers: training loss")
         ax1.legend(fontsize=7)
         ax2.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / f"lm_depth_{depth}l.png", dpi=90)
+        fig.savefig(out / f"{name}_{depth}l.png", dpi=90)
         plt.close(fig)
 
 
@@ -264,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", choices=("prepare", "run", "report", "all"), help="what to do (all: the three)")
     p.add_argument("--work", type=Path, default=Path("work-data/lm-study"), help="work folder (default: %(default)s)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "lm", help="where report writes (default: docs/lm)")
+    p.add_argument(
+        "--name",
+        default="lm_depth",
+        help="report's file names: NAME_study.md, NAME_<depth>l.png (default: %(default)s)",
+    )
     p.add_argument("--vocab", type=int, default=5000, help="most frequent words kept, rest <unk> (default 5000)")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes (default: all)")
     p.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="comma-separated depths (default 6,24,48)")

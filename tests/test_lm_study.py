@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sqlite3
+from pathlib import Path
 
 from deepinit_tools import lm_depth_study as study  # noqa: E402
 
@@ -52,6 +53,36 @@ def test_parse_train_log_and_report(tmp_path):
     results.append(
         {**r, "scheme": "preln", "depth": 6, "train_rc": 1, "seconds": 3.0, "test_ppl": None, "diverged": True}
     )
-    table = study.report(results, tmp_path, argparse.Namespace()).read_text()
+    table = study.report(results, tmp_path, argparse.Namespace(name="lm_depth")).read_text()
     assert "| postln | 123.5 | not run | not run |" in table and "| preln | diverged |" in table
+    assert "| twt |" not in table  # a scheme without a cell in the work folder has no row
     assert (tmp_path / "lm_depth_6l.png").exists()
+
+
+def _argv(scheme):
+    a = study.build_parser().parse_args(["run"])
+    return study.train_command(Path("data-bin"), scheme, 48, Path("ckpt"), a)
+
+
+def test_depth_mup_schemes_replace_the_studys_adam():
+    for scheme in ("completep", "depth_mup"):
+        cmd = _argv(scheme)
+        assert cmd.count("--optimizer") == 1 and cmd.count("adam_foreach") == 1 and "adam" not in cmd
+        assert cmd[cmd.index("--optimizer") + 1] == "adam_foreach"
+        assert cmd[cmd.index("--adam-betas") + 1] == "(0.9, 0.98)"
+    cmd = _argv("preln")
+    assert cmd.count("--optimizer") == 1 and cmd[cmd.index("--optimizer") + 1] == "adam"
+
+
+def test_every_scheme_is_a_registered_architecture_and_task():
+    from fairseq.models import ARCH_MODEL_REGISTRY
+    from fairseq.optim import OPTIMIZER_REGISTRY
+    from fairseq.tasks import TASK_REGISTRY
+
+    import fairseq_deepinit  # noqa: F401  (registers the plugin's architectures, tasks and optimizers)
+
+    for scheme in study.SCHEMES:
+        cmd = _argv(scheme)
+        assert cmd[cmd.index("--arch") + 1] in ARCH_MODEL_REGISTRY, scheme
+        assert cmd[cmd.index("--task") + 1] in TASK_REGISTRY, scheme
+        assert cmd[cmd.index("--optimizer") + 1] in OPTIMIZER_REGISTRY, scheme
