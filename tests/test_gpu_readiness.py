@@ -162,7 +162,7 @@ def test_attention_on_sdpa_causal_and_every_matmul_bf16_with_checkpointing(kind,
     assert self_calls and all(c.path == "sdpa" for c in self_calls), self_calls
     want = 0 if family.endswith("matt") else 2 * SHAPE.layers  # forward and recompute; MAtt averages
     assert len(decoder) == want and all(c.is_causal and not c.square_mask for c in decoder), decoder
-    off = gr.model_products_off(audit)  # less DyT/Derf's fp32 alpha reduction, as the benchmark's column
+    off = rt.model_products_off(audit)  # less DyT/Derf's fp32 alpha reduction, as the benchmark's column
     assert audit.total() > 0 and not off, off
 
 

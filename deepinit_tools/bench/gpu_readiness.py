@@ -62,6 +62,7 @@ from deepinit_tools.bench.readiness_table import (
     OP_TARGETED,
     cells,
     markdown,
+    model_products_off,
 )
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
@@ -103,17 +104,6 @@ def stock_flags(b: Built) -> List[str]:
 
 def stock_key(b: Built) -> str:
     return f"{b.kind} {' '.join(stock_flags(b))}".strip()
-
-
-# DyT/Derf's alpha gradient is one full reduction (sum of dz * x over the batch) run as a dot in the
-# norm's fp32 (fairseq_deepinit/modules/dyt.py _full_dot), as LayerNorm's backward reduces in fp32: not a
-# matrix product of the model
-NORM_REDUCTIONS = ("(_full_dot)",)
-
-
-def model_products_off(audit) -> dict:
-    """``audit.off`` (origin -> count of products not in the audited dtype) less the norms' own reductions."""
-    return {origin: n for origin, n in audit.off.items() if not any(r in origin for r in NORM_REDUCTIONS)}
 
 
 class Measure:

@@ -17,6 +17,16 @@ NORM_TARGETS = {"rmsnorm": 2, "scalenorm": 3}  # at most LayerNorm's kernels + t
 # Admin profiling reads twice per run: its batch's cut (rows and widths) and the profile (numbers to log)
 ADMIN_PROFILING_READS = 2
 
+# DyT/Derf's alpha gradient is one full reduction (sum of dz * x over the batch) run as a dot in the
+# norm's fp32 (fairseq_deepinit/modules/dyt.py _full_dot), as LayerNorm's backward reduces in fp32: not a
+# matrix product of the model
+NORM_REDUCTIONS = ("(_full_dot)",)
+
+
+def model_products_off(audit) -> dict:
+    """``audit.off`` (origin -> count of products not in the audited dtype) less the norms' own reductions."""
+    return {origin: n for origin, n in audit.off.items() if not any(r in origin for r in NORM_REDUCTIONS)}
+
 
 # --- the table ------------------------------------------------------------------------------------
 
