@@ -196,7 +196,10 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 
 # Modules whose tests compare floating-point results (closed forms, two implementations, trained
 # models): scripts/test.sh runs them a second time on another CPU kernel path (ATEN_CPU_CAPABILITY,
-# MKL_ENABLE_INSTRUCTIONS), so that a tolerance tuned to one machine's kernels fails in CI.
+# MKL_ENABLE_INSTRUCTIONS), so that a tolerance tuned to one machine's kernels fails in CI. A test of
+# such a module marked ``kernel_independent`` (an end-to-end CLI run checked by exact or structural
+# assertions) runs once. test_golden is not here: its bit-exact outputs are checked only on the fixture's
+# kernel path (skipped on any other) and its state-dict keys and parameter order depend on no kernel.
 NUMERIC_MODULES = {
     "test_adam_foreach",
     "test_admin",
@@ -211,7 +214,6 @@ NUMERIC_MODULES = {
     "test_diagnostics",
     "test_dyt",
     "test_dyt_model",
-    "test_golden",
     "test_hooks",
     "test_kernels",
     "test_lm",
@@ -256,5 +258,6 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in NUMERIC_MODULES:
+        numeric_module = item.module.__name__.rsplit(".", 1)[-1] in NUMERIC_MODULES
+        if numeric_module and item.get_closest_marker("kernel_independent") is None:
             item.add_marker(pytest.mark.numerics)

@@ -284,6 +284,7 @@ TRAIN = ["--optimizer", "adam_foreach", "--lr", "1e-3", "--cpu", "--num-workers"
          "--log-interval", "1", "--seed", "1"]  # fmt: skip
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, tmp_path):
     def train(updates: int) -> str:
         return run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t",
@@ -321,6 +322,7 @@ def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, t
     )
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_language_model(tmp_path):
     root = tmp_path / "raw"
     root.mkdir()
@@ -337,6 +339,7 @@ def test_fairseq_train_language_model(tmp_path):
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_refuses_fairseqs_adam_in_one_line(synthetic_bin, tmp_path):
     proc = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
                    "--arch", "completep_iwslt_de_en", *dims(2, 2), "--max-tokens", "500", *TRAIN, "--optimizer",

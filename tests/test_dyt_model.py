@@ -248,6 +248,7 @@ def test_bad_combinations_stop_with_one_line(arch, cli, says):
 # --- end to end ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_translation_trains_generates_and_reloads(synthetic_bin, tmp_path):
     """fairseq-train (Pre-LN DyT, 3 updates, checkpoint saved), then fairseq-generate from the checkpoint."""
     common_args = [synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt"]
@@ -265,6 +266,7 @@ def test_translation_trains_generates_and_reloads(synthetic_bin, tmp_path):
     assert re.search(r"^H-\d+\t", gen, re.M) and "Generate test" in gen, gen[-2000:]
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_lm_trains_resumes_and_reloads(lm_bin, tmp_path):  # noqa: F811
     """fairseq-train of the Derf LM (learnable embedding scale), resumed from its checkpoint; the stored
     options are the resolved ones and the resume check compares the new ones (in process)."""

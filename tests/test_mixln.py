@@ -175,12 +175,14 @@ def test_update_ops_within_2_percent_of_stock(kind):
     assert plugin.total <= 1.02 * stock.total, (plugin.total, stock.total, plugin.total / stock.total)
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_translation_saves_and_reloads(synthetic_bin, tmp_path):
     log, model = train_and_reload(synthetic_bin, tmp_path, "--arch", "mixln_iwslt_de_en", *dims())
     assert "mix-ln=post ratio 0.25" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     assert [lay.placement for lay in model.encoder.layers] == port.layer_kinds(L, 1)
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_language_model(lm_bin):  # noqa: F811
     log = run_cli("train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
                   "mixln_lm_tiny", "--decoder-layers", "4", "--tokens-per-sample", "16", "--max-tokens", "128",

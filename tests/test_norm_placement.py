@@ -234,6 +234,7 @@ def _train(data, *cli):
     )  # fmt: skip
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_translation_trains_generates_and_refuses_a_changed_placement_on_resume(synthetic_bin, tmp_path):
     save = tmp_path / "ckpt"
     mt = ["--task", "translation", "-s", "src", "-t", "tgt", "--save-dir", save, "--no-epoch-checkpoints"]
@@ -252,6 +253,7 @@ def test_translation_trains_generates_and_refuses_a_changed_placement_on_resume(
     assert changed.returncode == 1 and "norm_placement" in changed.stdout, changed.stdout[-2000:]
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_language_model_trains_and_reloads(lm_bin, tmp_path):  # noqa: F811
     """The reordered LM end to end (the translation test above runs peri; the golden fixture and the
     op-count test build both placements for both models)."""

@@ -318,6 +318,7 @@ TRAIN = [
 ]  # fmt: skip
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_translation_trains_generates_reloads_and_refuses_a_scope_change(synthetic_bin, tmp_path):
     """fairseq-train (3 updates, SDPA path, the projection scope), fairseq-generate from the checkpoint, the
     checkpoint reloaded into an identical model, and a resume with another scope stopped in one line."""
@@ -350,6 +351,7 @@ def test_translation_trains_generates_reloads_and_refuses_a_scope_change(synthet
     )
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_language_model_trains(tmp_path):
     """fairseq-train of ``qknorm_lm_tiny`` (3 updates, LayerNorm q/k norms) on a small synthetic corpus."""
     from test_lm import TRAIN as LM_TRAIN

@@ -371,6 +371,7 @@ def test_forward_adds_a_norm_and_an_add_per_stack_and_an_add_per_sublayer():
 # ---- end to end ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path):
     save = tmp_path / "ckpt"
     log = run_cli(
@@ -402,6 +403,7 @@ def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path):
     assert len(re.findall(r"^H-\d+\t", gen, flags=re.M)) == 100, gen[-2000:]
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_language_model(lm_bin, tmp_path):  # noqa: F811
     out = run_cli(
         "train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "resi_dual_lm_tiny",
