@@ -7,6 +7,7 @@ never exercise a stale installed copy. Corpora are built by the tests themselves
   independent of any data on disk;
 - :func:`multi30k_bin`: the first lines of Multi30k de-en read in place from
   ``../shared/data/multi30k`` (skipped, with the reason, where that folder is absent).
+- :func:`lm_bin`: a tiny monolingual corpus for the language-model tests.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from cli_fork import run_forked
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_deepinit")
@@ -41,12 +44,23 @@ def run_cli(
     check: bool = True,
     env: dict | None = None,
     timeout: int = 600,
+    forked: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run ``fairseq-<tool>`` (train, generate, preprocess, interactive) in a subprocess.
 
     Returns the completed process (stdout and stderr merged into ``.stdout``); on failure with
-    ``check`` the assertion shows the command and the tail of its output.
+    ``check`` the assertion shows the command and the tail of its output. ``forked``: in a process forked
+    from a server that has imported fairseq (``tests/cli_fork.py``), which saves fairseq's ~4 s import;
+    for runs that must succeed (a failing command's one-line error needs the real interpreter's exit).
     """
+    if forked:
+        assert check and cwd is None and env is None, "forked runs are checked and take no cwd or env"
+        fd, log = tempfile.mkstemp(prefix=f"fairseq-{tool}-", suffix=".log")
+        os.close(fd)
+        try:
+            return run_forked(tool, *args, log=log, timeout=timeout)
+        finally:
+            os.unlink(log)
     cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     full_env.update(env or {})
@@ -135,6 +149,23 @@ def multi30k_bin(tmp_path_factory) -> Path:
         for lang in ("de", "en"):
             (raw / f"{out}.{lang}").write_text("\n".join(read_multi30k(split, lang, n)) + "\n", encoding="utf-8")
     return preprocess(raw, root / "bin", "de", "en", extra=("--thresholdsrc", "2", "--thresholdtgt", "2"))
+
+
+@pytest.fixture(scope="session")
+def lm_bin(tmp_path_factory):
+    """A tiny monolingual corpus: sequences w_a, w_(a+k), w_(a+2k), ... (mod 30), binarised; shared by every
+    language-model test of the session."""
+    root = tmp_path_factory.mktemp("lm")
+    rng = random.Random(0)
+    for split, n in (("train", 300), ("valid", 30), ("test", 30)):
+        lines = []
+        for _ in range(n):
+            a, k = rng.randrange(30), rng.choice((1, 2, 3))
+            lines.append(" ".join(f"w{(a + k * i) % 30}" for i in range(rng.randint(4, 12))))
+        (root / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    run_cli("preprocess", "--only-source", "--trainpref", root / "train.txt", "--validpref", root / "valid.txt",
+            "--testpref", root / "test.txt", "--destdir", root / "bin", "--workers", "1")  # fmt: skip
+    return root / "bin"
 
 
 def make_dictionary(n_symbols: int = 50):
@@ -247,7 +278,7 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
 
     log = run_cli("train", data, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt", *argv,
                   "--max-tokens", "500", *TRAIN_2, "--save-dir", save_dir, "--no-epoch-checkpoints",
-                  "--disable-validation").stdout  # fmt: skip
+                  "--disable-validation", forked=True).stdout  # fmt: skip
     ckpt = save_dir / "checkpoint_last.pt"
     saved = torch.load(ckpt, map_location="cpu")["model"]
     (model,), _ = checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"data": str(data)})
