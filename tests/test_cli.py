@@ -5,10 +5,9 @@ For each family in :data:`fairseq_deepinit.architectures.FAMILIES` (and fairseq'
 task, a second ``fairseq-train`` in the same save dir that must *resume* (not restart), then
 ``fairseq-generate --scoring sacrebleu`` on the test split. The families of issue 24
 (:data:`TRAIN_ONLY`) run the first ``fairseq-train`` only: their own test files run the CLI end to end.
-The pipelines are subprocesses run
-``min(4, max(2, os.cpu_count()))`` at a time (``DEEPINIT_TEST_JOBS`` overrides) so that their
-start-up costs overlap; the per-family tests below read their logs. Checkpoints are loaded with
-torch's default ``weights_only=True``.
+The pipelines are subprocesses run ``min(4, max(2, os.cpu_count()))`` at a time (``DEEPINIT_TEST_JOBS``
+overrides) so that their start-up costs overlap; the per-family tests below read their logs. Checkpoints
+are loaded with torch's default ``weights_only=True``.
 
 The ``postln`` pipeline runs ``python -m fairseq_cli.<tool>`` as separate interpreters, exactly as from
 the shell; the others run the same entry points in processes forked from a server that has imported
@@ -66,10 +65,12 @@ RECIPES: dict[str, tuple[tuple, tuple]] = {
 CONTROL = "transformer"  # fairseq's own model, same recipe: tells plugin failures from harness failures
 CASES = [*architectures.FAMILIES, CONTROL]
 # Issue 24's families: the train stage here (the loss falls, the lr follows its closed form, the checkpoints
-# pickle only the allow-list); their own files run the CLI end to end at 2-3 updates, which the resume and
-# generate stages would repeat: test_qk_norm.py, test_norm_placement.py (periln; reordered as a language
-# model), test_lnscale.py, test_mixln.py, test_resi_dual.py, test_dyt_model.py (dyt; derf as a language model
-# that resumes), test_depth_mup_wiring.py (completep resumes its optimizer groups)
+# pickle only the allow-list). Their own files run fairseq-train at 2-3 updates and reload the checkpoint
+# (test_qk_norm.py, test_norm_placement.py: periln, reordered as a language model; test_lnscale.py,
+# test_mixln.py, test_resi_dual.py, test_dyt_model.py: dyt, derf as a language model; test_depth_mup_wiring.py:
+# completep), fairseq-generate from it (qknorm, periln, resi_dual, dyt) and resume (completep's optimizer
+# groups, derf's language model; qknorm and periln refuse a changed option); fairseq's resume and generate
+# paths are the other families' pipelines here, and every family's incremental decoding is test_golden.py's
 TRAIN_ONLY = ("qknorm", "periln", "reordered", "lnscale", "mixln", "resi_dual", "dyt", "derf", "depth_mup", "completep")
 # the pipelines also run on scripts/test.sh's second kernel path, where 120 updates end in another model: Post-LN
 # and the control (BLEU > 6; Post-LN 12.42 on an AVX2-only CPU, see test_generate_prints_bleu) and the two
