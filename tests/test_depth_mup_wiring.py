@@ -296,12 +296,13 @@ TRAIN = ["--optimizer", "adam_foreach", "--lr", "1e-3", "--cpu", "--num-workers"
          "--log-interval", "1", "--seed", "1"]  # fmt: skip
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, tmp_path):
     def train(updates: int) -> str:
         return run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t",
                        "tgt", "--arch", "completep_iwslt_de_en", *dims(), "--max-tokens", "500", *TRAIN,
                        "--max-update", str(updates), "--save-dir", tmp_path, "--no-epoch-checkpoints",
-                       "--disable-validation").stdout  # fmt: skip
+                       "--disable-validation", forked=True).stdout  # fmt: skip
 
     log = train(2)
     assert "depth-mup alpha=1 base-layers=6" in log and "depth-muP optimizer groups" in log, log[-2000:]
@@ -333,22 +334,24 @@ def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, t
     )
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_language_model(tmp_path):
     root = tmp_path / "raw"
     root.mkdir()
     for split, n in (("train", 60), ("valid", 10)):
         (root / f"{split}.txt").write_text("\n".join(" ".join(f"w{(i * j) % 20}" for j in range(8)) for i in range(n)))
     run_cli("preprocess", "--only-source", "--trainpref", root / "train.txt", "--validpref", root / "valid.txt",
-            "--destdir", tmp_path / "bin", "--workers", "1")  # fmt: skip
+            "--destdir", tmp_path / "bin", "--workers", "1", forked=True)  # fmt: skip
     log = run_cli("train", tmp_path / "bin", "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
                   "depth_mup_lm_tiny", "--decoder-layers", "12", "--tokens-per-sample", "16", "--max-tokens", "128",
-                  *TRAIN, "--max-update", "2", "--no-save", "--disable-validation").stdout  # fmt: skip
+                  *TRAIN, "--max-update", "2", "--no-save", "--disable-validation", forked=True).stdout  # fmt: skip
     assert "depth-mup alpha=0.5 base-layers=6" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     assert "decoder.hidden_weight" in log and f"lr x{2**-0.5:.4g}" in log, log[-2000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_refuses_fairseqs_adam_in_one_line(synthetic_bin, tmp_path):
     proc = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
                    "--arch", "completep_iwslt_de_en", *dims(2, 2), "--max-tokens", "500", *TRAIN, "--optimizer",

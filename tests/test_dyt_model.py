@@ -22,7 +22,7 @@ import torch
 from ports import common, norm_placement
 from ports import dyt as port
 from test_kernels import DIMS, RECIPE_DROPOUT, padded_batch, train_step
-from test_lm import N_SYMBOLS, TRAIN, build_lm, lm_bin  # noqa: F401  (lm_bin: the LM corpus fixture)
+from test_lm import N_SYMBOLS, TRAIN, build_lm
 
 from conftest import TINY_DIMS, USER_DIR, build_model, run_cli, tiny_batch
 from deepinit_tools.harness.op_counters import OpCounter
@@ -248,6 +248,7 @@ def test_bad_combinations_stop_with_one_line(arch, cli, says):
 # --- end to end ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_translation_trains_generates_and_reloads(synthetic_bin, tmp_path):
     """fairseq-train (Pre-LN DyT, 3 updates, checkpoint saved), then fairseq-generate from the checkpoint."""
     common_args = [synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt"]
@@ -255,24 +256,25 @@ def test_translation_trains_generates_and_reloads(synthetic_bin, tmp_path):
         "train", *common_args, "--arch", "dyt_iwslt_de_en", *TINY_DIMS, "--dyt-alpha-init", "0.6,0.3,0.3",
         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--max-update", "3", "--cpu", "--num-workers",
         "0", "--log-format", "simple", "--log-interval", "1", "--seed", "1", "--disable-validation",
-        "--save-dir", tmp_path, "--no-epoch-checkpoints",
+        "--save-dir", tmp_path, "--no-epoch-checkpoints", forked=True,
     ).stdout  # fmt: skip
     assert "norm=dyt" in out and "dyt alpha-init=0.6,0.3,0.3" in out and re.search(r"num_updates 3\b", out), out[-2000:]
     gen = run_cli(
         "generate", *common_args, "--path", tmp_path / "checkpoint_last.pt", "--beam", "2", "--max-tokens", "500",
-        "--cpu", "--num-workers", "0", "--required-batch-size-multiple", "1", "--max-len-b", "5",
+        "--cpu", "--num-workers", "0", "--required-batch-size-multiple", "1", "--max-len-b", "5", forked=True,
     ).stdout  # fmt: skip
     assert re.search(r"^H-\d+\t", gen, re.M) and "Generate test" in gen, gen[-2000:]
 
 
-def test_lm_trains_resumes_and_reloads(lm_bin, tmp_path):  # noqa: F811
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
+def test_lm_trains_resumes_and_reloads(lm_bin, tmp_path):
     """fairseq-train of the Derf LM (learnable embedding scale), resumed from its checkpoint; the stored
     options are the resolved ones and the resume check compares the new ones (in process)."""
     cli = [lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "derf_lm_tiny", *TRAIN]
     cli += ["--save-dir", tmp_path, "--disable-validation", "--derf-alpha-init", "0.8,0.2,0.2"]
-    out = run_cli("train", *cli, "--max-update", "3").stdout
+    out = run_cli("train", *cli, "--max-update", "3", forked=True).stdout
     assert "norm=derf" in out and "embed-scale=learnable" in out and re.search(r"num_updates 3\b", out), out[-2000:]
-    out = run_cli("train", *cli, "--max-update", "5").stdout
+    out = run_cli("train", *cli, "--max-update", "5", forked=True).stdout
     assert "Loaded checkpoint" in out and re.search(r"num_updates 5\b", out), out[-2000:]
     ckpt = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)
     assert ckpt["model"]["decoder.embed_scale"].item() != 8.0  # the scalar trained

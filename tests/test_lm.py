@@ -338,24 +338,6 @@ TRAIN = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def lm_bin(tmp_path_factory):
-    """A tiny monolingual corpus: sequences w_a, w_(a+k), w_(a+2k), ... (mod 30), binarised."""
-    import random
-
-    root = tmp_path_factory.mktemp("lm")
-    rng = random.Random(0)
-    for split, n in (("train", 300), ("valid", 30), ("test", 30)):
-        lines = []
-        for _ in range(n):
-            a, k = rng.randrange(30), rng.choice((1, 2, 3))
-            lines.append(" ".join(f"w{(a + k * i) % 30}" for i in range(rng.randint(4, 12))))
-        (root / f"{split}.txt").write_text("\n".join(lines) + "\n")
-    run_cli("preprocess", "--only-source", "--trainpref", root / "train.txt", "--validpref", root / "valid.txt",
-            "--testpref", root / "test.txt", "--destdir", root / "bin", "--workers", "1")  # fmt: skip
-    return root / "bin"
-
-
 def _ppl(output: str) -> float:
     m = re.search(r"Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)", output)
     assert m, output[-2000:]

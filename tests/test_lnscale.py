@@ -32,7 +32,6 @@ import torch
 from ports import layernorm_scaling as port
 from ports.common import AttnWeights, FFNWeights, NormSpec, decoder_input, lm_layers
 from test_lm import build_lm as lm_build
-from test_lm import lm_bin  # noqa: F401  (the LM corpus fixture)
 
 from conftest import TRAIN_2, USER_DIR, build_model, perturb_norms, run_cli, tiny_batch, train_and_reload
 from fairseq_deepinit.errors import DeepInitConfigError
@@ -189,16 +188,18 @@ def test_update_ops_within_2_percent_of_stock(kind):
     assert plugin.total <= 1.02 * stock.total, (plugin.total, stock.total, plugin.total / stock.total)
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_translation_saves_and_reloads(synthetic_bin, tmp_path):
     log, model = train_and_reload(synthetic_bin, tmp_path, "--arch", "lnscale_iwslt_de_en", *dims(2))
     assert "layernorm-scaling=1/sqrt(l)" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     assert [layer.input_scale for layer in model.decoder.layers] == [1.0, port.lns_factor(1)]
 
 
-def test_fairseq_train_language_model(lm_bin):  # noqa: F811
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
+def test_fairseq_train_language_model(lm_bin):
     log = run_cli("train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
                   "lnscale_lm_tiny", "--decoder-layers", "2", "--tokens-per-sample", "16", "--max-tokens", "128",
-                  *TRAIN_2, "--no-save", "--disable-validation").stdout  # fmt: skip
+                  *TRAIN_2, "--no-save", "--disable-validation", forked=True).stdout  # fmt: skip
     assert "layernorm-scaling=1/sqrt(l)" in log and re.search(r"num_updates 2\b", log), log[-2000:]
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", log)]
     assert losses and all(math.isfinite(x) for x in losses), log[-2000:]

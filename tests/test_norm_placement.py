@@ -19,7 +19,6 @@ from fairseq.models.transformer import TransformerConfig
 from ports.common import AttnWeights, FFNWeights, NormSpec
 from ports.norm_placement import NORMS_PER_SUBLAYER, decoder_layer, encoder_layer, has_final_norm
 from test_lm import TRAIN as LM_TRAIN
-from test_lm import lm_bin  # noqa: F401,F811  (the fixture: a tiny binarised monolingual corpus)
 
 from conftest import TINY_DIMS, USER_DIR, build_model, run_cli, tiny_batch
 from fairseq_deepinit import options, plan
@@ -234,6 +233,7 @@ def _train(data, *cli):
     )  # fmt: skip
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_translation_trains_generates_and_refuses_a_changed_placement_on_resume(synthetic_bin, tmp_path):
     save = tmp_path / "ckpt"
     mt = ["--task", "translation", "-s", "src", "-t", "tgt", "--save-dir", save, "--no-epoch-checkpoints"]
@@ -244,7 +244,7 @@ def test_translation_trains_generates_and_refuses_a_changed_placement_on_resume(
     gen = run_cli(
         "generate", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
         "--path", save / "checkpoint_last.pt", "--beam", "2", "--max-len-b", "5", "--batch-size", "8",
-        "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0", "--gen-subset", "valid",
+        "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0", "--gen-subset", "valid", forked=True,
     ).stdout  # fmt: skip
     assert re.search(r"^H-\d+\t", gen, re.M) and "BLEU" in gen, gen[-2000:]
     changed = _train(synthetic_bin, *mt, "--arch", "periln_iwslt_de_en", "--layernorm-embedding",
@@ -252,7 +252,8 @@ def test_translation_trains_generates_and_refuses_a_changed_placement_on_resume(
     assert changed.returncode == 1 and "norm_placement" in changed.stdout, changed.stdout[-2000:]
 
 
-def test_language_model_trains_and_reloads(lm_bin, tmp_path):  # noqa: F811
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
+def test_language_model_trains_and_reloads(lm_bin, tmp_path):
     """The reordered LM end to end (the translation test above runs peri; the golden fixture and the
     op-count test build both placements for both models)."""
     save = tmp_path / "ckpt"
@@ -262,7 +263,7 @@ def test_language_model_trains_and_reloads(lm_bin, tmp_path):  # noqa: F811
     assert proc.returncode == 0 and "decoder=reordered-norm" in proc.stdout, proc.stdout[-3000:]
     assert re.search(r"num_updates 2\b", proc.stdout), proc.stdout[-2000:]
     ev = run_cli("eval_lm", lm_bin, "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt",
-                 "--tokens-per-sample", "32", "--cpu", "--num-workers", "0").stdout  # fmt: skip
+                 "--tokens-per-sample", "32", "--cpu", "--num-workers", "0", forked=True).stdout  # fmt: skip
     assert re.search(r"Perplexity: [0-9.]+", ev), ev[-2000:]
 
 

@@ -318,6 +318,7 @@ TRAIN = [
 ]  # fmt: skip
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_translation_trains_generates_reloads_and_refuses_a_scope_change(synthetic_bin, tmp_path):
     """fairseq-train (3 updates, SDPA path, the projection scope), fairseq-generate from the checkpoint, the
     checkpoint reloaded into an identical model, and a resume with another scope stopped in one line."""
@@ -325,11 +326,14 @@ def test_translation_trains_generates_reloads_and_refuses_a_scope_change(synthet
 
     common = [synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt", "--arch",
               "qknorm_iwslt_de_en", *TINY_DIMS, "--save-dir", tmp_path, *TRAIN]  # fmt: skip
-    log = run_cli("train", *common, "--qk-norm-scope", "proj", "--attention-impl", "sdpa", "--max-update", "3").stdout
+    log = run_cli(
+        "train", *common, "--qk-norm-scope", "proj", "--attention-impl", "sdpa", "--max-update", "3", forked=True
+    ).stdout
     assert "qk-norm=proj/rmsnorm(eps=1e-06)" in log and re.search(r"num_updates 3\b", log), log[-2000:]
     ckpt = tmp_path / "checkpoint_last.pt"
     gen = run_cli("generate", synthetic_bin, "--user-dir", USER_DIR, "--path", ckpt, "--beam", "2", "--cpu",
-                  "--max-len-b", "5", "--batch-size", "16", "--required-batch-size-multiple", "1").stdout  # fmt: skip
+                  "--max-len-b", "5", "--batch-size", "16", "--required-batch-size-multiple", "1",
+                  forked=True).stdout  # fmt: skip
     assert len(re.findall(r"^H-\d+\t", gen, re.M)) == 100, gen[-2000:]
 
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)])
@@ -350,6 +354,7 @@ def test_translation_trains_generates_reloads_and_refuses_a_scope_change(synthet
     )
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_language_model_trains(tmp_path):
     """fairseq-train of ``qknorm_lm_tiny`` (3 updates, LayerNorm q/k norms) on a small synthetic corpus."""
     from test_lm import TRAIN as LM_TRAIN
@@ -357,10 +362,10 @@ def test_language_model_trains(tmp_path):
     lines = [" ".join(f"w{(a + k * i) % 30}" for i in range(4 + a % 8)) for a in range(30) for k in (1, 2, 3)]
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
     run_cli("preprocess", "--only-source", "--trainpref", tmp_path / "train.txt", "--destdir", tmp_path / "bin",
-            "--workers", "1")  # fmt: skip
+            "--workers", "1", forked=True)  # fmt: skip
     out = run_cli("train", tmp_path / "bin", "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
                   "qknorm_lm_tiny", *LM_TRAIN, "--max-update", "3", "--no-save", "--disable-validation",
-                  "--save-dir", tmp_path, "--qk-norm-type", "layernorm").stdout  # fmt: skip
+                  "--save-dir", tmp_path, "--qk-norm-type", "layernorm", forked=True).stdout  # fmt: skip
     assert "qk-norm=head/layernorm" in out and re.search(r"num_updates 3\b", out), out[-2000:]
 
 

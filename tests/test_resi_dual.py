@@ -27,7 +27,7 @@ import pytest
 import torch
 from ports import resi_dual as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
-from test_lm import build_lm, lm_bin  # noqa: F401  (the LM corpus fixture)
+from test_lm import build_lm
 
 from conftest import TINY_DIMS, USER_DIR, build_model, run_cli
 from deepinit_tools.harness.op_counters import OpCounter
@@ -371,6 +371,7 @@ def test_forward_adds_a_norm_and_an_add_per_stack_and_an_add_per_sublayer():
 # ---- end to end ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path):
     save = tmp_path / "ckpt"
     log = run_cli(
@@ -378,7 +379,7 @@ def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path):
         "--arch", "resi_dual_iwslt_de_en", *TINY_DIMS, "--resi-dual-scale", "0.05", "--optimizer", "adam",
         "--lr", "1e-3", "--max-tokens", "500", "--max-update", "3", "--cpu", "--num-workers", "0",
         "--save-dir", save, "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "1",
-        "--seed", "1", "--disable-validation",
+        "--seed", "1", "--disable-validation", forked=True,
     ).stdout  # fmt: skip
     assert "residual=resi-dual" in log and "resi-dual-scale=0.05" in log, log[-2000:]
     assert re.search(r"num_updates 3\b", log) and "done training" in log, log[-2000:]
@@ -397,16 +398,18 @@ def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path):
     gen = run_cli(
         "generate", synthetic_bin, "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt", "--task",
         "translation", "-s", "src", "-t", "tgt", "--gen-subset", "test", "--beam", "2", "--batch-size", "64",
-        "--required-batch-size-multiple", "1", "--max-len-b", "20", "--cpu", "--num-workers", "0",
+        "--required-batch-size-multiple", "1", "--max-len-b", "20", "--cpu", "--num-workers", "0", forked=True,
     ).stdout  # fmt: skip
     assert len(re.findall(r"^H-\d+\t", gen, flags=re.M)) == 100, gen[-2000:]
 
 
-def test_fairseq_train_language_model(lm_bin, tmp_path):  # noqa: F811
+@pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
+def test_fairseq_train_language_model(lm_bin, tmp_path):
     out = run_cli(
         "train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "resi_dual_lm_tiny",
         "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "2e-3",
         "--num-workers", "0", "--cpu", "--log-format", "simple", "--log-interval", "1", "--seed", "1",
         "--decoder-layers", "3", "--max-update", "3", "--no-save", "--disable-validation", "--save-dir", tmp_path,
+        forked=True,
     ).stdout  # fmt: skip
     assert "residual=resi-dual" in out and "done training" in out and re.search(r"num_updates 3\b", out), out[-2000:]
