@@ -25,6 +25,16 @@ def adam(optimizer: str = "adam") -> Tuple[str, ...]:
 
 
 ADAM = adam()
+# methods whose Adam is the plugin's adam_foreach: it applies depth-muP / CompleteP's per-group lr and eps
+# multipliers (fairseq's adam is refused for them: fairseq_deepinit/training/depth_mup_trainer.py)
+ADAM_FOREACH_METHODS = ("depth_mup", "completep")
+
+
+def adam_for(method: str) -> Tuple[str, ...]:
+    """:func:`adam` as ``method`` (a family name: ``completep``) needs it."""
+    return adam("adam_foreach" if method in ADAM_FOREACH_METHODS else "adam")
+
+
 # the plugin's bf16: autocast on its own translation task (fairseq's --bf16 means TPU)
 BF16_TASK = "translation_deepinit"
 AUTOCAST_BF16 = "--autocast-bf16"

@@ -62,9 +62,6 @@ SCHEMES: Dict[str, List[str]] = {
     "depth_mup": ["--arch", "depth_mup_lm_tiny"],
     "completep": ["--arch", "completep_lm_tiny"],
 }
-# schemes whose optimizer replaces the study's Adam (fa.ADAM): depth-muP's per-group lr / eps multipliers
-# need fairseq's Adam update over several param groups, which only adam_foreach builds (training/depth_mup.py)
-OPTIMIZERS: Dict[str, str] = {"depth_mup": "adam_foreach", "completep": "adam_foreach"}
 DEPTHS = (6, 24, 48)
 
 
@@ -129,9 +126,8 @@ def prepare(work: Path, vocab: int) -> Path:
 
 
 def optimizer_flags(scheme: str) -> List[str]:
-    """The study's Adam (:data:`fa.ADAM`), its ``--optimizer`` replaced by the scheme's (:data:`OPTIMIZERS`)."""
-    i = fa.ADAM.index("--optimizer") + 1
-    return [*fa.ADAM[:i], OPTIMIZERS.get(scheme, fa.ADAM[i]), *fa.ADAM[i + 1 :]]
+    """The study's Adam, adam_foreach for depth-muP / CompleteP (:func:`fa.adam_for`)."""
+    return list(fa.adam_for(scheme))
 
 
 def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.Namespace) -> List[str]:

@@ -20,7 +20,6 @@ from deepinit_tools import fairseq_argv as fa
 from deepinit_tools.matrix.common import (
     BLIND_FRACTION,
     METHODS,
-    OPTIMIZER,
     PLATEAU_BITS,
     MatrixError,
     cell_dir,
@@ -52,7 +51,7 @@ def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespac
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--label-smoothing", "0.1"]
     updates, every = budget_of(a.budget, depth)
     cmd += ["--diagnostics-interval", str(every), "--diagnostics-stats", "grad"]
-    cmd += [*fa.adam(OPTIMIZER.get(method, "adam")), "--weight-decay", "0.0001"]
+    cmd += [*fa.adam_for(method), "--weight-decay", "0.0001"]
     if regime == "warmup":
         cmd += ["--lr", str(a.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(a.warmup)]
         cmd += ["--warmup-init-lr", "1e-07"]

@@ -40,8 +40,6 @@ METHODS: Dict[str, tuple] = {
     "depth_mup": ("depth-muP (branch x (L/6)^-1/2)", ["--arch", "depth_mup_iwslt_de_en"]),
     "completep": ("CompleteP (branch x (L/6)^-1)", ["--arch", "completep_iwslt_de_en"]),
 }
-# methods whose Adam is the plugin's adam_foreach: it applies depth-muP's per-group lr / eps multipliers
-OPTIMIZER: Dict[str, str] = {"depth_mup": "adam_foreach", "completep": "adam_foreach"}
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
 BLIND_FRACTION = 0.05  # fewer distinct dev translations than this share of sentences: the source is ignored
