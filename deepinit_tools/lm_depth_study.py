@@ -125,11 +125,6 @@ def prepare(work: Path, vocab: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def optimizer_flags(scheme: str) -> List[str]:
-    """The study's Adam, adam_foreach for depth-muP / CompleteP (:func:`fa.adam_for`)."""
-    return list(fa.adam_for(scheme))
-
-
 def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.Namespace) -> List[str]:
     extra = SCHEMES[scheme]
     task = [] if "--task" in extra else ["--task", "language_modeling"]
@@ -137,7 +132,7 @@ def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.N
     cmd += ["--decoder-layers", str(depth), "--share-decoder-input-output-embed", "--dropout", "0.1"]
     cmd += ["--tokens-per-sample", str(a.tokens_per_sample), "--sample-break-mode", "none"]
     cmd += ["--max-tokens", str(a.max_tokens), "--max-update", str(a.updates), "--seed", "1"]
-    cmd += [*optimizer_flags(scheme), "--lr", str(a.lr), "--clip-norm", "0"]
+    cmd += [*fa.adam_for(scheme), "--lr", str(a.lr), "--clip-norm", "0"]
     cmd += ["--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(a.warmup), "--warmup-init-lr", "1e-7"]
     cmd += ["--criterion", "cross_entropy_diagnostics", "--diagnostics-interval", str(a.log_interval)]
     cmd += ["--diagnostics-stats", "grad,var", "--log-interval", str(a.log_interval), "--log-format", "simple"]
