@@ -298,7 +298,7 @@ def test_gpu_readiness_quick_fills_every_column(tmp_path):
     post = rows["postln"]
     assert (post["cpu_reads"], post["meta"]["reads"], post["meta"]["plugin_reads"]) == (0, 0, 0)
     assert post["stock"] == {"cpu_reads": 3, "meta_reads": 3, "ops": post["stock"]["ops"]}  # 2 encoder layers + decoder
-    assert post["op_ratio"] == post["ops"] / post["stock"]["ops"] <= 1.02 and post["init_only"]
+    assert post["op_ratio"] == post["ops"] / post["stock"]["ops"] <= 1.02 and post["op_targeted"]
     assert post["causal"] == [2, 2] and post["sdpa"] == [4, 4]  # 2 decoder layers; 2 + 2 self-attentions
     assert post["fp32_mm"]["plain"] == 0 and isinstance(post["fp32_mm"]["checkpoint"], int)
     assert rows["admin profiling"]["meta"]["plugin_reads"] == 2

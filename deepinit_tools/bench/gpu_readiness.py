@@ -153,7 +153,7 @@ class Measure:
         row["stock"]["meta_reads"] = stock["meta"].get("reads")
         row["stock_arch"] = " ".join([stock_arch(fam.kind), *stock_flags(b)])
         row["op_ratio"] = row["ops"] / stock["ops"]
-        row["init_only"] = fam.name in OP_TARGETED
+        row["op_targeted"] = fam.name in OP_TARGETED
         row["meta"] = self.meta_run(fam.kind, fam.arch, task=fam.task)
         row.update(self.attention(fam))
         row["fp32_mm"] = {mode: self.fp32_matmuls(fam, mode == "checkpoint") for mode in ("plain", "checkpoint")}

@@ -63,7 +63,7 @@ def row_cells(row: dict) -> List[str]:
     )
     cells = [row["row"], meta_text, f"{fmt_reads(row)} {verdict(reads_ok)}"]
     if "ops" in row:
-        ok = (row["op_ratio"] <= OP_TARGET) if row["init_only"] else None
+        ok = (row["op_ratio"] <= OP_TARGET) if row["op_targeted"] else None
         cells.append(f"{row['ops']} / {row['stock']['ops']} = {row['op_ratio']:.3f} {verdict(ok)}")
     else:
         cells.append("-")
