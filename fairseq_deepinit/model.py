@@ -7,8 +7,8 @@
 - residual scaling: ``--residual-scale`` (:mod:`fairseq_deepinit.modules.residual`);
 - init scheme: ``--init-scheme``, applied once after building;
 
-each value contributed by a method's record (:mod:`fairseq_deepinit.methods`), read at build time through
-:mod:`fairseq_deepinit.plan`.
+each value contributed by a method's record, resolved once into the model's
+:class:`~fairseq_deepinit.spec.ModelSpec`, which the build hooks read through :mod:`fairseq_deepinit.plan`.
 
 Everything is built through fairseq's extension points (``build_embedding``,
 ``build_encoder``/``build_decoder``, ``build_*_layer``, ``build_output_projection``); the layers have
@@ -44,7 +44,7 @@ from fairseq.models.transformer import (
 )
 from torch import Tensor
 
-from . import model_config, options, plan
+from . import model_config, options, plan, resolve
 from .checkpoints import config_check
 from .modules.attention import declare_target_padding
 from .modules.dual_stream import DualStream
@@ -71,11 +71,11 @@ def _wrap_layer(cfg, layer):
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
 
 
-def _replace_stack_norms(module, cfg, embed_dim: int) -> None:
+def _replace_stack_norms(module, spec, embed_dim: int) -> None:
     """Swap the stack-level norms fairseq built (final Pre-LN norm, at position ``final``; embedding norm)."""
     for attr, position in (("layer_norm", "final"), ("layernorm_embedding", None)):
         if getattr(module, attr, None) is not None:
-            setattr(module, attr, plan.build_stack_norm(cfg, embed_dim, position))
+            setattr(module, attr, plan.build_stack_norm(spec, embed_dim, position))
 
 
 def _keep_version(module, state_dict, name: str) -> None:
@@ -94,14 +94,14 @@ class DeepInitEncoder(TransformerEncoderBase):
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc: bool = False) -> None:
-        self._built_layers = 0
+        self._built_layers, self._spec = 0, plan.spec_of(cfg)
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
-        _replace_stack_norms(self, cfg, embed_tokens.embedding_dim)
-        plan.setup_stack(self, cfg, ENCODER)
+        _replace_stack_norms(self, self._spec, embed_tokens.embedding_dim)
+        plan.setup_stack(self, self._spec, ENCODER)
 
     def build_encoder_layer(self, cfg):
         self._built_layers += 1
-        layer_plan = plan.layer_plan(cfg, ENCODER, self._built_layers)
+        layer_plan = plan.layer_plan(self._spec, ENCODER, self._built_layers)
         return _wrap_layer(cfg, DeepInitEncoderLayer(cfg, layer_plan, return_fc=self.return_fc))
 
     def upgrade_state_dict_named(self, state_dict, name):
@@ -185,17 +185,17 @@ class DeepInitDecoder(TransformerDecoderBase):
         declare_target_padding(self, side)
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn: bool = False, output_projection=None) -> None:
-        self._built_layers = 0
+        self._built_layers, self._spec = 0, plan.spec_of(cfg)
         super().__init__(
             cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn, output_projection=output_projection
         )
-        _replace_stack_norms(self, cfg, self.embed_dim)
-        plan.setup_stack(self, cfg, decoder_kind(cross_attention=not no_encoder_attn))
+        _replace_stack_norms(self, self._spec, self.embed_dim)
+        plan.setup_stack(self, self._spec, decoder_kind(cross_attention=not no_encoder_attn))
 
     def build_decoder_layer(self, cfg, no_encoder_attn: bool = False):
         self._built_layers += 1
-        layer_plan = plan.layer_plan(cfg, decoder_kind(cross_attention=not no_encoder_attn), self._built_layers)
-        layer_cls = plan.decoder_layer_class(cfg)
+        layer_plan = plan.layer_plan(self._spec, decoder_kind(cross_attention=not no_encoder_attn), self._built_layers)
+        layer_cls = plan.decoder_layer_class(self._spec)
         return _wrap_layer(cfg, layer_cls(cfg, layer_plan, no_encoder_attn=no_encoder_attn))
 
     def buffered_future_mask(self, tensor):
@@ -335,11 +335,9 @@ class DeepInitDecoder(TransformerDecoderBase):
         return x, {"attn": [attn], "inner_states": inner_states}
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
-        projection = plan.build_output_projection(cfg, embed_tokens)
-        if projection is not None:
-            self.output_projection = projection
-            return
-        super().build_output_projection(cfg, dictionary, embed_tokens)
+        self.output_projection = plan.build_output_projection(self._spec, embed_tokens)
+        if self.output_projection is None:
+            super().build_output_projection(cfg, dictionary, embed_tokens)
 
     def upgrade_state_dict_named(self, state_dict, name):
         """fairseq's upgrade, with the version kept (:func:`_keep_version`), minus its pre-0.10 fix-up where it
@@ -374,17 +372,19 @@ class DeepInitTransformerModel(TransformerModel):
     def build_model(cls, args, task):
         cfg, args = args, model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: a Namespace
         distributed.check_ddp_backend(args)  # before any model work (fairseq-hydra-train, scripts)
-        options.resolve_and_validate(args)
-        model = super().build_model(args, task)
+        spec = options.resolve_and_validate(args)
+        with plan.carried(args, spec):
+            model = super().build_model(args, task)
         model.decoder.set_target_padding(target_padding(task))  # the task that batches the data
-        plan.apply_init(model, TransformerConfig.from_namespace(args))
+        plan.apply_init(model, spec)
+        model.spec = spec
         model_config.keep_resolved(cfg, args)
-        logger.info(options.describe(args))
+        logger.info(resolve.describe(spec))
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        embedding = plan.build_embedding(args, dictionary, embed_dim, path)
+        embedding = plan.build_embedding(plan.spec_of(args), dictionary, embed_dim, path)
         return embedding if embedding is not None else super().build_embedding(args, dictionary, embed_dim, path)
 
     @classmethod

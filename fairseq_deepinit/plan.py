@@ -1,128 +1,135 @@
-"""What the selected methods make of a model being built, read from the records (:mod:`fairseq_deepinit.methods`).
+"""What the spec makes of a model being built: the answers to fairseq's build hooks.
 
-The models (:mod:`fairseq_deepinit.model`, :mod:`fairseq_deepinit.lm.model`) ask here, at each of
-fairseq's build hooks, what the resolved options (:func:`fairseq_deepinit.options.resolve_and_validate`)
-select:
+The models (:mod:`fairseq_deepinit.model`, :mod:`fairseq_deepinit.lm.model`) resolve their options once
+(:func:`fairseq_deepinit.resolve.resolve`) and build under :func:`carried`, so that every hook of fairseq's
+build finds the spec on the config it is given (:func:`spec_of`) and asks here:
 
-- :func:`layer_plan`: for each layer, its norm placement, norm builder, residual modules, attention
-  implementation and the methods' layer set-ups (:class:`~fairseq_deepinit.modules.layers.LayerPlan`);
-- :func:`norm_builder` / :func:`build_stack_norm`: the norms of ``--norm-type`` with the methods' norm
-  arguments by position (DyT/Derf's alpha), in the layers and on the stacks;
-- :func:`decoder_layer_class`: the ``--decoder-layer-type`` class;
-- :func:`setup_stack`: the methods' set-up of a built encoder or decoder (ResiDual's second stream);
-- :func:`build_embedding` / :func:`build_output_projection`: a method's replacement of the word embedding
-  or the output layer (FixNorm), or None for fairseq's own;
-- :func:`apply_init`: the init scheme, then every method's post-init, once the model is built.
+- :func:`layer_plan`: for each layer, its placement (the spec's, per layer), norm builder, residual
+  modules, attention implementation, and the set-ups of the methods that are on
+  (:class:`~fairseq_deepinit.modules.layers.LayerPlan`);
+- :func:`norm_builder` / :func:`build_stack_norm`: the norms of the spec's norm type with the methods'
+  norm arguments by position (DyT/Derf's alpha), in the layers and on the stacks;
+- :func:`decoder_layer_class`, :func:`setup_stack`, :func:`build_embedding`, :func:`build_output_projection`;
+- :func:`apply_init`: the init scheme, then each method's post-init, once the model is built.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch.nn as nn
 
-from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALES
-from .modules.attention import DEFAULT_IMPL
+from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALINGS, declaring
 from .modules.layers import LayerPlan
 from .modules.norms import build_norm
 from .modules.stacks import StackKind
+from .resolve import resolve
+from .spec import ModelSpec
+
+CARRIER = "deepinit_spec"
 
 
-def stack_placement(cfg, kind: StackKind) -> str:
-    """A stack's placement: ``--norm-placement`` where given, else what fairseq's flags give it,
-    ``--encoder-/--decoder-normalize-before`` (Pre-LN) or not."""
-    placement = getattr(cfg, "norm_placement", None)
-    if placement not in (None, "auto"):
-        return placement
-    section = cfg.encoder if kind.stack == "encoder" else cfg.decoder
-    return "pre" if section.normalize_before else "post"
+@contextlib.contextmanager
+def carried(args: Any, spec: ModelSpec) -> Iterator[None]:
+    """``args`` carries ``spec`` while fairseq builds the model from it.
+
+    fairseq copies every attribute of the Namespace into the ``TransformerConfig`` its build hooks receive
+    (``TransformerConfig.from_namespace``); the spec rides along, and leaves ``args`` before anything
+    stores it (a checkpoint holds plain values only).
+    """
+    setattr(args, CARRIER, spec)
+    try:
+        yield
+    finally:
+        delattr(args, CARRIER)
 
 
-def norm_builder(cfg) -> Callable[..., nn.Module]:
-    """``build(dim, position=None)``: a norm of ``--norm-type`` over ``dim`` with the keyword arguments the
-    selected methods give a norm at ``position`` (``attn``, ``ffn``, ``final`` or None)."""
-    methods = [m for m in METHODS.values() if m.norm_args is not None and m.selected(cfg)]
+def spec_of(cfg: Any) -> ModelSpec:
+    """The spec of the model ``cfg`` is building (:func:`carried`), or resolved from ``cfg`` outside a build."""
+    spec = getattr(cfg, CARRIER, None)
+    return spec if spec is not None else resolve(cfg)
+
+
+def _on(spec: ModelSpec, hook: str):
+    """``(method, its options)`` of the methods that are on and have ``hook``, in method order."""
+    return [(m, spec.features[m.name]) for m in METHODS.values() if m.name in spec.features and getattr(m, hook)]
+
+
+def params_of(spec: ModelSpec, value: Any) -> Any:
+    """The options of the method that adds the selector ``value``, while it is on (else None)."""
+    method = declaring(value)
+    return spec.features.get(method.name) if method is not None else None
+
+
+def norm_builder(spec: ModelSpec) -> Callable[..., nn.Module]:
+    """``build(dim, position=None)``: a norm of the spec's type over ``dim`` with the keyword arguments the
+    methods give a norm at ``position`` (``attn``, ``ffn``, ``final`` or None)."""
+    methods = _on(spec, "norm_args")
 
     def build(dim: int, position: str | None = None) -> nn.Module:
         kwargs: dict = {}
-        for method in methods:
-            kwargs.update(method.norm_args(cfg, position))
-        return build_norm(cfg.norm_type, dim, cfg.norm_eps, cfg.export, **kwargs)
+        for method, p in methods:
+            kwargs.update(method.norm_args(p, position))
+        return build_norm(spec.norm.type, dim, spec.norm.eps, spec.norm.export, **kwargs)
 
     return build
 
 
-def build_stack_norm(cfg, dim: int, position: str | None) -> nn.Module | None:
-    """A stack-level norm (the final Pre-LN norm, position ``final``; the embedding norm, None), or None
-    under ``--norm-type none``."""
-    return None if cfg.norm_type == "none" else norm_builder(cfg)(dim, position)
+def build_stack_norm(spec: ModelSpec, dim: int, position: str | None) -> nn.Module | None:
+    """A stack-level norm (the final norm, position ``final``; the embedding norm, None), or None without norms."""
+    return None if spec.norm.type == "none" else norm_builder(spec)(dim, position)
 
 
-def layer_plan(cfg, kind: StackKind, index: int) -> LayerPlan:
-    """The plan of layer ``index`` (from 1) of a stack of ``kind``; ``cfg``: fairseq's TransformerConfig
-    of the resolved options."""
-    methods = [m for m in METHODS.values() if m.selected(cfg)]
-    placement = next(
-        (p for p in (m.placement(cfg, kind, index) for m in methods if m.placement) if p is not None),
-        stack_placement(cfg, kind),
-    )
-    residual = RESIDUAL_SCALES[getattr(cfg, "residual_scale", None) or "none"]
+def layer_plan(spec: ModelSpec, kind: StackKind, index: int) -> LayerPlan:
+    """The plan of layer ``index`` (from 1) of a stack of ``kind``."""
+    stack = spec.stack(kind)
+    residual = RESIDUAL_SCALINGS[spec.residual]
+    p = params_of(spec, residual)
     return LayerPlan(
         kind=kind,
         index=index,
-        placement=placement,
-        norm=norm_builder(cfg),
-        residual=lambda sublayer: residual.build(cfg, kind, sublayer, index),
-        attention_impl=getattr(cfg, "attention_impl", None) or DEFAULT_IMPL,
-        setup=tuple(m.layer_setup for m in methods if m.layer_setup is not None),
+        placement=stack.placements[index - 1],
+        norm=norm_builder(spec),
+        residual=lambda sublayer: residual.module(stack, sublayer, p),
+        attention_impl=spec.attention,
+        setup=tuple(lambda layer, m=m, q=q: m.layer_setup(layer, q, spec) for m, q in _on(spec, "layer_setup")),
+        params=params_of(spec, LAYER_TYPES[spec.layer_type]) or {},
     )
 
 
-def setup_stack(stack: nn.Module, cfg, kind: StackKind) -> None:
-    """Every selected method's ``stack_setup`` of a freshly built encoder or decoder, in method order."""
-    for method in METHODS.values():
-        if method.stack_setup is not None and method.selected(cfg):
-            method.stack_setup(stack, cfg, kind)
+def setup_stack(stack: nn.Module, spec: ModelSpec, kind: StackKind) -> None:
+    """The ``stack_setup`` of each method that is on, on a freshly built encoder or decoder."""
+    for method, p in _on(spec, "stack_setup"):
+        method.stack_setup(stack, p, spec, spec.stack(kind))
 
 
-def decoder_layer_class(cfg) -> type:
-    """The class of ``--decoder-layer-type`` (fairseq's decoder layer by default)."""
-    return LAYER_TYPES[getattr(cfg, "decoder_layer_type", None) or "standard"].cls
+def decoder_layer_class(spec: ModelSpec) -> type:
+    return LAYER_TYPES[spec.layer_type].cls
 
 
-def build_embedding(args, dictionary, embed_dim: int, path: str | None = None) -> nn.Module | None:
+def build_embedding(spec: ModelSpec, dictionary, embed_dim: int, path: str | None = None) -> nn.Module | None:
     """A method's word embedding (FixNorm's), or None for fairseq's."""
-    for method in METHODS.values():
-        if method.embedding is not None and method.selected(args):
-            embedding = method.embedding(args, dictionary, embed_dim, path)
-            if embedding is not None:
-                return embedding
+    for method, p in _on(spec, "embedding"):
+        return method.embedding(p, dictionary, embed_dim, path)
     return None
 
 
-def build_output_projection(cfg, embed_tokens: nn.Module) -> nn.Module | None:
+def build_output_projection(spec: ModelSpec, embed_tokens: nn.Module) -> nn.Module | None:
     """A method's output layer (FixNorm's tied one over the normalised embeddings), or None for fairseq's."""
-    for method in METHODS.values():
-        if method.output_projection is not None and method.selected(cfg):
-            projection = method.output_projection(cfg, embed_tokens)
-            if projection is not None:
-                return projection
+    for method, p in _on(spec, "output_projection"):
+        return method.output_projection(p, embed_tokens)
     return None
 
 
-def apply_init(model: nn.Module, cfg) -> None:
-    """``--init-scheme`` on the freshly built model, then every selected method's post-init, in method order."""
-    INIT_SCHEMES[cfg.init_scheme].apply(model, cfg)
-    for method in METHODS.values():
-        if method.post_init is not None and method.selected(cfg):
-            method.post_init(model, cfg)
+def apply_init(model: nn.Module, spec: ModelSpec) -> None:
+    """The init scheme on the freshly built model, then each method's post-init, in method order."""
+    scheme = INIT_SCHEMES[spec.init]
+    scheme.apply(model, params_of(spec, scheme), spec)
+    for method, p in _on(spec, "post_init"):
+        method.post_init(model, p, spec)
 
 
 def embedding_schemes() -> tuple:
     """The init schemes that re-initialise the word-embedding matrix itself."""
     return tuple(name for name, scheme in INIT_SCHEMES.items() if scheme.embeddings)
-
-
-def cross_attention_layer_types() -> tuple:
-    """The decoder layer types that need an encoder (refused for a decoder-only model)."""
-    return tuple(name for name, layer_type in LAYER_TYPES.items() if layer_type.needs_cross_attention)

@@ -15,7 +15,7 @@ def test_hooks_match_by_hand_moments():
 
     def spy(name):
         def hook(module, inputs, output):
-            seen[name] = (inputs[0].detach().double(), module.skip(inputs[1]).detach().double(), output.detach())
+            seen[name] = (inputs[0].detach().double(), module.scaled_skip(inputs[1]).detach().double(), output.detach())
 
         return hook
 

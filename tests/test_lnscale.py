@@ -35,12 +35,16 @@ from test_lm import build_lm as lm_build
 
 from conftest import TRAIN_2, USER_DIR, build_model, perturb_norms, run_cli, tiny_batch, train_and_reload
 from fairseq_deepinit.errors import DeepInitConfigError
-from fairseq_deepinit.methods.lnscale import DEPTH_SCALED_INITS, lns_factor
+from fairseq_deepinit.methods import INIT_SCHEMES
+from fairseq_deepinit.methods.lnscale import lns_factor
 
 D, FF, H, L = 16, 32, 2, 3
 U32 = 2.0**-24
 TOL32 = 4 * L * (3 * D + D // H + 7 + D + D + FF) * U32
 PRE = ("--encoder-normalize-before", "--decoder-normalize-before")
+
+# the init schemes whose init depends on the depth and that LNS can run with (not Post-LN-only): it warns
+DEPTH_SCALED_INITS = sorted(n for n, s in INIT_SCHEMES.items() if s.depth_scaled and not s.requires)
 
 
 def dims(layers: int = L, d: int = D, ffn: int = FF) -> list:

@@ -257,10 +257,11 @@ def _schemes():
 @pytest.mark.parametrize("scheme", _schemes())
 def test_every_scheme_builds_and_decodes_incrementally(scheme):
     from fairseq_deepinit.methods import INIT_SCHEMES
+    from fairseq_deepinit.methods.record import post_ln
 
     spec = INIT_SCHEMES[scheme]
     extra = ["--init-scheme", scheme]
-    if spec.placement != "post" and spec.residual == "none":
+    if post_ln() not in spec.requires and spec.residual == "none":
         extra.append("--decoder-normalize-before")
     model, args = _matt("aan", False, *extra)
     assert args.decoder_layer_type == "matt"

@@ -31,7 +31,6 @@ from test_lm import build_lm as lm_build
 from conftest import TRAIN_2, USER_DIR, build_model, perturb_norms, run_cli, tiny_batch, train_and_reload
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.methods.mixln import num_post_layers
-from fairseq_deepinit.modules.stacks import DECODER, DECODER_ONLY, ENCODER
 
 D, FF, H, L, K = 16, 32, 2, 4, 2
 U32 = 2.0**-24
@@ -59,14 +58,13 @@ def test_post_layers_at_the_released_ratio(layers):
     for a decoder-only stack; ``--mixln-post-layers`` overrides the ratio."""
     cfg = SimpleNamespace(mix_ln=True, mixln_ratio=0.25, mixln_post_layers=None,
                           encoder=SimpleNamespace(layers=layers), decoder=SimpleNamespace(layers=layers))  # fmt: skip
-    from fairseq_deepinit.methods.mixln import mixln_placement
+    from fairseq_deepinit.methods.mixln import layer_placements
 
     assert num_post_layers(cfg, layers) == port.num_post_layers(layers)
-    for kind in (ENCODER, DECODER, DECODER_ONLY):
-        got = [mixln_placement(cfg, kind, i) for i in range(1, layers + 1)]
-        assert got == port.layer_kinds(layers, port.num_post_layers(layers))
+    got = list(layer_placements(cfg, layers))
+    assert got == port.layer_kinds(layers, port.num_post_layers(layers))
     cfg.mixln_post_layers = 2
-    assert [mixln_placement(cfg, ENCODER, i) for i in range(1, layers + 1)] == port.layer_kinds(layers, 2)
+    assert list(layer_placements(cfg, layers)) == port.layer_kinds(layers, 2)
 
 
 def test_built_models_place_the_norms_per_layer():

@@ -35,11 +35,12 @@ def _layers(placement: str, norm_type: str, dtype: torch.dtype, seed: int = 0):
     builds them, with random norm parameters (a misplaced norm shows) in ``dtype``."""
     _, args = build_model("deepinit_tiny", "--norm-placement", placement, "--norm-type", norm_type, *DIMS)
     cfg = TransformerConfig.from_namespace(args)
+    spec = plan.spec_of(cfg)
     torch.manual_seed(seed)
     layers = (
-        DeepInitEncoderLayer(cfg, plan.layer_plan(cfg, ENCODER, 1)),
-        DeepInitDecoderLayer(cfg, plan.layer_plan(cfg, decoder_kind(cross_attention=True), 1)),
-        DeepInitDecoderLayer(cfg, plan.layer_plan(cfg, decoder_kind(cross_attention=False), 1), no_encoder_attn=True),
+        DeepInitEncoderLayer(cfg, plan.layer_plan(spec, ENCODER, 1)),
+        DeepInitDecoderLayer(cfg, plan.layer_plan(spec, decoder_kind(cross_attention=True), 1)),
+        DeepInitDecoderLayer(cfg, plan.layer_plan(spec, decoder_kind(cross_attention=False), 1), no_encoder_attn=True),
     )
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -115,7 +116,7 @@ def test_output_norm_comes_before_the_dropout():
     args.dropout = 0.5
     cfg = TransformerConfig.from_namespace(args)
     torch.manual_seed(0)
-    layer = DeepInitEncoderLayer(cfg, plan.layer_plan(cfg, ENCODER, 1)).double().train()
+    layer = DeepInitEncoderLayer(cfg, plan.layer_plan(plan.spec_of(cfg), ENCODER, 1)).double().train()
     x = torch.randn(5, 2, 64, dtype=torch.float64)
     captured = {}
     layer.self_attn_layer_norm.register_forward_hook(lambda m, i, o: captured.setdefault("n", o))
@@ -196,7 +197,7 @@ BAD = [
     ("deepinit_tiny", ["--norm-placement", "post", "--decoder-normalize-before"], "contradicts"),
     ("periln_iwslt_de_en", ["--norm-type", "none"], "--norm-type none"),
     ("reordered_iwslt_de_en", ["--subln"], "use --norm-placement pre"),
-    ("periln_iwslt_de_en", ["--scale-attn", "--scale-fc"], "--scale-attn --scale-fc extend Pre-LN"),
+    ("periln_iwslt_de_en", ["--scale-attn", "--scale-fc"], "--scale-attn --scale-fc are defined on Pre-LN"),
 ]
 
 

@@ -264,11 +264,11 @@ def test_composes_with_the_other_axes(arch, cli, qk):
 # ------------------------------------------------------------------------------------------ refusals
 
 BAD = [
-    ("preln_iwslt_de_en", ["--qk-norm-scope", "proj"], "--qk-norm-scope only apply with --qk-norm"),
+    ("preln_iwslt_de_en", ["--qk-norm-scope", "proj"], "--qk-norm-scope needs --qk-norm"),
     (
         "preln_iwslt_de_en",
         ["--no-qk-norm-cross", "--qk-norm-eps", "1e-5"],
-        "--qk-norm-eps --no-qk-norm-cross only apply",
+        "--qk-norm-eps --no-qk-norm-cross need --qk-norm",
     ),
     ("qknorm_iwslt_de_en", ["--qk-norm-eps", "0"], "--qk-norm-eps must be a finite number greater than 0"),
     ("qknorm_iwslt_de_en", ["--qk-norm-eps", "nan"], "--qk-norm-eps must be"),

@@ -300,7 +300,7 @@ BAD = [
     (("--norm-type", "none"), "needs a norm with norm(s x) = norm(x)"),
     (("--init-scheme", "deepnorm"), "needs --residual-scale deepnorm"),
     (("--init-scheme", "admin"), "needs --residual-scale admin"),
-    (("--scale-resids",), "--scale-resids: defined on Pre-LN"),
+    (("--scale-resids",), "--scale-resids is defined on Pre-LN"),
     (("--scale-attn",), "defined on Pre-LN"),
     (("--decoder-layer-type", "matt"), "drop --decoder-layer-type matt"),
     (("--resi-dual-scale", "0"), "--resi-dual-scale must be a finite number greater than 0"),

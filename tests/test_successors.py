@@ -532,7 +532,7 @@ BAD = [
     ("subln_iwslt_de_en", ["--norm-type", "none"], "--norm-type none"),
     ("subln_iwslt_de_en", ["--init-scheme", "t-fixup"], "--init-scheme t-fixup"),
     ("deepinit_tiny", ["--subln"], "--encoder-normalize-before"),
-    ("subln_iwslt_de_en", ["--scale-fc"], "drop --scale-fc"),
+    ("subln_iwslt_de_en", ["--scale-fc"], "--subln does not combine with --scale-fc"),
     ("b2t_iwslt_de_en", ["--encoder-normalize-before"], "Post-LN only"),
     ("b2t_iwslt_de_en", ["--norm-type", "none"], "--norm-type none"),
     ("deepinit_tiny", ["--b2t-init-rescale", "none"], "--residual-scale b2t"),

@@ -7,7 +7,7 @@ exactly the two quantities the papers reason about, without touching any layer's
 
 - ``branch``: f_i(x_{i-1}), whose variance Admin's omega is built from (Liu et al. 2020, eq. 6 and
   the released code's recurrence) and DS-Init's Var(r) (Zhang et al. 2019, Table 1);
-- ``skip``: the skip term as it enters the sum, ``module.skip(residual)`` (x_{i-1} * omega_i under
+- ``skip``: the skip term as it enters the sum, ``module.scaled_skip(skip)`` (x_{i-1} * omega_i under
   Admin, alpha * x_{i-1} under DeepNorm, x_{i-1} otherwise).
 
 Moments are accumulated in float64 over every element (the released Admin code's convention), so
@@ -103,10 +103,10 @@ class ResidualStatistics(_ForwardHookStatistics):
 
     def _hook(self, name: str):
         def hook(module: Residual, inputs, output) -> None:
-            x, residual = inputs[0], inputs[1]
+            branch, skip = inputs[0], inputs[1]
             with torch.no_grad():
-                b = x.detach().double()
-                s = module.skip(residual.detach()).double()
+                b = branch.detach().double()
+                s = module.scaled_skip(skip.detach()).double()
                 # the count is filled on the device: a host tensor would be copied in on every call
                 row = torch.stack(
                     [torch.full((), float(b.numel()), dtype=torch.float64, device=b.device),

@@ -31,7 +31,8 @@ from fairseq.models.transformer_lm import (
 )
 
 from ..architectures import FAMILIES
-from ..plan import cross_attention_layer_types
+from ..methods import LAYER_TYPES
+from ..methods.record import CROSS_ATTENTION
 from .model import MODEL_NAME
 
 TINY_DIMS = dict(decoder_embed_dim=64, decoder_ffn_embed_dim=256, decoder_attention_heads=4, decoder_layers=2)
@@ -77,8 +78,8 @@ def lm_arch(size_fn: Callable, dims: dict, axes: dict) -> Callable:
 
 def register_lm_family(family: str, axes: dict) -> None:
     """Register ``<family>_<size>`` for every size of :data:`LM_SIZES`."""
-    if axes.get("decoder_layer_type", "standard") in cross_attention_layer_types():
-        return  # MAtt needs cross-attention (lm/model.py refuses it)
+    if any(r.axis == CROSS_ATTENTION for r in LAYER_TYPES[axes.get("decoder_layer_type", "standard")].requires):
+        return  # a layer type that needs cross-attention (MAtt): its record refuses a decoder-only model
     LM_FAMILIES[family] = lm_axes(axes)
     for size, (size_fn, dims) in LM_SIZES.items():
         register_model_architecture(MODEL_NAME, f"{family}_{size}")(lm_arch(size_fn, dims, LM_FAMILIES[family]))

@@ -10,8 +10,8 @@ cross-attention, ``--task language_modeling``) built with the ``deepinit`` trans
 (:func:`fairseq_deepinit.options.add_model_args`), resolved and validated by the same
 :func:`~fairseq_deepinit.options.resolve_and_validate`.
 
-A decoder-only model is stored with ``encoder_layers = 0`` (what the option checks read as "no
-encoder", :func:`fairseq_deepinit.options.has_encoder`). Its layers are built without
+A decoder-only model is stored with ``encoder_layers = 0`` (which its spec resolves to no encoder stack,
+:func:`fairseq_deepinit.resolve.resolve`). Its layers are built without
 cross-attention, so each carries the decoder-only :class:`~fairseq_deepinit.modules.stacks.StackKind`,
 from which DeepNorm (both variants), Sub-LN and closed-form Admin take their decoder-only constants.
 
@@ -36,7 +36,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
 
-from .. import model_config, options, plan
+from .. import model_config, options, plan, resolve
 from ..checkpoints import config_check
 from ..errors import DeepInitConfigError
 from ..model import DeepInitDecoder
@@ -49,20 +49,11 @@ MODEL_NAME = config_check.LM_MODEL
 
 
 def validate_lm_args(args) -> None:
-    """What a decoder-only model cannot do, checked before the shared validation.
-
-    - MAtt (Zhang et al. 2019) merges its average-attention branch into the encoder-decoder attention
-      through one shared W_o; without an encoder nothing is merged and the layer would be a plain
-      average-attention decoder, which is another model (Zhang et al. 2018's AAN), not MAtt: refused.
-    - ``--adaptive-input`` / ``--character-embeddings`` replace the word-embedding matrix that FixNorm
-      normalises and that Lipschitz and T-Fixup re-initialise / scale.
+    """What a decoder-only model's embedding cannot do, checked before the shared resolution:
+    ``--adaptive-input`` / ``--character-embeddings`` replace the word-embedding matrix that FixNorm normalises
+    and that Lipschitz and T-Fixup re-initialise / scale. (A layer type that needs cross-attention, MAtt,
+    says so in its record.)
     """
-    if getattr(args, "decoder_layer_type", None) in plan.cross_attention_layer_types():
-        raise DeepInitConfigError(
-            "--decoder-layer-type matt merges the average-attention branch into the encoder-decoder attention, "
-            "which a decoder-only language model does not have; use --decoder-layer-type standard (or the "
-            "translation model, --arch matt_<size>)"
-        )
     replaced = [f for f in ("adaptive_input", "character_embeddings") if getattr(args, f, False)]
     if replaced:
         flag = "--" + replaced[0].replace("_", "-")
@@ -77,11 +68,11 @@ def validate_lm_args(args) -> None:
             )
 
 
-def resolve_lm_args(args) -> None:
-    """Decoder-only facts, LM validation, then the shared resolution and validation (in place)."""
+def resolve_lm_args(args):
+    """Decoder-only facts, LM validation, then the shared resolution, stored in ``args``; returns the spec."""
     args.encoder_layers = 0  # decoder-only: see the module docstring
     validate_lm_args(args)
-    options.resolve_and_validate(args)
+    return options.resolve_and_validate(args)
 
 
 @register_model(MODEL_NAME)
@@ -112,12 +103,13 @@ class DeepInitLanguageModel(TransformerLanguageModel):
         """
         cfg, args = args, model_config.as_namespace(args, task)  # fairseq-hydra-train's DictConfig: a Namespace
         distributed.check_ddp_backend(args)
-        resolve_lm_args(args)
+        spec = resolve_lm_args(args)
         if args.decoder_layers_to_keep:
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
         if getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
-        embed_tokens = cls.build_lm_embedding(args, task)
+        with plan.carried(args, spec):
+            embed_tokens = cls.build_lm_embedding(args, task)
         if args.tie_adaptive_weights:
             if not (
                 args.adaptive_input
@@ -129,12 +121,14 @@ class DeepInitLanguageModel(TransformerLanguageModel):
                     "--tie-adaptive-weights needs --adaptive-input with the same factor and cutoff as the adaptive "
                     "softmax, and --decoder-input-dim equal to --decoder-output-dim"
                 )
-        model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
+        with plan.carried(args, spec):
+            model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
         model.decoder.set_target_padding(target_padding(task))
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
-        plan.apply_init(model, TransformerConfig.from_namespace(args))
+        plan.apply_init(model, spec)
+        model.spec = spec
         model_config.keep_resolved(cfg, args)
-        logger.info(options.describe(args))
+        logger.info(resolve.describe(spec))
         return model
 
     @classmethod
@@ -163,7 +157,7 @@ class DeepInitLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        embedding = plan.build_embedding(args, dictionary, embed_dim, path)
+        embedding = plan.build_embedding(plan.spec_of(args), dictionary, embed_dim, path)
         return embedding if embedding is not None else super().build_embedding(args, dictionary, embed_dim, path)
 
     @classmethod

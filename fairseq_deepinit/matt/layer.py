@@ -47,7 +47,6 @@ from ..modules.sublayer import branch_output, sublayer_input, sublayer_output
 
 SELF_BRANCHES = ("aan", "self-attn", "gated-aan")
 # fairseq (NormFormer) options that change the standard layer's sub-layers; MAtt has no counterpart
-UNSUPPORTED_FAIRSEQ_FLAGS = ("cross_self_attention", "scale_attn", "scale_heads", "scale_fc", "scale_resids")
 
 
 class SharedOutputProjection(nn.Linear):
@@ -183,9 +182,9 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
             )
         self._attention_impl = plan.attention_impl
         self.embed_dim = cfg.decoder.embed_dim
-        # absent when a config is built without options.resolve_and_validate: the paper's defaults
-        self.self_branch_type = getattr(cfg, "matt_self_branch", None) or "aan"
-        share_v = getattr(cfg, "matt_share_v", None)
+        # the record's options (plan.params; the paper's defaults where a plan carries none)
+        self.self_branch_type = plan.params.get("matt_self_branch") or "aan"
+        share_v = plan.params.get("matt_share_v")
         self.share_v = True if share_v is None else bool(share_v)
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         self.quant_noise = cfg.quant_noise.pq
@@ -242,7 +241,7 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
         self.onnx_trace = False
         # a decoder layer with cross-attention (DeepNorm's and Sub-LN's encoder-decoder constants), with
         # two residual sub-layers of its own (closed-form Admin counts those)
-        self._apply_plan(cfg, plan, self.SUBLAYERS)
+        self._apply_plan(plan, self.SUBLAYERS)
 
     def value_projection(self) -> nn.Module:
         """W_v of the average branch: the cross-attention's (default), or its own under ``--no-matt-share-v``."""

@@ -48,10 +48,10 @@ import torch
 import torch.nn as nn
 
 from ..errors import AdminConfigError
+from ..modules.init import apply_baseline
 from ..modules.residual import AdminResidual
-from ..modules.stacks import StackKind
-from .baseline import apply_baseline
-from .record import WITH_NORM, InitScheme, Method, Option, ResidualScale, flag, has_encoder, iter_layers
+from ..modules.stacks import iter_layers
+from .record import FLAG, WITH_NORM, InitScheme, Method, Option, ResidualScaling, Rule, a_norm, flag, post_ln
 
 FORMULAS = ("code", "paper")  # the profiled ones (fairseq_deepinit.admin.profiling)
 CLOSED_FORM = "closed-form"
@@ -144,79 +144,61 @@ OPTIONS = (
 _DEFAULTS = {o.name: o.default for o in OPTIONS}
 
 
-def build_admin_residual(cfg, kind: StackKind, sublayer: str, layer_idx: int) -> AdminResidual:
-    dim = cfg.encoder.embed_dim if kind.stack == "encoder" else cfg.decoder.embed_dim
-    return AdminResidual(dim, trainable=not getattr(cfg, "admin_freeze_omega", None))
-
-
 @torch.no_grad()
-def set_closed_form_omega(model: nn.Module, cfg) -> None:
+def set_closed_form_omega(model: nn.Module, p, spec) -> None:
     """Post-init: profiling-free Admin (closed_form.py), omega from the depth, so it counts as profiled.
 
     n is counted per stack over the residual modules its layers were built with (one per sub-layer
     of each layer: 2N encoder, 3M decoder with cross-attention, 2M decoder-only), admin-torch's
     "total number of residual layers" (admin_torch/admin.py:64).
     """
-    if getattr(cfg, "residual_scale", None) != "admin" or getattr(cfg, "admin_formula", None) != CLOSED_FORM:
+    if p.admin_formula != CLOSED_FORM:
         return
     stacks: Dict[str, List[nn.Module]] = defaultdict(list)
     for stack, _l, layer in iter_layers(model):
         stacks[stack] += list(layer.residuals.values())
     for modules in stacks.values():
-        omega = closed_form_omega(len(modules), cfg.admin_output_change)
+        omega = closed_form_omega(len(modules), p.admin_output_change)
         for res in modules:
             res.omega.fill_(omega)
             res.mark_profiled()
 
 
-def validate_admin_args(args) -> None:
-    """Start-up checks under ``--residual-scale admin`` (after the options got their defaults)."""
-    _validate_closed_form(args)
-    if args.norm_type == "none":
+def validate_admin_args(p, spec, args) -> None:
+    """Admin's options among themselves: ``--admin-output-change`` only with closed-form, which never profiles;
+    the profiling options only under a profiling task, and ``--admin-profile-only`` with a path to write."""
+    given = [n for n in _PROFILING_OPTIONS if p[n] not in (None, False, _DEFAULTS[n])]
+    if p.admin_formula != CLOSED_FORM and p.admin_output_change is not None:
         raise AdminConfigError(
-            "--residual-scale admin rescales the input of a Post-LN norm and needs one; --norm-type none "
-            "removes it. Use --norm-type layernorm (or drop --norm-type)."
+            f"--admin-output-change only applies to --admin-formula {CLOSED_FORM}; drop it or add "
+            f"--admin-formula {CLOSED_FORM}"
         )
-    if args.admin_profile_only and not args.admin_profile_path:
+    if p.admin_formula == CLOSED_FORM and given:
+        raise AdminConfigError(
+            f"--admin-formula {CLOSED_FORM} sets omega from the depth and never profiles; drop "
+            f"{', '.join(map(flag, given))} (or use --admin-formula code)"
+        )
+    if p.admin_profile_only and not p.admin_profile_path:
         raise AdminConfigError("--admin-profile-only writes the profile to --admin-profile-path; add it")
-    for stack in ("encoder", "decoder"):
-        if getattr(args, f"{stack}_layerdrop", 0) or getattr(args, f"{stack}_layers_to_keep", None):
-            raise AdminConfigError(
-                f"Admin profiles every sub-layer in order; --{stack}-layerdrop / --{stack}-layers-to-keep "
-                "skip layers. Drop them."
-            )
     task = getattr(args, "task", None)
-    given = [n for n in _PROFILING_OPTIONS if getattr(args, n) not in (None, False, _DEFAULTS[n])]
     if given and task is not None and task not in PROFILING_TASKS:
-        profiling_task = TRANSLATION_TASK if has_encoder(args) else LM_TASK
+        profiling_task = TRANSLATION_TASK if spec.encoder is not None else LM_TASK
         raise AdminConfigError(
             f"{', '.join(map(flag, given))} {'is' if len(given) == 1 else 'are'} read by the profiling task; add "
             f"--task {profiling_task} (got --task {task})"
         )
 
 
-def _validate_closed_form(args) -> None:
-    """``--admin-output-change`` only with closed-form; closed-form never profiles, so no profiling flags."""
-    if args.admin_formula != CLOSED_FORM:
-        if args.admin_output_change is not None:
-            raise AdminConfigError(
-                f"--admin-output-change only applies to --admin-formula {CLOSED_FORM}; drop it or add "
-                f"--admin-formula {CLOSED_FORM}"
-            )
-        return
-    if args.admin_output_change is None:
-        args.admin_output_change = DEFAULT_OUTPUT_CHANGE
-    given = [n for n in _PROFILING_OPTIONS if getattr(args, n) not in (None, False, _DEFAULTS[n])]
-    if given:
-        raise AdminConfigError(
-            f"--admin-formula {CLOSED_FORM} sets omega from the depth and never profiles; drop "
-            f"{', '.join(map(flag, given))} (or use --admin-formula code)"
-        )
+def derive_output_change(p, layers) -> dict:
+    """closed-form's ``--admin-output-change`` default (the other formulas have none)."""
+    if p.admin_formula == CLOSED_FORM and p.admin_output_change is None:
+        return {"admin_output_change": DEFAULT_OUTPUT_CHANGE}
+    return {}
 
 
-def describe_admin(args) -> str:
-    closed = f",{args.admin_output_change}" if args.admin_formula == CLOSED_FORM else ""
-    return f"admin={args.admin_formula}{closed}" + (",frozen" if args.admin_freeze_omega else "")
+def describe_admin(p) -> str:
+    closed = f",{p.admin_output_change}" if p.admin_formula == CLOSED_FORM else ""
+    return f"admin={p.admin_formula}{closed}" + (",frozen" if p.admin_freeze_omega else "")
 
 
 METHOD = Method(
@@ -226,7 +208,7 @@ METHOD = Method(
     summary="`LN(x * omega + f(x))`, omega profiled on the first batch (`--task translation_admin`) or "
     "`--admin-formula closed-form` from the depth; exportable to plain Post-LN",
     code="LiyuanLucasLiu/Transformer-Clinic; microsoft/admin-torch @ 08b6605 admin_torch/admin.py:54-81",
-    owner=("residual_scale", "admin"),
+    enabled_by="residual_scale=admin",
     options=OPTIONS,
     init_schemes=(
         InitScheme(
@@ -236,14 +218,26 @@ METHOD = Method(
             allowed_norms=WITH_NORM,
             norm_reason="Admin is a Post-LN method: x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))",
             residual="admin",
-            placement="post",
+            requires=(post_ln(),),
+            depth_scaled="Admin's omega is profiled from the depth",
         ),
     ),
-    residual_scales=(
-        ResidualScale(
-            "admin", build_admin_residual, "x * omega + f(x), omega a learned vector set by profiling", "post"
+    residual_scalings=(
+        ResidualScaling(
+            "admin",
+            lambda stack, sublayer, p: AdminResidual(stack.dim, trainable=not p.admin_freeze_omega),
+            "x * omega + f(x), omega a learned vector set by profiling",
+            requires=(post_ln(), a_norm("rescales the input of a Post-LN norm and needs one")),
         ),
     ),
+    excludes=(
+        Rule(
+            FLAG,
+            ("encoder_layerdrop", "decoder_layerdrop", "encoder_layers_to_keep", "decoder_layers_to_keep"),
+            "Admin profiles every sub-layer in order, and it skips layers",
+        ),
+    ),
+    derive=derive_output_change,
     validate=validate_admin_args,
     describe=describe_admin,
     post_init=set_closed_form_omega,

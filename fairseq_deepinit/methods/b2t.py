@@ -21,31 +21,22 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..errors import DeepInitConfigError
 from ..modules.residual import B2TResidual
-from .record import Method, Option, ResidualScale, iter_layers
-
-
-def validate_b2t_args(args) -> None:
-    if args.norm_type == "none":
-        raise DeepInitConfigError(
-            "--residual-scale b2t adds the layer input before the layer's last norm and needs that norm; "
-            "--norm-type none removes it. Use --norm-type layernorm (or drop --norm-type)."
-        )
+from ..modules.stacks import iter_layers
+from .record import Method, Option, ResidualScaling, a_norm, post_ln
 
 
 @torch.no_grad()
-def rescale_b2t_init(model: nn.Module, cfg) -> None:
+def rescale_b2t_init(model: nn.Module, p, spec) -> None:
     """transformer_layer.py:401-405: ``p *= L^(-1/2)`` for every layer parameter named ``*weight*``
     whose name has no ``layer_norm`` (the released rule, applied to the plugin's parameter names)."""
-    if getattr(cfg, "residual_scale", None) != "b2t" or getattr(cfg, "b2t_init_rescale", None) != "released":
+    if p.b2t_init_rescale != "released":
         return
-    depth = {"encoder": cfg.encoder.layers, "decoder": cfg.decoder.layers}
     for stack, _l, layer in iter_layers(model):
-        scaling = depth[stack] ** -0.5
-        for name, p in layer.named_parameters():
+        scaling = spec.layers(stack) ** -0.5
+        for name, weight in layer.named_parameters():
             if "layer_norm" not in name and "weight" in name:
-                p.mul_(scaling)
+                weight.mul_(scaling)
 
 
 METHOD = Method(
@@ -54,7 +45,7 @@ METHOD = Method(
     paper="Takase et al. 2022, eq. (5)-(6)",
     summary="Post-LN plus the layer's input added before its last norm; the released L^-1/2 weight rescaling",
     code="takase/b2t_connection @ c8e2ad4 fairseq/modules/transformer_layer.py:103-144,277-375,401-405",
-    owner=("residual_scale", "b2t"),
+    enabled_by="residual_scale=b2t",
     options=(
         Option(
             "b2t_init_rescale",
@@ -65,17 +56,16 @@ METHOD = Method(
             choices=("released", "none"),
         ),
     ),
-    residual_scales=(
+    residual_scalings=(
         # the FFN is the last sub-layer of every encoder and decoder layer
-        ResidualScale(
+        ResidualScaling(
             "b2t",
-            lambda cfg, kind, sub, idx: B2TResidual(top=sub == "ffn"),
+            lambda stack, sublayer, p: B2TResidual(top=sublayer == "ffn"),
             "x + f(x), plus the layer's input on its last sub-layer",
-            placement="post",
+            requires=(post_ln(), a_norm("adds the layer input before the layer's last norm and needs that norm")),
         ),
     ),
-    validate=validate_b2t_args,
-    describe=lambda args: f"b2t-init-rescale={args.b2t_init_rescale}",
+    describe=lambda p: f"b2t-init-rescale={p.b2t_init_rescale}",
     post_init=rescale_b2t_init,
     families={"b2t": dict(init_scheme="fairseq", residual_scale="b2t")},
 )

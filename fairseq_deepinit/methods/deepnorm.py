@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..modules.init import apply_baseline
 from ..modules.residual import ConstantResidual
-from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
-from .baseline import apply_baseline
-from .record import WITH_NORM, InitScheme, Method, Option, ResidualScale, iter_layers
+from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind, iter_layers
+from .record import WITH_NORM, InitScheme, Method, Option, ResidualScaling, post_ln
 
 
 def deepnorm_alpha(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
@@ -91,11 +91,11 @@ def _torchscale_targets(layer: nn.Module) -> tuple:
 
 
 @torch.no_grad()
-def apply_deepnorm_torchscale(model: nn.Module, cfg) -> None:
+def apply_deepnorm_torchscale(model: nn.Module, spec) -> None:
     """torchscale's DeepNorm init (see the module docstring)."""
-    apply_baseline(model, cfg)
+    apply_baseline(model)
     for _stack, _l, layer in iter_layers(model):
-        scale = torchscale_init_scale(layer.kind, cfg.encoder.layers, cfg.decoder.layers)
+        scale = torchscale_init_scale(layer.kind, spec.layers("encoder"), spec.layers("decoder"))
         linears, divided = _torchscale_targets(layer)
         for lin in linears:
             nn.Linear.reset_parameters(lin)  # kaiming_uniform(a=sqrt(5)) weight, U(+-1/sqrt(fan_in)) bias
@@ -106,13 +106,13 @@ def apply_deepnorm_torchscale(model: nn.Module, cfg) -> None:
 
 
 @torch.no_grad()
-def apply_deepnorm(model: nn.Module, cfg) -> None:
-    if getattr(cfg, "deepnorm_variant", None) == "torchscale":
-        apply_deepnorm_torchscale(model, cfg)
+def apply_deepnorm(model: nn.Module, p, spec) -> None:
+    if p.deepnorm_variant == "torchscale":
+        apply_deepnorm_torchscale(model, spec)
         return
-    apply_baseline(model, cfg)
+    apply_baseline(model)
     for _stack, _l, layer in iter_layers(model):
-        beta = deepnorm_beta(layer.kind, cfg.encoder.layers, cfg.decoder.layers)
+        beta = deepnorm_beta(layer.kind, spec.layers("encoder"), spec.layers("decoder"))
         targets = [layer.fc1, layer.fc2]
         for attn in (getattr(layer, "self_attn", None), getattr(layer, "encoder_attn", None)):
             if attn is not None:
@@ -132,7 +132,7 @@ METHOD = Method(
     summary="`LN(alpha x + f(x))` with alpha by depth, init gain beta on v/out/FFN (Post-LN); `torchscale`: the "
     "released code's nn.Linear init divided by its init_scale",
     code="microsoft/torchscale @ 4d1e0e8 architecture/encoder.py:78-89,235-252, decoder.py:89-95,286-298",
-    owner=("init_scheme", "deepnorm"),
+    enabled_by="init_scheme=deepnorm",
     options=(
         Option(
             "deepnorm_variant",
@@ -152,18 +152,22 @@ METHOD = Method(
             allowed_norms=WITH_NORM,
             norm_reason="DeepNorm is a Post-LN scheme",
             residual="deepnorm",
-            placement="post",
+            requires=(post_ln(),),
+            depth_scaled="DeepNorm's init gain beta shrinks with depth",
         ),
     ),
-    residual_scales=(
-        ResidualScale(
+    residual_scalings=(
+        ResidualScaling(
             "deepnorm",
-            lambda cfg, kind, sub, idx: ConstantResidual(deepnorm_alpha(kind, cfg.encoder.layers, cfg.decoder.layers)),
+            lambda stack, sublayer, p: ConstantResidual(stack.residual_constant),
             "alpha * x + f(x), alpha by the layer's kind (DeepNet Table 1)",
-            placement="post",
+            requires=(post_ln(),),
+            constant=lambda p, kind, encoder_layers, decoder_layers: deepnorm_alpha(
+                kind, encoder_layers, decoder_layers
+            ),
         ),
     ),
-    describe=lambda args: f"deepnorm-variant={args.deepnorm_variant}",
+    describe=lambda p: f"deepnorm-variant={p.deepnorm_variant}",
     families={
         "deepnorm": dict(init_scheme="deepnorm"),
         # torchscale's DeepNorm constants

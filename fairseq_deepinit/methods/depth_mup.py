@@ -31,22 +31,12 @@ from __future__ import annotations
 
 from ..errors import DeepInitConfigError
 from ..modules.residual import BranchScaleResidual, depth_branch_multiplier
-from ..modules.stacks import ENCODER, StackKind
-from .record import Method, Option, ResidualScale, missing_pre_ln_flags
+from ..modules.stacks import ENCODER
+from .record import DEPTH_SCALED, INIT, TAG, Method, Option, ResidualScaling, Rule, a_norm, pre_ln
 
 NAME = "depth-mup"
 ALPHAS = {"depth-mup": 0.5, "completep": 1.0}  # Yang et al. 2023; Dey et al. 2025
-DEFAULTS = {"depth_mup_alpha": 1.0, "depth_mup_base_layers": 6, "depth_mup_source": "paper"}
 SOURCES = ("paper", "nanogpt", "megatron")
-
-# init schemes whose weights depend on the depth (CompleteP Table 1: init independent of depth)
-DEPTH_SCALED_INITS = {
-    "t-fixup": "T-Fixup scales v/out/fc1/fc2 by L^-1/4",
-    "ds-init": "DS-Init draws layer l within 1/sqrt(l) of xavier's bound",
-    "deepnorm": "DeepNorm's init gain beta shrinks with depth",
-    "admin": "Admin's omega is profiled from the depth",
-    "normal-scaled": "normal-scaled draws out_proj and fc2 with 0.02/sqrt(2L)",
-}
 
 
 def _alpha_problem(value: float) -> str | None:
@@ -61,75 +51,23 @@ def _base_problem(value: int) -> str | None:
     return None if value >= 1 else f"--depth-mup-base-layers {value}: the base depth must be at least one layer"
 
 
-def branch_multiplier(cfg, kind: StackKind) -> float:
+def branch_multiplier(p, kind, encoder_layers: int, decoder_layers: int) -> float:
     """``(L / L_base) ** -alpha`` of a layer of ``kind``: L the layers of its stack."""
-    layers = cfg.encoder.layers if kind == ENCODER else cfg.decoder.layers
-    return depth_branch_multiplier(layers, cfg.depth_mup_base_layers, cfg.depth_mup_alpha)
+    layers = encoder_layers if kind == ENCODER else decoder_layers
+    return depth_branch_multiplier(layers, p.depth_mup_base_layers, p.depth_mup_alpha)
 
 
-def validate_depth_mup_args(args) -> None:
-    """The feature's options and the combinations depth-muP is not defined for (one-line errors)."""
-    if not args.depth_mup:
-        given = [f"--{n.replace('_', '-')}" for n in DEFAULTS if getattr(args, n, None) is not None]
-        if given:
-            raise DeepInitConfigError(f"{', '.join(given)} needs --depth-mup; add it or drop the option")
-        if args.residual_scale == NAME:
-            raise DeepInitConfigError(
-                "--residual-scale depth-mup is set by --depth-mup (which also scales the optimizer's groups); "
-                "use --depth-mup instead"
-            )
-        return
-    for name, default in DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, default)
-    if args.depth_mup_source == "megatron" and args.depth_mup_alpha != 1.0:
+def validate_depth_mup_args(p, spec, args) -> None:
+    """Megatron-LM's recipe fixes alpha."""
+    if p.depth_mup_source == "megatron" and p.depth_mup_alpha != 1.0:
         raise DeepInitConfigError(
             "--depth-mup-source megatron is Megatron-LM's depth_mup recipe, which fixes alpha = 1; use "
-            f"--depth-mup-alpha 1, or --depth-mup-source paper for alpha {args.depth_mup_alpha:g}"
+            f"--depth-mup-alpha 1, or --depth-mup-source paper for alpha {p.depth_mup_alpha:g}"
         )
-    if args.residual_scale not in ("none", NAME):
-        raise DeepInitConfigError(
-            f"--depth-mup scales each residual branch by (L/L_base)^-alpha and --residual-scale "
-            f"{args.residual_scale} scales the residual its own way; drop --residual-scale"
-        )
-    if args.init_scheme in DEPTH_SCALED_INITS:
-        raise DeepInitConfigError(
-            f"--depth-mup's init is depth-independent (CompleteP Table 1) and --init-scheme {args.init_scheme} "
-            f"is not ({DEPTH_SCALED_INITS[args.init_scheme]}): depth would count twice; use --init-scheme xavier, "
-            "fairseq or normal"
-        )
-    if args.norm_type == "none":
-        raise DeepInitConfigError("--depth-mup is defined on Pre-LN blocks and --norm-type none removes the norms")
-    flags = missing_pre_ln_flags(args)
-    if flags:
-        raise DeepInitConfigError(
-            "--depth-mup is defined on Pre-LN (Post-LN's LN(x + m F(x)) normalises the multiplier away); add "
-            f"{flags} (the depth_mup_* / completep_* architectures set them)"
-        )
-    placement = getattr(args, "norm_placement", "auto")
-    if placement not in ("auto", "pre"):
-        raise DeepInitConfigError(
-            f"--depth-mup is defined on Pre-LN and --norm-placement {placement} is another placement; use "
-            "--norm-placement pre or drop --depth-mup"
-        )
-    others = [
-        ("mix_ln", "--mix-ln (its first layers are Post-LN)"),
-        ("layernorm_scaling", "--layernorm-scaling (another depth scaling of every branch)"),
-        ("scale_resids", "--scale-resids (NormFormer's learned residual scale)"),
-    ]
-    for name, what in others:
-        if getattr(args, name, False):
-            raise DeepInitConfigError(f"--depth-mup does not combine with {what}; drop one")
-    args.residual_scale = NAME
 
 
-def describe_depth_mup(args) -> str:
-    if not args.depth_mup:
-        return ""
-    return (
-        f"depth-mup alpha={args.depth_mup_alpha:g} base-layers={args.depth_mup_base_layers} "
-        f"source={args.depth_mup_source}"
-    )
+def describe_depth_mup(p) -> str:
+    return f"depth-mup alpha={p.depth_mup_alpha:g} base-layers={p.depth_mup_base_layers} source={p.depth_mup_source}"
 
 
 PRE_LN = dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True, depth_mup=True)
@@ -152,35 +90,52 @@ METHOD = Method(
         Option(
             "depth_mup_alpha",
             float,
-            None,
+            1.0,
             "depth-muP: alpha in [0.5, 1]; default 1 (CompleteP, Megatron-LM's constant), 0.5 is Depth-muP",
             metavar="A",
             check=_alpha_problem,
+            off=None,
         ),
         Option(
             "depth_mup_base_layers",
             int,
-            None,
+            6,
             "depth-muP: L_base, the depth the hyperparameters were tuned at (default 6), for each stack",
             metavar="N",
             check=_base_problem,
+            off=None,
         ),
         Option(
             "depth_mup_source",
             str,
-            None,
+            "paper",
             "depth-muP: whose lr/eps rule per group: paper (CompleteP Table 1, default), nanogpt (one eps for "
             "all groups), megatron (PR 4999: only hidden weights' eps, alpha 1)",
             choices=SOURCES,
+            off=None,
         ),
     ),
-    residual_scales=(
-        ResidualScale(
+    residual_scalings=(
+        ResidualScaling(
             NAME,
-            lambda cfg, kind, sub, idx: BranchScaleResidual(branch_multiplier(cfg, kind)),
+            lambda stack, sublayer, p: BranchScaleResidual(stack.residual_constant),
             "x + (L/L_base)^-alpha f(LN(x)) (set by --depth-mup)",
+            constant=branch_multiplier,
         ),
     ),
+    enabled_by="depth_mup",
+    sets={"residual_scale": NAME},
+    requires=(
+        a_norm("is defined on Pre-LN blocks"),
+        pre_ln("Post-LN's LN(x + m F(x)) normalises the multiplier away"),
+    ),
+    excludes=(
+        Rule(TAG, ("post-ln-layers",), "its multiplier is defined on Pre-LN blocks"),
+        Rule(INIT, (DEPTH_SCALED,), "CompleteP's init is depth-independent (Table 1): depth would count twice"),
+        Rule(TAG, ("branch-depth-scale",), "another depth scaling of every branch"),
+        Rule(TAG, ("residual-scale",), "a learned scale of the residual"),
+    ),
+    tags={"branch-depth-scale": (), "residual-scale": ()},
     validate=validate_depth_mup_args,
     describe=describe_depth_mup,
     families={

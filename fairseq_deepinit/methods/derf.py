@@ -15,7 +15,14 @@ from __future__ import annotations
 import math
 
 from ..modules.dyt import DERF_ALPHA_INIT, DERF_SHIFT_INIT
-from .dyt import describe_pointwise, learnable_embed_scales, pointwise_norm_args, pointwise_options, validate_pointwise
+from .pointwise import (
+    describe_pointwise,
+    embed_scale,
+    learnable_embed_scales,
+    pointwise_norm_args,
+    pointwise_options,
+    validate_pointwise,
+)
 from .record import Method, Option
 
 
@@ -31,7 +38,7 @@ METHOD = Method(
     paper="Chen, Lu, Zhu, Sun, Liu 2025",
     summary="every norm replaced by `weight * erf(alpha x + shift) + bias` (scalars alpha, shift); DyT's options",
     code="zlab-princeton/Derf @ 8dd9ea3 ViT/dynamic_erf.py:6-26; language model/model_derf.patch",
-    owner=("norm_type", "derf"),
+    enabled_by="norm_type=derf",
     options=(
         *pointwise_options("derf", DERF_ALPHA_INIT, "Derf"),
         Option(
@@ -42,9 +49,10 @@ METHOD = Method(
             check=_shift_problem,
         ),
     ),
-    validate=lambda args: validate_pointwise("derf", args),
-    describe=lambda args: describe_pointwise("derf", args) + f", shift-init={args.derf_shift_init}",
-    norm_args=pointwise_norm_args("derf", lambda cfg: {"shift_init": float(cfg.derf_shift_init)}),
+    derive=embed_scale("derf"),
+    validate=validate_pointwise("derf"),
+    describe=lambda p: describe_pointwise("derf", p) + f", shift-init={p.derf_shift_init}",
+    norm_args=pointwise_norm_args("derf", lambda p: {"shift_init": float(p.derf_shift_init)}),
     post_init=learnable_embed_scales("derf"),
     families={"derf": dict(norm_type="derf", encoder_normalize_before=True, decoder_normalize_before=True)},
 )

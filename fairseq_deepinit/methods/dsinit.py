@@ -24,8 +24,9 @@ import torch
 import torch.nn as nn
 from fairseq.modules import MultiheadAttention
 
-from .baseline import apply_baseline
-from .record import InitScheme, Method, Option, iter_layers
+from ..modules.init import apply_baseline
+from ..modules.stacks import iter_layers
+from .record import InitScheme, Method, Option
 
 
 def ds_init_bound(d_in: int, d_out: int, layer: int, alpha: float = 1.0, variant: str = "paper") -> float:
@@ -55,9 +56,9 @@ def fused_self_attention_projections(layer: nn.Module) -> list[nn.Linear]:
 
 
 @torch.no_grad()
-def apply_dsinit(model: nn.Module, cfg) -> None:
-    apply_baseline(model, cfg)  # zero biases, as the baseline
-    alpha, variant = cfg.ds_init_alpha, cfg.ds_init_variant
+def apply_dsinit(model: nn.Module, p, spec) -> None:
+    apply_baseline(model)  # zero biases, as the baseline
+    alpha, variant = p.ds_init_alpha, p.ds_init_variant
     for _stack, depth, layer in iter_layers(model):
         for m in layer.modules():
             if isinstance(m, nn.Linear):
@@ -80,7 +81,7 @@ METHOD = Method(
     summary="U(+-gamma alpha / sqrt(l)) per layer depth l (`code`: the released TF code's "
     "gamma sqrt(alpha) l^-1/4 with its fused q/k/v fans)",
     code="bzhangGo/zero models/transformer.py:38-42,124-128",
-    owner=("init_scheme", "ds-init"),
+    enabled_by="init_scheme=ds-init",
     options=(
         Option(
             "ds_init_variant",
@@ -93,8 +94,13 @@ METHOD = Method(
         Option("ds_init_alpha", float, 1.0, "ds-init: alpha in [0, 1] (default 1.0)", check=_alpha_problem),
     ),
     init_schemes=(
-        InitScheme("ds-init", apply_dsinit, "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l"),
+        InitScheme(
+            "ds-init",
+            apply_dsinit,
+            "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l",
+            depth_scaled="DS-Init draws layer l's weights within 1/sqrt(l) of xavier's bound",
+        ),
     ),
-    describe=lambda args: f"ds-init={args.ds_init_variant},alpha={args.ds_init_alpha}",
+    describe=lambda p: f"ds-init={p.ds_init_variant},alpha={p.ds_init_alpha}",
     families={"dsinit": dict(init_scheme="ds-init")},
 )

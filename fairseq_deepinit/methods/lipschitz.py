@@ -16,8 +16,8 @@ import math
 import torch
 import torch.nn as nn
 
+from ..modules.init import zero_bias
 from ..modules.linear import drop_bias
-from .baseline import zero_bias
 from .record import InitScheme, Method, Option
 
 
@@ -30,7 +30,7 @@ def embedding_bound(num_embeddings: int, dim: int) -> float:
 
 
 @torch.no_grad()
-def apply_lipschitz(model: nn.Module, cfg) -> None:
+def apply_lipschitz(model: nn.Module, *_unused) -> None:
     seen = set()
     # word embeddings (V x d); learned positional embeddings keep fairseq's init, the paper has
     # sinusoidal positions and gives no rule for them
@@ -55,9 +55,9 @@ def apply_lipschitz(model: nn.Module, cfg) -> None:
             zero_bias(m)
 
 
-def setup_bias_free(layer: nn.Module, cfg) -> None:
+def setup_bias_free(layer: nn.Module, p, spec) -> None:
     """Xu et al. 2020, released code ("ease_optimization"): no bias in q/k/v/out and fc2."""
-    if not getattr(cfg, "lipschitz_bias_free", None):
+    if not p.lipschitz_bias_free:
         return
     for proj in layer.attention_projections():
         drop_bias(proj)
@@ -70,7 +70,7 @@ METHOD = Method(
     paper="Xu et al. 2020, sec. 4",
     summary="U(+-1/sqrt(fan_in)) weights, U(+-sqrt(2/(V+d))) embeddings; the released code's bias-free projections",
     code='the paper\'s released code ("ease_optimization")',
-    owner=("init_scheme", "lipschitz"),
+    enabled_by="init_scheme=lipschitz",
     options=(
         Option(
             "lipschitz_bias_free",
@@ -88,7 +88,8 @@ METHOD = Method(
             embeddings=True,
         ),
     ),
-    describe=lambda args: "bias-free" if args.lipschitz_bias_free else "",
+    tags={"bias-free-projections": ("lipschitz_bias_free",)},
+    describe=lambda p: "bias-free" if p.lipschitz_bias_free else "",
     layer_setup=setup_bias_free,
     families={"lipschitz": dict(init_scheme="lipschitz")},
 )

@@ -10,26 +10,14 @@ through one shared W_o, then the FFN (the layer: :mod:`fairseq_deepinit.matt.lay
 from __future__ import annotations
 
 from ..errors import DeepInitConfigError
-from ..matt.layer import SELF_BRANCHES, UNSUPPORTED_FAIRSEQ_FLAGS, MAttDecoderLayer
-from .record import LayerType, Method, Option
+from ..matt.layer import SELF_BRANCHES, MAttDecoderLayer
+from .record import CROSS_ATTENTION, FLAG, LayerType, Method, Option, Rule
 
 
-def validate(args) -> None:
-    """Start-up checks of ``--decoder-layer-type matt`` (its own options are resolved with the others)."""
-    for name in UNSUPPORTED_FAIRSEQ_FLAGS:
-        if getattr(args, name, False):
-            raise DeepInitConfigError(
-                f"--{name.replace('_', '-')} changes the standard decoder layer's sub-layers and has no MAtt "
-                "counterpart; drop it or use --decoder-layer-type standard"
-            )
-    if getattr(args, "no_cross_attention", False):
-        raise DeepInitConfigError(
-            "--decoder-layer-type matt merges the self branch into the encoder-decoder attention; drop "
-            "--no-cross-attention or use --decoder-layer-type standard"
-        )
-    if args.matt_share_v:
-        enc = getattr(args, "encoder_embed_dim", None)
-        dec = getattr(args, "decoder_embed_dim", None)
+def validate(p, spec, args) -> None:
+    """W_v shared with the cross-attention needs its value projection to map into the decoder's width."""
+    if p.matt_share_v and spec.encoder is not None:
+        enc, dec = spec.encoder.dim, spec.decoder.dim
         if enc is not None and dec is not None and enc != dec:
             raise DeepInitConfigError(
                 "MAtt shares W_v with the cross-attention (--matt-share-v, the default), whose value projection "
@@ -45,7 +33,7 @@ METHOD = Method(
     summary="decoder layers of two sub-layers: average attention + cross-attention through one W_o, then the FFN; "
     "O(1) decoding state",
     code="bzhangGo/zero func.py (dot_attention), models/transformer_aan.py",
-    owner=("decoder_layer_type", "matt"),
+    enabled_by="decoder_layer_type=matt",
     options=(
         Option(
             "matt_self_branch",
@@ -67,11 +55,17 @@ METHOD = Method(
     ),
     layer_types=(
         LayerType(
-            "matt", MAttDecoderLayer, "merged attention: SAAN + cross-attention, one W_o", needs_cross_attention=True
+            "matt",
+            MAttDecoderLayer,
+            "merged attention: SAAN + cross-attention, one W_o",
+            requires=(Rule(CROSS_ATTENTION, (True,), "merges the self branch into the encoder-decoder attention"),),
         ),
     ),
+    excludes=(
+        Rule(FLAG, ("cross_self_attention",), "it changes the standard decoder layer's sub-layers; MAtt has none such"),
+    ),
     validate=validate,
-    describe=lambda args: f"matt={args.matt_self_branch}" + (",shared-v" if args.matt_share_v else ""),
+    describe=lambda p: f"matt={p.matt_self_branch}" + (",shared-v" if p.matt_share_v else ""),
     families={
         # DS-Init + MAtt, the paper's model; MAtt alone (fairseq 0.8/0.9 baseline init) for its ablation rows
         "dsinit_matt": dict(init_scheme="ds-init", decoder_layer_type="matt"),

@@ -9,8 +9,8 @@ Released code: pixeli99/MixLN @ ff45826 ``peft_pretraining/modeling_llama.py``: 
 
 Nothing sits between the two parts (the last Post-LN layer's normalised output is the first Pre-LN
 layer's residual stream), and ``LlamaModel`` applies its final ``self.norm`` (929, applied at 1077)
-whatever the mix. Here each layer's placement comes from :func:`mixln_placement` (the record's
-``placement`` rule, read by :func:`fairseq_deepinit.plan.layer_plan`), and the stacks are built Pre-LN
+whatever the mix. Here each layer's placement comes from :func:`layer_placements` (the record's per-layer
+rule, resolved into the spec's ``Stack.placements``), and the stacks are built Pre-LN
 (``--encoder-/--decoder-normalize-before``), which is what makes fairseq build the final norm
 (``transformer_encoder.py:100-103``, ``transformer_decoder.py:126-129``); a Post-LN layer's two (three)
 norms are fairseq's sub-layer norms used after the sum.
@@ -28,28 +28,24 @@ from __future__ import annotations
 import math
 
 from ..errors import DeepInitConfigError
-from ..modules.stacks import StackKind
-from .record import Method, Option, has_encoder, missing_pre_ln_flags
+from .record import Method, Option, a_norm, plain_residual, pre_ln
 
 POST_LN_RATIO = 0.25  # k / L of every released run (3 of 12, 6 of 24 layers)
 
 
-def num_post_layers(cfg, layers: int) -> int:
+def num_post_layers(p, layers: int) -> int:
     """k of a stack of ``layers`` layers: ``--mixln-post-layers`` if given, else ``floor(ratio * layers)``."""
-    k = getattr(cfg, "mixln_post_layers", None)
-    if k is not None:
-        return k
+    if p.mixln_post_layers is not None:
+        return p.mixln_post_layers
     # the epsilon keeps 0.25 * 12 from flooring to 2 where a ratio's binary value lies just below k / L
-    return math.floor(cfg.mixln_ratio * layers + 1e-9)
+    return math.floor(p.mixln_ratio * layers + 1e-9)
 
 
-def mixln_placement(cfg, kind: StackKind, index: int) -> str | None:
-    """Layer ``index`` (from 1) of a stack of ``kind``: ``"post"`` for the first k, ``"pre"`` after
-    (modeling_llama.py:566, ``layer_index < max_post_norm_layer`` with ``layer_index = index - 1``)."""
-    if not getattr(cfg, "mix_ln", False):
-        return None
-    layers = cfg.encoder.layers if kind.stack == "encoder" else cfg.decoder.layers
-    return "post" if index <= num_post_layers(cfg, layers) else "pre"
+def layer_placements(p, layers: int) -> tuple:
+    """Each layer of a stack of ``layers``: ``"post"`` for the first k, ``"pre"`` after (modeling_llama.py:566,
+    ``layer_index < max_post_norm_layer`` with ``layer_index`` from 0)."""
+    k = num_post_layers(p, layers)
+    return tuple("post" if index <= k else "pre" for index in range(1, layers + 1))
 
 
 def _ratio_problem(value: float) -> str | None:
@@ -62,45 +58,21 @@ def _k_problem(value: int) -> str | None:
     return None if value >= 0 else f"--mixln-post-layers must be >= 0; got {value}"
 
 
-def validate_mixln_args(args) -> None:
-    """Mix-LN's cross-option checks (one-line :class:`DeepInitConfigError`)."""
-    if not args.mix_ln:
-        if args.mixln_post_layers is not None:
-            raise DeepInitConfigError("--mixln-post-layers needs --mix-ln; add it or drop the option")
-        return
-    if args.norm_type == "none":
-        raise DeepInitConfigError("--mix-ln places norms and --norm-type none removes them; drop one")
-    flags = missing_pre_ln_flags(args)
-    if flags:
-        raise DeepInitConfigError(
-            "--mix-ln makes the first layers Post-LN and the rest Pre-LN with the stack's final norm, which "
-            f"fairseq builds for a Pre-LN stack only; add {flags} (the mixln_* "
-            "architectures set them)"
-        )
-    if getattr(args, "norm_placement", "auto") in ("peri", "reordered"):
-        raise DeepInitConfigError(
-            f"--mix-ln chooses each layer's placement (Post-LN, then Pre-LN) and --norm-placement "
-            f"{args.norm_placement} asks for another one in every layer; drop --norm-placement"
-        )
-    if args.residual_scale != "none":
-        raise DeepInitConfigError(
-            f"--mix-ln keeps the plain residual x + f(x); drop --residual-scale {args.residual_scale}"
-        )
-    k = args.mixln_post_layers
-    stacks = [("decoder", args.decoder_layers)] + ([("encoder", args.encoder_layers)] if has_encoder(args) else [])
-    for stack, layers in stacks:
-        if k is not None and k > layers:
+def validate_mixln_args(p, spec, args) -> None:
+    """k within every stack."""
+    k = p.mixln_post_layers
+    for stack in reversed(spec.stacks):
+        if k is not None and k > stack.layers:
             raise DeepInitConfigError(
-                f"--mixln-post-layers {k} is more than the {stack}'s {layers} layers; give at most {layers}"
+                f"--mixln-post-layers {k} is more than the {stack.kind.stack}'s {stack.layers} layers; give at most "
+                f"{stack.layers}"
             )
 
 
-def describe_mixln(args) -> str:
-    if not args.mix_ln:
-        return ""
-    if args.mixln_post_layers is not None:
-        return f"mix-ln=post x{args.mixln_post_layers}"
-    return f"mix-ln=post ratio {args.mixln_ratio:g}"
+def describe_mixln(p) -> str:
+    if p.mixln_post_layers is not None:
+        return f"mix-ln=post x{p.mixln_post_layers}"
+    return f"mix-ln=post ratio {p.mixln_ratio:g}"
 
 
 METHOD = Method(
@@ -109,6 +81,7 @@ METHOD = Method(
     paper="Li, Yin & Liu 2024 (Mix-LN, ICLR 2025)",
     summary="The first k = floor(0.25 L) layers of each stack Post-LN, the rest Pre-LN, then the stack's final norm",
     code="pixeli99/MixLN @ ff45826 peft_pretraining/modeling_llama.py:265-268,325-333,565-601",
+    enabled_by="mix_ln",
     options=(
         Option(
             "mix_ln",
@@ -136,9 +109,18 @@ METHOD = Method(
             check=_k_problem,
         ),
     ),
+    requires=(
+        a_norm("places norms"),
+        pre_ln(
+            "its first layers are Post-LN and the rest Pre-LN with the stack's final norm, which fairseq builds for a "
+            "Pre-LN stack only"
+        ),
+        plain_residual("keeps the plain residual x + f(x)"),
+    ),
+    tags={"post-ln-layers": ()},
     validate=validate_mixln_args,
     describe=describe_mixln,
-    placement=mixln_placement,
+    layer_placements=layer_placements,
     families={
         "mixln": dict(init_scheme="xavier", mix_ln=True, encoder_normalize_before=True, decoder_normalize_before=True),
     },

@@ -26,57 +26,29 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..errors import DeepInitConfigError
 from ..modules.stacks import ENCODER
-from .record import Method, Option, missing_pre_ln_flags
+from .record import INIT, Method, Option, Rule, a_norm, plain_residual, pre_ln, standard_layer
 
 NORMFORMER_FLAGS = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
 
 
-def setup_normformer_layer(layer: nn.Module, cfg) -> None:
+def setup_normformer_layer(layer: nn.Module, p, spec) -> None:
     """Layer set-up: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms.
 
     Only builds parameters and modules, under fairseq's decoder-layer names; the layers' forwards
     apply them (:class:`~fairseq_deepinit.modules.layers.DeepInitLayer`).
     """
-    if not any(getattr(cfg, name, False) for name in NORMFORMER_FLAGS):
-        return
     d = layer.embed_dim
     ffn_dim = layer.fc1.out_features
     if layer.kind == ENCODER:
         # registered in the order of earlier versions (c_attn, w_resid, then the norms): fairseq's
         # optimizer state follows parameter order, so resuming their checkpoints keeps working
-        layer.c_attn = nn.Parameter(torch.ones(layer.nh)) if cfg.scale_heads else None
-        layer.w_resid = nn.Parameter(torch.ones(d)) if cfg.scale_resids else None
-    if cfg.scale_attn:
+        layer.c_attn = nn.Parameter(torch.ones(layer.nh)) if p.scale_heads else None
+        layer.w_resid = nn.Parameter(torch.ones(d)) if p.scale_resids else None
+    if p.scale_attn:
         layer.attn_ln = layer.build_norm(d)
-    if cfg.scale_fc:
+    if p.scale_fc:
         layer.ffn_layernorm = layer.build_norm(ffn_dim)
-
-
-def validate_normformer_args(args) -> None:
-    given = [n for n in NORMFORMER_FLAGS if getattr(args, n)]
-    if not given:
-        return
-    flags = " ".join("--" + n.replace("_", "-") for n in given)
-    if args.norm_type == "none" and (args.scale_attn or args.scale_fc):
-        raise DeepInitConfigError(f"{flags}: NormFormer adds norms and --norm-type none removes them; drop one")
-    missing = missing_pre_ln_flags(args)
-    if missing:
-        raise DeepInitConfigError(
-            f"{flags}: NormFormer is defined on Pre-LN; add {missing} (the normformer_* architectures set them)"
-        )
-    if args.residual_scale != "none":
-        raise DeepInitConfigError(f"{flags} keep the plain residual; drop --residual-scale {args.residual_scale}")
-    if args.decoder_layer_type != "standard":
-        raise DeepInitConfigError(f"{flags} apply to the standard layer; drop --decoder-layer-type")
-    if args.init_scheme in ("t-fixup", "rezero"):
-        raise DeepInitConfigError(f"{flags} add norms that --init-scheme {args.init_scheme} removes; drop one")
-
-
-def describe_normformer(args) -> str:
-    on = [n for n in NORMFORMER_FLAGS if getattr(args, n)]
-    return "normformer=" + "+".join(on) if on else ""
 
 
 METHOD = Method(
@@ -86,6 +58,7 @@ METHOD = Method(
     summary="Pre-LN plus a norm on each self-attention's output, a norm before fc2, a learned scale per head "
     "(and per-dimension residual scale)",
     code="fairseq 0.12 fairseq/modules/transformer_layer.py:277-325,460-466,508-514",
+    enabled_by=NORMFORMER_FLAGS,
     options=tuple(
         Option(name, bool, False, what + "; both stacks")
         for name, what in (
@@ -95,8 +68,19 @@ METHOD = Method(
             ("scale_resids", "a learned per-dimension scale on each FFN's residual (NormFormer's ResScale)"),
         )
     ),
-    validate=validate_normformer_args,
-    describe=describe_normformer,
+    requires=(
+        a_norm("add{s} norms", when=("scale_attn", "scale_fc")),
+        pre_ln(),
+        plain_residual("keep{s} the plain residual x + f(x)"),
+        standard_layer("appl{ies} to the standard layer"),
+    ),
+    excludes=(Rule(INIT, ("t-fixup", "rezero"), "NormFormer adds norms, which the scheme removes"),),
+    tags={
+        "ffn-inner-norm": ("scale_fc",),
+        "branch-norm": ("scale_attn", "scale_fc"),
+        "residual-scale": ("scale_resids",),
+    },
+    describe=lambda p: "normformer=" + "+".join(n for n in NORMFORMER_FLAGS if p[n]),
     layer_setup=setup_normformer_layer,
     families={
         # NormFormer's paper configuration: the three extra operations (ResScale is its small-model option)

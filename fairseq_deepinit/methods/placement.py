@@ -24,39 +24,15 @@ HybridNorm (Zhuo et al. 2025, BryceZhuo/HybridNorm @ f0dd605 ``dense_model/olmo/
 layer (docs/schemes.md).
 
 ``auto`` (the default) leaves fairseq's flags in charge, so every existing configuration builds as
-before; the resolution is :func:`fairseq_deepinit.options.resolve_and_validate`'s (a placement sets or
-refuses the ``--*-normalize-before`` flags; the Post-LN-only schemes and residuals refuse the others).
+before; :func:`fairseq_deepinit.resolve.resolve` resolves it into each stack's ``placement`` (an explicit
+placement refuses ``post``'s contradiction with the flags; what is defined on one placement only says so
+in its record's ``requires``).
 """
 
 from __future__ import annotations
 
-from ..errors import DeepInitConfigError
 from ..modules.sublayer import PLACEMENTS
-from .record import Method, Option
-
-# options of methods defined on Pre-LN only: the placement switch refuses them under peri / reordered
-PRE_LN_ONLY = (("subln", "--subln"),) + tuple(
-    (name, "--" + name.replace("_", "-")) for name in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
-)
-
-
-def validate_placement(args) -> None:
-    """Peri-LN and the reordered placement need a norm, and are not the Pre-LN that Sub-LN and NormFormer
-    extend."""
-    placement = args.norm_placement
-    if placement not in ("peri", "reordered"):
-        return
-    if args.norm_type == "none":
-        raise DeepInitConfigError(
-            f"--norm-placement {placement} places norms and --norm-type none removes them; drop one of them"
-        )
-    given = [flag for name, flag in PRE_LN_ONLY if getattr(args, name, None)]
-    if given:
-        raise DeepInitConfigError(
-            f"{' '.join(given)} extend Pre-LN; use --norm-placement pre with them, or drop them for "
-            f"--norm-placement {placement}"
-        )
-
+from .record import Method, Option, a_norm
 
 METHOD = Method(
     name="placement",
@@ -65,6 +41,7 @@ METHOD = Method(
     summary="one switch for where each sub-layer's norm sits: post, pre, peri `x + N(F(N(x)))`, reordered "
     "`x + N(F(x))`; final norm for all but post; embedding norm: `--layernorm-embedding`",
     code="allenai/OLMo-core @ fa6c501 src/olmo_core/nn/transformer/block.py:293-309,312-373, model.py:110-136,588-592",
+    enabled_by=("norm_placement=peri", "norm_placement=reordered"),
     options=(
         Option(
             "norm_placement",
@@ -76,7 +53,7 @@ METHOD = Method(
             choices=("auto",) + PLACEMENTS,
         ),
     ),
-    validate=validate_placement,
+    requires=(a_norm("places norms"),),
     families={
         "periln": dict(init_scheme="xavier", norm_placement="peri"),
         "reordered": dict(init_scheme="xavier", norm_placement="reordered"),

@@ -27,7 +27,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 
 from ..errors import DeepInitConfigError
 from ..modules.qk_norm import QK_NORM_SCOPES, QK_NORM_TYPES, add_qk_norm, build_qk_norm
-from .record import Method, Option, has_encoder
+from .record import FLAG, Method, Option, Rule
 
 DEFAULT_SCOPE = "head"
 DEFAULT_TYPE = "rmsnorm"
@@ -82,57 +82,30 @@ OPTIONS = (
         "as in the decoder-only released code)",
     ),
 )
-_DEFAULTS = {o.name: o.default for o in OPTIONS if o.name != "qk_norm"}
-_FLAGS = {o.name: o for o in OPTIONS}
 
 
-def validate_qk_norm(args) -> None:
-    """Its options only with ``--qk-norm``; what cannot carry a q/k norm refused."""
-    if not args.qk_norm:
-        given = [
-            _FLAGS[name].flag if value is not False else _FLAGS[name].negative
-            for name, value in ((n, getattr(args, n)) for n in _DEFAULTS)
-            if value != _DEFAULTS[name]
-        ]
-        if given:
-            raise DeepInitConfigError(f"{' '.join(given)} only apply with --qk-norm; add --qk-norm or drop them")
-        return
-    if not args.qk_norm_cross and (not has_encoder(args) or getattr(args, "no_cross_attention", False)):
+def validate_qk_norm(p, spec, args) -> None:
+    """``--no-qk-norm-cross`` needs an encoder-decoder attention to leave without q/k norms."""
+    if not p.qk_norm_cross and not spec.decoder.kind.encoder_decoder:
         raise DeepInitConfigError(
             "--no-qk-norm-cross: this model has no encoder-decoder attention (a language model, or "
             "--no-cross-attention); drop it"
         )
-    if getattr(args, "quant_noise_pq", 0):
-        raise DeepInitConfigError(
-            "--qk-norm does not combine with --quant-noise-pq (its noise hooks sit on the q/k projections the "
-            "norms take over); drop one"
-        )
-    for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
-        if getattr(args, name, None):
-            raise DeepInitConfigError(
-                f"--{name.replace('_', '-')}: fairseq's xFormers path has no place for a q/k norm; drop it "
-                "(--attention-impl sdpa is the fused path that applies QK-Norm)"
-            )
 
 
-def setup_qk_norm_layer(layer, cfg) -> None:
+def setup_qk_norm_layer(layer, p, spec) -> None:
     """Layer set-up: a q and a k norm in every attention of the layer (not the cross-attention under
     ``--no-qk-norm-cross``)."""
-    if not getattr(cfg, "qk_norm", False):
-        return
     for attn in [m for m in layer.modules() if isinstance(m, MultiheadAttention)]:
-        if attn.encoder_decoder_attention and not cfg.qk_norm_cross:
+        if attn.encoder_decoder_attention and not p.qk_norm_cross:
             continue
-        add_qk_norm(
-            attn, lambda dim: build_qk_norm(cfg.qk_norm_type, dim, cfg.qk_norm_eps, cfg.export), cfg.qk_norm_scope
-        )
+        norm = lambda dim: build_qk_norm(p.qk_norm_type, dim, p.qk_norm_eps, spec.norm.export)  # noqa: E731
+        add_qk_norm(attn, norm, p.qk_norm_scope)
 
 
-def describe_qk_norm(args) -> str:
-    if not args.qk_norm:
-        return ""
-    cross = "" if args.qk_norm_cross else ",self-attention only"
-    return f"qk-norm={args.qk_norm_scope}/{args.qk_norm_type}(eps={args.qk_norm_eps}){cross}"
+def describe_qk_norm(p) -> str:
+    cross = "" if p.qk_norm_cross else ",self-attention only"
+    return f"qk-norm={p.qk_norm_scope}/{p.qk_norm_type}(eps={p.qk_norm_eps}){cross}"
 
 
 METHOD = Method(
@@ -144,7 +117,17 @@ METHOD = Method(
     code="allenai/OLMo @ 59a53e3 olmo/model.py:432-441,603-605; allenai/OLMo-core @ fa6c501 "
     "src/olmo_core/nn/attention/__init__.py:409-421,589-608; HF transformers @ 000c33f Qwen3Attention, "
     "Olmo2Attention",
+    enabled_by="qk_norm",
     options=OPTIONS,
+    excludes=(
+        Rule(FLAG, ("quant_noise_pq",), "its noise hooks sit on the q/k projections the norms take over"),
+        Rule(
+            FLAG,
+            ("encoder_xformers_att_config", "decoder_xformers_att_config"),
+            "fairseq's xFormers path has no place for a q/k norm; --attention-impl sdpa is the fused path that "
+            "applies QK-Norm",
+        ),
+    ),
     validate=validate_qk_norm,
     describe=describe_qk_norm,
     layer_setup=setup_qk_norm_layer,

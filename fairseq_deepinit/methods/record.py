@@ -1,32 +1,44 @@
-"""The record each method registers: everything the rest of the plugin needs to know about it.
+"""The record each method registers: its options, the selector values it adds, what it needs and rules out, its hooks.
 
 A method (one paper, or one paper's released variant) is one module of :mod:`fairseq_deepinit.methods`
-holding one :class:`Method`. The command-line options (:mod:`fairseq_deepinit.options`), the named
-architectures (:mod:`fairseq_deepinit.architectures`, :mod:`fairseq_deepinit.lm.architectures`), the
-model build (:mod:`fairseq_deepinit.plan`), the resume check
-(:mod:`fairseq_deepinit.checkpoints.config_check`) and the method table of docs/schemes.md
-(:mod:`fairseq_deepinit.methods.table`) are all computed from the records; nothing else lists a method.
+holding one :class:`Method`. The command-line options, the named architectures, the resolution into a
+:class:`~fairseq_deepinit.spec.ModelSpec` (:mod:`fairseq_deepinit.resolve`), the model build
+(:mod:`fairseq_deepinit.plan`), the resume check and docs/schemes.md's method table are all computed from
+the records; nothing else lists a method, and no method names another.
 
-A method may add values to the three selectors of the model's axes: ``--init-scheme``
-(:class:`InitScheme`), ``--residual-scale`` (:class:`ResidualScale`) and ``--decoder-layer-type``
-(:class:`LayerType`). Its options (:class:`Option`) either belong to one selector value
-(``Method.owner``: they get their default under it and are refused under any other) or are a feature
-any configuration may switch on (``owner`` None: their default reproduces the model without the
-feature).
+A method may add values to the selectors of the model's axes: ``--init-scheme`` (:class:`InitScheme`),
+``--residual-scale`` (:class:`ResidualScaling`) and ``--decoder-layer-type`` (:class:`LayerType`). It is
+on when its ``enabled_by`` says so: a flag of its own (``"qk_norm"``), a selector value
+(``"init_scheme=ds-init"``), or any of several (a tuple). Its options get their default when it is on;
+when it is off they are refused if given, and stored as their ``off`` value. What it needs from the rest
+of the model and what it rules out are :class:`Rule` declarations on the spec's axes
+(``requires``, ``excludes``, ``cautions``), which one checker turns into one-line errors naming both
+flags (:func:`fairseq_deepinit.resolve.check_rules`); ``validate`` is left for what concerns its own options.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Tuple
 
 import torch.nn as nn
 
 from ..errors import DeepInitConfigError
 from ..modules.norms import NORM_TYPES
-from ..modules.stacks import StackKind
 
 WITH_NORM = tuple(n for n in NORM_TYPES if n != "none")
+SAME = object()  # Option.off: the option's default
+
+# the spec's axes a Rule reads
+PLACEMENT = "placement"  # every stack's norm placement (what --norm-placement / --*-normalize-before give)
+NORM = "norm"  # --norm-type
+RESIDUAL = "residual"  # --residual-scale
+INIT = "init"  # --init-scheme; the value DEPTH_SCALED stands for every scheme whose init depends on the depth
+LAYER_TYPE = "layer_type"  # --decoder-layer-type
+CROSS_ATTENTION = "cross_attention"  # (True,): the decoder attends to an encoder
+FLAG = "flag"  # option names (fairseq's or the plugin's): requires any of them set / excludes each one set
+TAG = "tag"  # what another enabled method does (its ``tags``): excludes / cautions on it
+DEPTH_SCALED = "depth-scaled"
 
 
 @dataclass(frozen=True)
@@ -34,11 +46,11 @@ class Option:
     """One command-line option: ``--<name with dashes>`` stored as ``args.<name>``.
 
     ``type`` is ``bool`` (a ``store_true`` flag; ``negative`` adds a ``store_false`` twin such as
-    ``--no-matt-share-v``), ``int``, ``float`` or ``str``; ``default`` is the value under the option's
-    owner (or always, for a feature), ``choices`` the allowed values (in the order ``--help`` and the
-    error messages give them). ``check(value)`` returns an error message for a bad value of the right
-    type, or None. ``resume``: a resumed run must keep the value (checked before the checkpoint loads).
-    Every option's argparse default is None, so that the resolution can tell "not given" from "given".
+    ``--no-matt-share-v``), ``int``, ``float`` or ``str``; ``default`` is its value while its method is on,
+    ``off`` the value stored while it is off (a feature's option: its default unless said; a selector
+    value's option: None), ``choices`` the allowed values. ``check(value)`` returns an error message for
+    a bad value of the right type, or None. ``resume``: a resumed run must keep the value. Every option's
+    argparse default is None, so that the resolution can tell "not given" from "given".
     """
 
     name: str
@@ -51,10 +63,11 @@ class Option:
     negative_help: str | None = None
     check: Callable[[Any], str | None] | None = None
     resume: bool = True
+    off: Any = SAME
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag(self.name)
 
     def add_to(self, group) -> None:
         """Add the option (and its negative twin) to an argparse group, unless the parser has it already
@@ -83,81 +96,116 @@ class Option:
             return f"unknown {self.flag} {value!r}; choose from {', '.join(map(str, self.choices))}"
         return self.check(value) if self.check is not None else None
 
+    def given(self, value: Any) -> str | None:
+        """The flag as the user gave it (``--no-qk-norm-cross`` for a negative twin's False)."""
+        return self.negative if value is False and self.negative else self.flag
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A need (``requires``), a conflict (``excludes``) or a warning (``cautions``) on one axis of the spec.
+
+    ``values``: the axis values it allows (requires) or names (excludes, cautions); ``why`` the reason,
+    in the message; ``when``: the method's own flags it applies to (NormFormer's four are one record),
+    every one when empty.
+    """
+
+    axis: str
+    values: Tuple[Any, ...] = ()
+    why: str = ""
+    when: Tuple[str, ...] = ()
+
+
+def pre_ln(why: str = "") -> Rule:
+    return Rule(PLACEMENT, ("pre",), why)
+
+
+def post_ln(why: str = "") -> Rule:
+    return Rule(PLACEMENT, ("post",), why)
+
+
+def a_norm(why: str, norms: Tuple[str, ...] = WITH_NORM, when: Tuple[str, ...] = ()) -> Rule:
+    return Rule(NORM, norms, why, when)
+
+
+def plain_residual(why: str, when: Tuple[str, ...] = ()) -> Rule:
+    return Rule(RESIDUAL, ("none",), why, when)
+
+
+def standard_layer(why: str) -> Rule:
+    return Rule(LAYER_TYPE, ("standard",), why)
+
 
 @dataclass(frozen=True)
 class InitScheme:
-    """A value of ``--init-scheme``: ``apply(model, cfg)`` re-initialises a freshly built model in place.
+    """A value of ``--init-scheme``: ``apply(model, p, spec)`` re-initialises a freshly built model in place
+    (``p``: the options of the method that adds it, when that method is on).
 
-    What it needs from the other axes: ``default_norm`` / ``allowed_norms`` (``--norm-type auto`` and what
-    it refuses, with ``norm_reason``), ``residual`` (the ``--residual-scale`` it needs, ``none`` for any),
-    ``placement`` (``"post"``: Post-LN only). ``embeddings``: it re-initialises the word-embedding matrix
-    itself (refused where ``--adaptive-input`` replaces that matrix).
+    ``default_norm`` / ``allowed_norms``: ``--norm-type auto`` and what it refuses (with ``norm_reason``);
+    ``residual``: the ``--residual-scale`` it needs (``none``: any); ``requires``: its other needs (a
+    Post-LN-only scheme); ``embeddings``: it re-initialises the word-embedding matrix itself;
+    ``depth_scaled``: why its init depends on the depth (read by rules on ``DEPTH_SCALED``), or "".
     """
 
     name: str
-    apply: Callable[[nn.Module, object], None]
+    apply: Callable[..., None]
     doc: str
     default_norm: str = "layernorm"
     allowed_norms: Tuple[str, ...] = NORM_TYPES
     norm_reason: str = ""
     residual: str = "none"
-    placement: str | None = None
+    requires: Tuple[Rule, ...] = ()
     embeddings: bool = False
-
-
-# build(cfg, kind of the layer, sub-layer name, layer index from 1) -> the sub-layer's residual module
-ResidualBuilder = Callable[[object, StackKind, str, int], nn.Module]
+    depth_scaled: str = ""
 
 
 @dataclass(frozen=True)
-class ResidualScale:
-    """A value of ``--residual-scale``: the residual module of every sub-layer; ``placement`` ``"post"``:
-    defined for Post-LN only."""
+class ResidualScaling:
+    """A value of ``--residual-scale``: ``constant(p, kind, encoder_layers, decoder_layers)`` is its constant
+    for a stack of ``kind`` (DeepNorm's alpha, depth-muP's multiplier), resolved once into the spec;
+    ``module(stack, sublayer, p)`` builds a sub-layer's :class:`~fairseq_deepinit.modules.residual.Residual`
+    (``stack``: the :class:`~fairseq_deepinit.spec.Stack`); ``requires``: its needs (Post-LN, a norm)."""
 
     name: str
-    build: ResidualBuilder
+    module: Callable[..., nn.Module]
     doc: str
-    placement: str | None = None
+    requires: Tuple[Rule, ...] = ()
+    constant: Callable[..., float] | None = None
 
 
 @dataclass(frozen=True)
 class LayerType:
     """A value of ``--decoder-layer-type``: the decoder layer class, built as ``cls(cfg, plan,
-    no_encoder_attn=...)``; ``needs_cross_attention``: refused for a decoder-only model."""
+    no_encoder_attn=...)``; ``requires``: its needs (MAtt: cross-attention)."""
 
     name: str
     cls: type
     doc: str
-    needs_cross_attention: bool = False
+    requires: Tuple[Rule, ...] = ()
 
 
 @dataclass(frozen=True)
 class Method:
-    """Everything about one method (see the module docstring).
+    """Everything about one method (see the module docstring). Hooks get ``p``, the method's resolved
+    options (:class:`~fairseq_deepinit.spec.Params`), and ``spec``, and run only while the method is on.
 
-    - ``name``, ``title``, ``paper``, ``code``: for ``--help``, the docs table and the model log;
-    - ``summary``: one line, what it does (docs table);
-    - ``owner``: ``(selector, value)`` owning :attr:`options`, or None for a feature;
-    - ``init_schemes``, ``residual_scales``, ``layer_types``: selector values it adds;
-    - ``validate(args)``: cross-option checks once every option is resolved (raise
-      :class:`~fairseq_deepinit.errors.DeepInitConfigError`); called when the method is selected (its
-      owner value), and for a feature always (it checks whether it is on);
-    - ``describe(args)``: its part of the model's log line, "" when off;
-    - ``layer_setup(layer, cfg)``: modules it adds to or replaces in a freshly built layer (run for every
-      layer, in method order; it checks ``cfg`` for itself);
-    - ``post_init(model, cfg)``: after the init scheme, in method order (it checks ``cfg`` for itself);
-    - ``stack_setup(stack, cfg, kind)``: modules and constants it adds to a freshly built encoder or decoder
-      (its layers built; ``kind`` the kind of its layers), in method order, when the method is selected;
-    - ``placement(cfg, kind, index)``: the norm placement of a layer, where the method decides it
-      (None: the stack's ``--*-normalize-before``);
-    - ``norm_args(cfg, position)``: keyword arguments it gives the builder of every norm at ``position``
-      (``attn``, ``ffn``, ``final``, or None for a norm without one; DyT/Derf's alpha, bias and shift);
-    - ``embedding(args, dictionary, dim, path)`` / ``output_projection(cfg, embed_tokens)``: a module
-      that replaces the word embedding / output layer, or None (fairseq's);
-    - ``families``: named architecture families ``<family>_<size>`` -> axes (the language-model
-      families are derived from them); ``architectures``: single named architectures ->
-      ``(fairseq size, axes and dims)``;
-    - ``error``: the error class its option checks raise.
+    - ``name``, ``title``, ``paper``, ``summary``, ``code``: ``--help``, the docs table, the model log;
+    - ``enabled_by``, ``options``, the selector values it adds (``init_schemes``, ``residual_scalings``,
+      ``layer_types``);
+    - ``requires``, ``excludes``, ``cautions`` (:class:`Rule`); ``tags``: what it does, for another
+      method's ``TAG`` rules (tag -> the flags of its own that do it, every one when empty); ``sets``:
+      selector values it selects (depth-muP's residual scaling);
+    - ``derive(p, layers)``: option values computed from the others (``layers``: each stack's depth, 0
+      without an encoder); ``validate(p, spec)``: checks of its own options, returns a warning or None;
+    - ``describe(p)``: its part of the model's log line;
+    - ``layer_placements(p, layers)``: the placement of each layer of a Pre-LN stack (Mix-LN);
+    - ``layer_setup(layer, p, spec)``, ``stack_setup(stack, p, spec, stack_spec)``, ``post_init(model, p,
+      spec)``: modules it adds to a built layer / stack, and its step after the init scheme;
+    - ``norm_args(p, position)``: keyword arguments of every norm at ``position`` (DyT/Derf's alpha);
+    - ``embedding(p, dictionary, dim, path)`` / ``output_projection(p, embed_tokens)``: replacements of the
+      word embedding / output layer;
+    - ``families`` (``<family>_<size>`` -> axes), ``architectures`` (name -> ``(fairseq size, axes)``);
+    - ``error``: the error class of its checks.
     """
 
     name: str
@@ -165,59 +213,46 @@ class Method:
     paper: str
     summary: str
     code: str = ""
-    owner: Tuple[str, str] | None = None
+    enabled_by: str | Tuple[str, ...] | None = None
     options: Tuple[Option, ...] = ()
     init_schemes: Tuple[InitScheme, ...] = ()
-    residual_scales: Tuple[ResidualScale, ...] = ()
+    residual_scalings: Tuple[ResidualScaling, ...] = ()
     layer_types: Tuple[LayerType, ...] = ()
-    validate: Callable[[Any], None] | None = None
+    requires: Tuple[Rule, ...] = ()
+    excludes: Tuple[Rule, ...] = ()
+    cautions: Tuple[Rule, ...] = ()
+    tags: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    sets: Mapping[str, Any] = field(default_factory=dict)
+    derive: Callable[..., Dict[str, Any]] | None = None
+    validate: Callable[..., str | None] | None = None
     describe: Callable[[Any], str] | None = None
-    layer_setup: Callable[[nn.Module, object], None] | None = None
-    post_init: Callable[[nn.Module, object], None] | None = None
-    stack_setup: Callable[[nn.Module, object, StackKind], None] | None = None
-    placement: Callable[[object, StackKind, int], str | None] | None = None
-    norm_args: Callable[[object, str | None], Dict[str, Any]] | None = None
-    embedding: Callable[[object, Any, int, Any], nn.Module | None] | None = None
-    output_projection: Callable[[object, nn.Module], nn.Module | None] | None = None
+    layer_placements: Callable[..., Tuple[str, ...]] | None = None
+    layer_setup: Callable[..., None] | None = None
+    stack_setup: Callable[..., None] | None = None
+    post_init: Callable[..., None] | None = None
+    norm_args: Callable[..., Dict[str, Any]] | None = None
+    embedding: Callable[..., nn.Module] | None = None
+    output_projection: Callable[..., nn.Module] | None = None
     families: Mapping[str, dict] = field(default_factory=dict)
     architectures: Mapping[str, Tuple[str, dict]] = field(default_factory=dict)
     error: type = DeepInitConfigError
 
-    def selected(self, args) -> bool:
-        """Whether the method takes part in the model of ``args`` (owner value chosen; features: always
-        consulted, they check their own flags)."""
-        return self.owner is None or getattr(args, self.owner[0], None) == self.owner[1]
+    @property
+    def switches(self) -> Tuple[Tuple[str, Any], ...]:
+        """``enabled_by`` as ``(option, value)`` pairs, any of which turns the method on (value True: a flag)."""
+        items = (self.enabled_by,) if isinstance(self.enabled_by, str) else self.enabled_by or ()
+        return tuple((item.split("=", 1)[0], item.split("=", 1)[1]) if "=" in item else (item, True) for item in items)
 
+    @property
+    def selector_owned(self) -> bool:
+        """Enabled by a selector value (``init_scheme=ds-init``): its options are None while it is off."""
+        return any(value is not True for _name, value in self.switches)
 
-def iter_layers(model: nn.Module) -> Iterator[Tuple[str, int, nn.Module]]:
-    """``(stack, l, layer)`` for every layer, l counted from 1 separately per stack.
-
-    A stack the model does not have is skipped (a decoder-only language model has no encoder).
-    """
-    for stack in ("encoder", "decoder"):
-        module = getattr(model, stack, None)
-        if module is None:
-            continue
-        for i, layer in enumerate(module.layers, start=1):
-            yield stack, i, layer
-
-
-def has_encoder(args) -> bool:
-    """False for a decoder-only model: the language model stores ``encoder_layers = 0`` (lm/model.py).
-
-    For option checks only; the formulas read each layer's kind (modules/stacks.py).
-    """
-    return getattr(args, "encoder_layers", None) != 0
-
-
-def missing_pre_ln_flags(args) -> str:
-    """For a method defined on Pre-LN: the normalize-before flags to add ("" when every stack of the model
-    is Pre-LN; a decoder-only model has only the decoder's)."""
-    if args.decoder_normalize_before and (args.encoder_normalize_before or not has_encoder(args)):
-        return ""
-    if has_encoder(args):
-        return "--encoder-normalize-before --decoder-normalize-before"
-    return "--decoder-normalize-before"
+    def off_value(self, option: Option) -> Any:
+        """What ``option`` is stored as while the method is off."""
+        if self.selector_owned:
+            return None
+        return option.default if option.off is SAME else option.off
 
 
 def flag(name: str) -> str:

@@ -28,27 +28,20 @@ Where the code and the paper's description differ, and the fairseq facts, are in
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch.nn as nn
 
-from ..errors import DeepInitConfigError
 from ..modules.dual_stream import STARTS, DualStream
 from ..modules.norms import build_norm
 from ..modules.residual import Residual
-from ..modules.stacks import StackKind
-from .record import Method, Option, ResidualScale
-
-logger = logging.getLogger(__name__)
+from .record import Method, Option, ResidualScaling, a_norm, post_ln, standard_layer
 
 NAME = "resi-dual"
 FINAL_NORM_EPS = 1e-7  # resi_dual/resi_dual.py:24, 157
 OPUS_SCALE = 0.05  # hydra_config/opus.yaml:25-26 (18+18 layers, fp16)
 # norms with norm(s * d) = norm(d) up to their eps, which the scale relies on (a point-wise DyT is not one)
 SCALE_INVARIANT_NORMS = ("layernorm", "rmsnorm", "scalenorm")
-# features whose own checks would ask for Pre-LN: refused here first, with the reason that applies
-PRE_LN_FEATURES = ("scale_attn", "scale_fc", "scale_heads", "scale_resids", "subln")
 
 
 def _positive(name: str):
@@ -66,63 +59,39 @@ def _finite(value) -> str | None:
     return f"--resi-dual-alpha must be a finite number, got {value}"
 
 
-def stream(cfg) -> DualStream:
+def stream(p) -> DualStream:
     """The stream's constants from the resolved options."""
-    return DualStream(scale=cfg.resi_dual_scale, alpha=cfg.resi_dual_alpha, start=cfg.resi_dual_start)
+    return DualStream(scale=p.resi_dual_scale, alpha=p.resi_dual_alpha, start=p.resi_dual_start)
 
 
-def setup_resi_dual_layer(layer: nn.Module, cfg) -> None:
-    """Layer set-up: the stream's constants, on a Post-LN layer only (a method that places a layer's norms
-    otherwise, per layer, is caught here even where no flag says Pre-LN)."""
-    if getattr(cfg, "residual_scale", None) != NAME:
-        return
-    if layer.placement != "post":
-        raise DeepInitConfigError(
-            f"--residual-scale {NAME} adds a second stream to Post-LN layers; {layer.stack} layer {layer.layer_idx} "
-            f"is {layer.placement}-norm: drop the option that places it"
-        )
-    layer.dual_stream = stream(cfg)
+def setup_resi_dual_layer(layer: nn.Module, p, spec) -> None:
+    """Layer set-up: the stream's constants."""
+    layer.dual_stream = stream(p)
 
 
-def setup_resi_dual_stack(stack: nn.Module, cfg, kind: StackKind) -> None:
+def setup_resi_dual_stack(stack: nn.Module, p, spec, stack_spec) -> None:
     """Stack set-up: the stream's constants and its final norm (``resi_dual.py:24, 157``) in fairseq's
     ``layer_norm`` slot, of ``--norm-type`` with eps ``--resi-dual-final-eps``, over the layers' width."""
-    dim = cfg.encoder.embed_dim if kind.stack == "encoder" else cfg.decoder.embed_dim
-    stack.dual_stream = stream(cfg)
-    stack.layer_norm = build_norm(cfg.norm_type, dim, cfg.resi_dual_final_eps, cfg.export)
+    stack.dual_stream = stream(p)
+    stack.layer_norm = build_norm(spec.norm.type, stack_spec.dim, p.resi_dual_final_eps, spec.norm.export)
 
 
-def validate_resi_dual_args(args) -> None:
-    if args.norm_type not in SCALE_INVARIANT_NORMS:
-        raise DeepInitConfigError(
-            f"--residual-scale {NAME} needs a norm with norm(s x) = norm(x) in its Post-LN layers and final norm "
-            f"({', '.join(SCALE_INVARIANT_NORMS)}), not --norm-type {args.norm_type}: use --norm-type layernorm, "
-            "with an --init-scheme that keeps the norms"
-        )
-    if args.decoder_layer_type != "standard":
-        raise DeepInitConfigError(
-            f"--residual-scale {NAME} carries its second stream through the standard layers; drop --decoder-layer-type "
-            f"{args.decoder_layer_type}"
-        )
-    given = [o for o in PRE_LN_FEATURES if getattr(args, o, False)]
-    if given:
-        flags = " ".join("--" + o.replace("_", "-") for o in given)
-        raise DeepInitConfigError(f"{flags}: defined on Pre-LN, and --residual-scale {NAME} is Post-LN; drop one")
+def fp16_warning(p, spec, args) -> str | None:
+    """A warning for an unscaled stream under fp16 (the released deep fp16 run scales it)."""
     fp16 = getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False)
-    if fp16 and args.resi_dual_scale == 1.0:
-        logger.warning(
-            "--residual-scale %s under --fp16 with --resi-dual-scale 1: the second stream sums every layer's "
-            "un-normalised outputs in fp16; the released 18+18-layer fp16 run uses --resi-dual-scale %s "
-            "(the model's function does not depend on it apart from the final norm's eps)",
-            NAME,
-            OPUS_SCALE,
+    if fp16 and p.resi_dual_scale == 1.0:
+        return (
+            f"--residual-scale {NAME} under --fp16 with --resi-dual-scale 1: the second stream sums every layer's "
+            f"un-normalised outputs in fp16; the released 18+18-layer fp16 run uses --resi-dual-scale {OPUS_SCALE} "
+            "(the model's function does not depend on it apart from the final norm's eps)"
         )
+    return None
 
 
-def describe_resi_dual(args) -> str:
+def describe_resi_dual(p) -> str:
     return (
-        f"resi-dual-scale={args.resi_dual_scale:g}, resi-dual-alpha={args.resi_dual_alpha:g}, "
-        f"resi-dual-start={args.resi_dual_start}, resi-dual-final-eps={args.resi_dual_final_eps:g}"
+        f"resi-dual-scale={p.resi_dual_scale:g}, resi-dual-alpha={p.resi_dual_alpha:g}, "
+        f"resi-dual-start={p.resi_dual_start}, resi-dual-final-eps={p.resi_dual_final_eps:g}"
     )
 
 
@@ -134,7 +103,7 @@ METHOD = Method(
     "added to the output after its own final norm",
     code="microsoft/ResiDual @ 8682f75 resi_dual/resi_dual_layers.py:25-51,116-177, resi_dual/resi_dual.py:24,"
     "107-131,157,252-283,294-300, hydra_config/opus.yaml:25-26",
-    owner=("residual_scale", NAME),
+    enabled_by=f"residual_scale={NAME}",
     options=(
         Option(
             "resi_dual_scale",
@@ -173,15 +142,21 @@ METHOD = Method(
             check=_positive("resi-dual-final-eps"),
         ),
     ),
-    residual_scales=(
-        ResidualScale(
+    residual_scalings=(
+        ResidualScaling(
             NAME,
-            lambda cfg, kind, sub, idx: Residual(),
+            lambda stack, sublayer, p: Residual(),
             "LN(x + f(x)), and f(x) summed in a second stream added after a final norm (ResiDual)",
-            placement="post",
+            requires=(
+                post_ln(),
+                a_norm(
+                    "needs a norm with norm(s x) = norm(x) in its Post-LN layers and final norm", SCALE_INVARIANT_NORMS
+                ),
+                standard_layer("carries its second stream through the standard layers"),
+            ),
         ),
     ),
-    validate=validate_resi_dual_args,
+    validate=fp16_warning,
     describe=describe_resi_dual,
     layer_setup=setup_resi_dual_layer,
     stack_setup=setup_resi_dual_stack,

@@ -8,9 +8,9 @@ baseline. ``rezero`` removes every norm; ``rezero+postln`` keeps Post-LN: ``LN(x
 
 from __future__ import annotations
 
+from ..modules.init import apply_baseline
 from ..modules.residual import ReZeroResidual
-from .baseline import apply_baseline
-from .record import WITH_NORM, InitScheme, Method, ResidualScale
+from .record import WITH_NORM, InitScheme, Method, ResidualScaling, post_ln
 
 METHOD = Method(
     name="rezero",
@@ -36,11 +36,11 @@ METHOD = Method(
             allowed_norms=WITH_NORM,
             norm_reason="this variant keeps Post-LN",
             residual="rezero",
-            placement="post",
+            requires=(post_ln(),),
         ),
     ),
-    residual_scales=(
-        ResidualScale("rezero", lambda cfg, kind, sub, idx: ReZeroResidual(), "x + a * f(x), a learned, from 0"),
+    residual_scalings=(
+        ResidualScaling("rezero", lambda stack, sublayer, p: ReZeroResidual(), "x + a * f(x), a learned, from 0"),
     ),
     families={"rezero": dict(init_scheme="rezero"), "rezero_postln": dict(init_scheme="rezero+postln")},
 )

@@ -33,20 +33,9 @@ import math
 import torch
 import torch.nn as nn
 
-from ..errors import DeepInitConfigError
 from ..modules.linear import NormedLinear
-from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind
-from .record import Method, Option, iter_layers, missing_pre_ln_flags
-
-# init schemes with their own depth-dependent scaling or norm removal, which Sub-LN's gain would compound
-_SCHEME_CONFLICTS = {
-    "t-fixup": "T-Fixup removes the norms Sub-LN adds to and scales the same weights by depth",
-    "ds-init": "DS-Init already scales every layer's init by its depth",
-    "deepnorm": "DeepNorm is Post-LN with its own depth-dependent init",
-    "admin": "Admin is Post-LN",
-    "rezero": "ReZero removes the norms",
-    "rezero+postln": "ReZero with Post-LN is Post-LN",
-}
+from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind, iter_layers
+from .record import FLAG, INIT, TAG, Method, Option, Rule, a_norm, plain_residual, pre_ln, standard_layer
 
 
 def subln_gain(kind: StackKind, encoder_layers: int, decoder_layers: int) -> float:
@@ -60,10 +49,8 @@ def subln_gain(kind: StackKind, encoder_layers: int, decoder_layers: int) -> flo
     raise ValueError(f"Sub-LN has no gain for a {kind} layer")
 
 
-def setup_subln_layer(layer: nn.Module, cfg) -> None:
+def setup_subln_layer(layer: nn.Module, p, spec) -> None:
     """Layer set-up: a norm in front of the self-attention's ``out_proj`` and of the FFN's ``fc2``."""
-    if not getattr(cfg, "subln", False):
-        return
     embed_dim, ffn_dim = layer.embed_dim, layer.fc1.out_features
     attn = layer.self_attn
     attn.out_proj = NormedLinear.around(attn.out_proj, layer.build_norm(embed_dim))
@@ -73,45 +60,14 @@ def setup_subln_layer(layer: nn.Module, cfg) -> None:
 
 
 @torch.no_grad()
-def apply_subln_gain(model: nn.Module, cfg) -> None:
+def apply_subln_gain(model: nn.Module, p, spec) -> None:
     """Post-init: fc1, fc2, self-attention out_proj and v_proj (weights and biases) times gamma."""
-    if not getattr(cfg, "subln", False):
-        return
     for _stack, _l, layer in iter_layers(model):
-        gamma = subln_gain(layer.kind, cfg.encoder.layers, cfg.decoder.layers)
+        gamma = subln_gain(layer.kind, spec.layers("encoder"), spec.layers("decoder"))
         for lin in (layer.fc1, layer.fc2, layer.self_attn.v_proj, layer.self_attn.out_proj):
             lin.weight.mul_(gamma)
             if isinstance(lin.bias, nn.Parameter):
                 lin.bias.mul_(gamma)
-
-
-def validate_subln_args(args) -> None:
-    if not args.subln:
-        return
-    if args.init_scheme in _SCHEME_CONFLICTS:
-        raise DeepInitConfigError(
-            f"--subln does not combine with --init-scheme {args.init_scheme} ({_SCHEME_CONFLICTS[args.init_scheme]}); "
-            "use --init-scheme xavier or fairseq, or drop --subln"
-        )
-    if args.norm_type == "none":
-        raise DeepInitConfigError("--subln adds norms inside each sub-layer; --norm-type none removes them. Drop one.")
-    missing = missing_pre_ln_flags(args)
-    if missing:
-        raise DeepInitConfigError(
-            f"--subln is Pre-LN with extra norms (Magneto); add {missing} (the subln_* architectures set them)"
-        )
-    if args.residual_scale != "none":
-        raise DeepInitConfigError(
-            f"--subln keeps the plain residual x + f(x); drop --residual-scale {args.residual_scale}"
-        )
-    if args.decoder_layer_type != "standard":
-        raise DeepInitConfigError(
-            f"--subln is defined on the standard layer; drop --decoder-layer-type {args.decoder_layer_type}"
-        )
-    if getattr(args, "scale_fc", False):
-        raise DeepInitConfigError("--subln already normalises the FFN's hidden layer; drop --scale-fc")
-    if getattr(args, "lipschitz_bias_free", False) or getattr(args, "quant_noise_pq", 0):
-        raise DeepInitConfigError("--subln does not combine with --lipschitz-bias-free or --quant-noise-pq; drop one")
 
 
 METHOD = Method(
@@ -122,6 +78,7 @@ METHOD = Method(
     "gain gamma",
     code="microsoft/torchscale @ 4d1e0e8 component/multihead_attention.py:49-53,166-169, "
     "architecture/encoder.py:254-270, decoder.py:300-314",
+    enabled_by="subln",
     options=(
         Option(
             "subln",
@@ -131,8 +88,22 @@ METHOD = Method(
             "and torchscale's depth-dependent init gain (docs/schemes.md)",
         ),
     ),
-    validate=validate_subln_args,
-    describe=lambda args: "subln" if args.subln else "",
+    requires=(
+        a_norm("adds norms inside each sub-layer"),
+        pre_ln("Pre-LN with extra norms, Magneto"),
+        plain_residual("keeps the plain residual x + f(x)"),
+        standard_layer("is defined on the standard layer"),
+    ),
+    excludes=(
+        Rule(
+            INIT, ("ds-init",), "DS-Init already scales every layer's init by its depth, which its gain would compound"
+        ),
+        Rule(TAG, ("ffn-inner-norm",), "both put a norm before each FFN's fc2"),
+        Rule(TAG, ("bias-free-projections",), "it rebuilds the projections whose biases that drops"),
+        Rule(FLAG, ("quant_noise_pq",), "its noise hooks sit on the projections it rebuilds"),
+    ),
+    tags={"ffn-inner-norm": (), "branch-norm": ()},
+    describe=lambda p: "subln",
     layer_setup=setup_subln_layer,
     post_init=apply_subln_gain,
     families={

@@ -21,8 +21,9 @@ import math
 
 import torch
 
-from .baseline import apply_baseline
-from .record import InitScheme, Method, iter_layers
+from ..modules.init import apply_baseline
+from ..modules.stacks import iter_layers
+from .record import InitScheme, Method
 
 
 def tfixup_factors(stack: str, encoder_layers: int, decoder_layers: int) -> tuple:
@@ -40,9 +41,9 @@ def embedding_factor(stack: str, encoder_layers: int, decoder_layers: int) -> fl
 
 
 @torch.no_grad()
-def apply_tfixup(model, cfg) -> None:
-    apply_baseline(model, cfg)
-    n_e, n_d = cfg.encoder.layers, cfg.decoder.layers
+def apply_tfixup(model, p, spec) -> None:
+    apply_baseline(model)
+    n_e, n_d = spec.layers("encoder"), spec.layers("decoder")
     for stack, _l, layer in iter_layers(model):
         s, s_v = tfixup_factors(stack, n_e, n_d)
         layer.fc1.weight.mul_(s)
@@ -76,6 +77,7 @@ METHOD = Method(
             allowed_norms=("none",),
             norm_reason="T-Fixup removes every LayerNorm",
             embeddings=True,
+            depth_scaled="T-Fixup scales v/out/fc1/fc2 by L^-1/4",
         ),
     ),
     families={"tfixup": dict(init_scheme="t-fixup")},

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 from fairseq.modules import MultiheadAttention
 
-from ..errors import DeepInitConfigError
 from ..modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
-from .baseline import apply_baseline, layer_linears
-from .record import InitScheme, Method, Option, iter_layers
+from ..modules.init import apply_baseline, layer_linears
+from ..modules.stacks import iter_layers
+from .record import FLAG, INIT, InitScheme, Method, Option, Rule
 
 
 def smallinit_std(d: int) -> float:
@@ -28,8 +28,8 @@ def smallinit_std(d: int) -> float:
 
 
 @torch.no_grad()
-def apply_smallinit(model: nn.Module, cfg) -> None:
-    apply_baseline(model, cfg)  # zero biases, as the baseline
+def apply_smallinit(model: nn.Module, *_unused) -> None:
+    apply_baseline(model)  # zero biases, as the baseline
     for _stack, _l, layer in iter_layers(model):
         for m in layer.modules():
             if isinstance(m, MultiheadAttention):
@@ -43,37 +43,16 @@ def apply_smallinit(model: nn.Module, cfg) -> None:
                 nn.init.xavier_normal_(lin.weight)
 
 
-def validate_fixnorm(args) -> None:
-    if not args.fixnorm:
-        return
-    if not (args.share_decoder_input_output_embed or getattr(args, "share_all_embeddings", False)):
-        raise DeepInitConfigError(
-            "--fixnorm scores outputs against the normalised input embeddings; add "
-            "--share-decoder-input-output-embed (or --share-all-embeddings)"
-        )
-    if getattr(args, "adaptive_softmax_cutoff", None) or getattr(args, "adaptive_input", False):
-        raise DeepInitConfigError("--fixnorm does not combine with adaptive input/softmax; drop one of them")
-    if args.init_scheme == "t-fixup":
-        # FixNorm divides every embedding row by its norm, which would silently undo T-Fixup's
-        # (9N)^(-1/4) embedding scaling (Huang et al. 2020, sec. 3.2)
-        raise DeepInitConfigError(
-            "--fixnorm normalises the embeddings and would undo T-Fixup's embedding scaling; drop --fixnorm "
-            "or use another --init-scheme"
-        )
-
-
-def fixnorm_embedding(args, dictionary, embed_dim: int, path: str | None = None) -> nn.Module | None:
-    """FixNorm's word embedding (U(-0.01, 0.01), rows used at unit norm), or None without ``--fixnorm``."""
-    if not getattr(args, "fixnorm", False):
-        return None
+def fixnorm_embedding(p, dictionary, embed_dim: int, path: str | None = None) -> nn.Module:
+    """FixNorm's word embedding (U(-0.01, 0.01), rows used at unit norm)."""
     if path:
         raise ValueError("--fixnorm learns its own normalised embeddings; drop --*-embed-path")
     return FixNormEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
 
 
-def fixnorm_output_projection(cfg, embed_tokens: nn.Module) -> nn.Module | None:
-    """The tied output layer over the normalised embeddings (TwT eq. 5), or None without ``--fixnorm``."""
-    return FixNormOutputProjection(embed_tokens) if getattr(cfg, "fixnorm", False) else None
+def fixnorm_output_projection(p, embed_tokens: nn.Module) -> nn.Module:
+    """The tied output layer over the normalised embeddings (TwT eq. 5)."""
+    return FixNormOutputProjection(embed_tokens)
 
 
 METHOD = Method(
@@ -83,6 +62,7 @@ METHOD = Method(
     summary="PreNorm + ScaleNorm (`--norm-type scalenorm`) + FixNorm (`--fixnorm`) + SmallInit (`smallinit`: "
     "attention N(0, sqrt(2/5d)), FFN Xavier normal)",
     code="tnq177/transformers_without_tears",
+    enabled_by="fixnorm",
     options=(
         Option(
             "fixnorm",
@@ -99,8 +79,19 @@ METHOD = Method(
             "SmallInit (Nguyen & Salazar 2019): attention N(0, sqrt(2/5d)), FFN Xavier normal",
         ),
     ),
-    validate=validate_fixnorm,
-    describe=lambda args: "fixnorm" if args.fixnorm else "",
+    requires=(
+        Rule(
+            FLAG,
+            ("share_decoder_input_output_embed", "share_all_embeddings"),
+            "scores outputs against the normalised input embeddings",
+        ),
+    ),
+    excludes=(
+        Rule(FLAG, ("adaptive_softmax_cutoff", "adaptive_input"), "adaptive input/softmax replace what it normalises"),
+        # FixNorm divides every embedding row by its norm: T-Fixup's (9N)^(-1/4) embedding scale (sec. 3.2) would go
+        Rule(INIT, ("t-fixup",), "it normalises the embeddings and would undo T-Fixup's embedding scaling"),
+    ),
+    describe=lambda p: "fixnorm",
     embedding=fixnorm_embedding,
     output_projection=fixnorm_output_projection,
     families={

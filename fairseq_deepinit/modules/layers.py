@@ -31,8 +31,8 @@ depth-dependent formulas read their constants.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 import torch.nn as nn
@@ -44,18 +44,16 @@ from .dual_stream import DualStream
 from .stacks import ENCODER, StackKind
 from .sublayer import branch_output, check_placement, sublayer_input, sublayer_output
 
-LayerSetup = Callable[[nn.Module, object], None]
-
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What the selected methods decide for one layer (computed by :mod:`fairseq_deepinit.plan`).
+    """One layer as the model's spec has it (built by :func:`fairseq_deepinit.plan.layer_plan`).
 
-    ``norm(dim, position)`` builds a norm of ``--norm-type`` over ``dim`` for a norm position (``attn``,
-    ``ffn``, ``final`` or None; DyT/Derf take their alpha by it); ``residual(sublayer)`` builds the residual
-    module of a sub-layer (``--residual-scale``); ``placement`` is one of :data:`.sublayer.PLACEMENTS`;
-    ``setup`` are the methods' layer set-ups, ``fn(layer, cfg)``, run in method order once the layer
-    is built.
+    ``norm(dim, position)`` builds a norm of the spec's type over ``dim`` for a norm position (``attn``,
+    ``ffn``, ``final`` or None; DyT/Derf take their alpha by it); ``residual(sublayer)`` builds the
+    :class:`~.residual.Residual` of a sub-layer; ``placement`` is one of :data:`.sublayer.PLACEMENTS`;
+    ``setup``: the set-ups of the methods that are on, ``fn(layer)``, run in method order once the layer
+    is built; ``params``: the options of the method that adds the layer type (MAtt's).
     """
 
     kind: StackKind
@@ -64,7 +62,8 @@ class LayerPlan:
     norm: Callable[..., nn.Module]
     residual: Callable[[str], nn.Module]
     attention_impl: str = DEFAULT_IMPL
-    setup: Tuple[LayerSetup, ...] = ()
+    setup: Tuple[Callable[[nn.Module], None], ...] = ()
+    params: Mapping[str, Any] = field(default_factory=dict)
 
 
 class DeepInitLayer:
@@ -92,7 +91,7 @@ class DeepInitLayer:
         """The model attribute holding this layer's stack (``encoder`` / ``decoder``)."""
         return self.kind.stack
 
-    def _apply_plan(self, cfg, plan: LayerPlan, sublayers: Tuple[str, ...]) -> None:
+    def _apply_plan(self, plan: LayerPlan, sublayers: Tuple[str, ...]) -> None:
         self.layer_idx = plan.index  # 1-based depth within the stack (DS-Init's l)
         self.kind = plan.kind
         self.placement = check_placement(plan.placement)
@@ -106,7 +105,7 @@ class DeepInitLayer:
             setattr(self, out, plan.norm(self.embed_dim, self.NORM_POSITIONS[attr]) if peri else None)
         self.residuals = nn.ModuleDict({name: plan.residual(name) for name in sublayers})
         for setup in plan.setup:
-            setup(self, cfg)
+            setup(self)
 
     def build_norm(self, dim: int, position: str | None = None) -> nn.Module:
         """A norm of the layer's plan over ``dim`` (``--norm-type`` with the methods' norm arguments), for
@@ -180,7 +179,7 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
         self.ffn_layernorm: nn.Module | None = None
         self.w_resid: nn.Parameter | None = None
         self.nh, self.head_dim = self.self_attn.num_heads, self.self_attn.head_dim
-        self._apply_plan(cfg, plan, self.SUBLAYERS)
+        self._apply_plan(plan, self.SUBLAYERS)
 
     def build_self_attention(self, embed_dim, cfg):
         """fairseq's encoder self-attention (transformer_layer.py:135-144) in the ``--attention-impl`` class."""
@@ -238,7 +237,7 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
     def __init__(self, cfg, plan: LayerPlan, no_encoder_attn: bool = False) -> None:
         self._attention_impl = plan.attention_impl
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
-        self._apply_plan(cfg, plan, plan.kind.sublayers)
+        self._apply_plan(plan, plan.kind.sublayers)
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         """fairseq's decoder self-attention (transformer_layer.py:350-363) in the ``--attention-impl`` class."""

@@ -1,20 +1,21 @@
-"""Residual modules: the sum that closes every sub-layer, ``residual + x`` and its scaled forms.
+"""Residual modules: the sum that closes every sub-layer, ``skip + branch`` and its scaled forms.
 
 Each sub-layer of each layer owns one :class:`Residual` module (``layer.residuals[<sub-layer>]``); the
-layer's forward calls it with the (dropped-out) branch output ``x`` and the sub-layer's skip input
-``residual`` (:func:`~fairseq_deepinit.modules.sublayer.sublayer_output`). Because it is a module of its
+layer's forward calls it with the (dropped-out) ``branch`` output and the sub-layer's ``skip`` input
+(:func:`~fairseq_deepinit.modules.sublayer.sublayer_output`). Because it is a module of its
 own, forward hooks on it see exactly the two tensors the papers' statistics are about (Admin
-profiling, diagnostics). Which module a sub-layer gets is the ``--residual-scale`` method's choice
-(:mod:`fairseq_deepinit.methods`); the modules here are the plain building blocks:
+profiling, diagnostics). Which module a sub-layer gets is the residual scaling's (``--residual-scale``, a
+:class:`~fairseq_deepinit.methods.record.ResidualScaling` of a method's record); the modules here are the
+plain building blocks:
 
-- :class:`Residual`: ``residual + x`` (Vaswani et al. 2017);
-- :class:`ConstantResidual`: ``alpha * residual + x`` with a constant alpha (DeepNorm, Wang et al.
+- :class:`Residual`: ``skip + branch`` (Vaswani et al. 2017);
+- :class:`ConstantResidual`: ``alpha * skip + branch`` with a constant alpha (DeepNorm, Wang et al.
   2022, eq. (2));
-- :class:`ReZeroResidual`: ``residual + a * x`` with one learned scalar ``a`` starting at 0
+- :class:`ReZeroResidual`: ``skip + a * branch`` with one learned scalar ``a`` starting at 0
   (Bachlechner et al. 2020, eq. (5));
-- :class:`AdminResidual`: ``residual * omega + x`` with a learned vector omega that profiling sets
+- :class:`AdminResidual`: ``skip * omega + branch`` with a learned vector omega that profiling sets
   before the first update (Liu et al. 2020, sec. 4.3; :mod:`fairseq_deepinit.admin`);
-- :class:`BranchScaleResidual`: ``residual + m * x`` with a constant branch multiplier m (depth-muP,
+- :class:`BranchScaleResidual`: ``skip + m * branch`` with a constant branch multiplier m (depth-muP,
   Yang et al. 2023, and CompleteP, Dey et al. 2025: ``m = (L / L_base)^-alpha``, :func:`depth_branch_multiplier`);
 - :class:`B2TResidual`: the plain sum, plus the layer's input on the layer's last sub-layer (Takase et
   al. 2022, eq. (5)-(6); released code takase/b2t_connection @ c8e2ad4,
@@ -32,37 +33,37 @@ from ..errors import AdminNotProfiledError
 
 
 class Residual(nn.Module):
-    """``residual + x``.
+    """``skip + branch``.
 
-    Subclasses scale either term by overriding :meth:`skip` (the scaled sub-layer input) or
-    :meth:`forward`; :mod:`fairseq_deepinit.diagnostics.hooks` reads :meth:`skip` to measure the skip
+    Subclasses scale either term by overriding :meth:`scaled_skip` (the scaled sub-layer input) or
+    :meth:`forward`; :mod:`fairseq_deepinit.diagnostics.hooks` reads :meth:`scaled_skip` to measure the skip
     path. ``reads_layer_input``: the layer passes its own input as a third argument (B2T).
     """
 
     reads_layer_input = False
 
-    def skip(self, residual: torch.Tensor) -> torch.Tensor:
-        """The skip-path term as it enters the sum (``residual`` scaled as this module does)."""
-        return residual
+    def scaled_skip(self, skip: torch.Tensor) -> torch.Tensor:
+        """The skip term as it enters the sum (``skip`` scaled as this module does)."""
+        return skip
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         # branch first: the sum takes the layout of its first operand, and the branch output is
         # contiguous while fairseq's residual stream starts as a transposed (T, B, C) view; a
         # contiguous stream keeps every later Linear on the addmm fast path (same values: + commutes)
-        return x + self.skip(residual)
+        return branch + self.scaled_skip(skip)
 
 
 class ConstantResidual(Residual):
-    """``alpha * residual + x`` with a constant (not learned) ``alpha`` (DeepNorm).
+    """``alpha * skip + branch`` with a constant (not learned) ``alpha`` (DeepNorm).
 
-    One ``torch.add(x, residual, alpha=alpha)``: one kernel forward and one backward (the ``alpha *``
-    of the skip's gradient), where ``x + residual * alpha`` takes two forward (a separate ``mul``) and
-    one backward. Same value up to rounding: the fused add rounds ``x + alpha * residual`` once (an
+    One ``torch.add(branch, skip, alpha=alpha)``: one kernel forward and one backward (the ``alpha *``
+    of the skip's gradient), where ``branch + skip * alpha`` takes two forward (a separate ``mul``) and
+    one backward. Same value up to rounding: the fused add rounds ``branch + alpha * skip`` once (an
     FMA on vectorised CPU paths; in fp32 opmath for fp16/bf16), the two-kernel form rounds the product
     first; and a kernel may round ``alpha`` itself to a 16-bit operand's dtype (torch's CPU kernel does:
     a relative change of the skip scale of at most ``u``; in fp32, and with an fp32 operand as under
     autocast, ``alpha`` is an fp32 number either way). With ``u`` the unit round-off of the dtype, the
-    two forms differ by at most ``2u (|alpha * residual| + |x + alpha * residual|)`` per element to
+    two forms differ by at most ``2u (|alpha * skip| + |branch + alpha * skip|)`` per element to
     first order (``tests/test_kernels.py`` checks it on every CPU kernel path; the scalar fp32 path,
     without FMA, is bit-identical).
     """
@@ -71,12 +72,12 @@ class ConstantResidual(Residual):
         super().__init__()
         self.alpha = float(alpha)
 
-    def skip(self, residual: torch.Tensor) -> torch.Tensor:
-        return residual * self.alpha
+    def scaled_skip(self, skip: torch.Tensor) -> torch.Tensor:
+        return skip * self.alpha
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         # branch first, as Residual.forward: the sum takes x's (contiguous) layout
-        return torch.add(x, residual, alpha=self.alpha)
+        return torch.add(branch, skip, alpha=self.alpha)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.6g}"
@@ -91,15 +92,15 @@ def depth_branch_multiplier(layers: int, base_layers: int, alpha: float) -> floa
 
 
 class BranchScaleResidual(Residual):
-    """``residual + m * x`` with a constant ``m`` (depth-muP / CompleteP; nanoGPT-mup ``model.py:117-118``:
+    """``skip + m * branch`` with a constant ``m`` (depth-muP / CompleteP; nanoGPT-mup ``model.py:117-118``:
     ``x = x + self.residual_scaling * self.attn(self.ln_1(x))``).
 
-    One ``torch.add(residual, x, alpha=m)``: the multiplier rides on the add (one kernel forward, one
+    One ``torch.add(skip, branch, alpha=m)``: the multiplier rides on the add (one kernel forward, one
     backward for the ``m *`` of the branch's gradient), as :class:`ConstantResidual` does on the skip. The
     sum takes the layout of its first operand, here the skip; where the skip is still fairseq's transposed
     (T, B, C) view of the embedding (a stack's first sub-layer) it is made contiguous first (one copy per
     stack), so that the stream and every later Linear stay on the contiguous fast path (``Residual.forward``).
-    Same value as ``residual + m * x`` up to one rounding: the fused add rounds once (an FMA on vectorised
+    Same value as ``skip + m * branch`` up to one rounding: the fused add rounds once (an FMA on vectorised
     CPU paths), the two-kernel form rounds the product first; a 16-bit kernel may round ``m`` to the
     operand's dtype (:class:`ConstantResidual`'s note).
     """
@@ -108,22 +109,22 @@ class BranchScaleResidual(Residual):
         super().__init__()
         self.multiplier = float(multiplier)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return torch.add(residual.contiguous(), x, alpha=self.multiplier)
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return torch.add(skip.contiguous(), branch, alpha=self.multiplier)
 
     def extra_repr(self) -> str:
         return f"multiplier={self.multiplier:.6g}"
 
 
 class ReZeroResidual(Residual):
-    """``residual + a * x``, ``a`` a learned scalar starting at 0 (ReZero, eq. 5)."""
+    """``skip + a * branch``, ``a`` a learned scalar starting at 0 (ReZero, eq. 5)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(()))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.alpha * x + residual  # branch first: contiguous output, see Residual.forward
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.alpha * branch + skip  # branch first: contiguous output, see Residual.forward
 
 
 class LayerInputResidual(Residual):
@@ -131,12 +132,12 @@ class LayerInputResidual(Residual):
 
     reads_layer_input = True
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
 class B2TResidual(LayerInputResidual):
-    """B2T connection: ``x + residual``, and on the layer's last sub-layer ``+ layer_input`` too.
+    """B2T connection: ``branch + skip``, and on the layer's last sub-layer ``+ layer_input`` too.
 
     The sums are in the released code's order (transformer_layer.py:136,141: ``x = residual + x``,
     then ``x = residual_bottom + x``), so outputs match it bit for bit.
@@ -146,8 +147,8 @@ class B2TResidual(LayerInputResidual):
         super().__init__()
         self.top = top
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
-        out = x + residual
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+        out = branch + skip
         return out + layer_input if self.top else out
 
     def extra_repr(self) -> str:
@@ -207,13 +208,13 @@ class AdminResidual(Residual):
             self._remember(self.host_profiled)
         return out
 
-    def skip(self, residual: torch.Tensor) -> torch.Tensor:
-        return residual * self.omega
+    def scaled_skip(self, skip: torch.Tensor) -> torch.Tensor:
+        return skip * self.omega
 
     def set_num_updates(self, num_updates: int) -> None:
         self._in_fairseq_training = True
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, branch: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         # a plain attribute first: once profiled, the check reads no tensor state (nor does torch.compile)
         if (
             self.training
@@ -225,7 +226,7 @@ class AdminResidual(Residual):
                 "Train with --task translation_admin (language_modeling_admin for a language model; it "
                 "profiles before the first update), or load a profile with --admin-profile-path under that task."
             )
-        return super().forward(x, residual)
+        return super().forward(branch, skip)
 
     def extra_repr(self) -> str:
         return f"dim={self.omega.numel()}, trainable={self.omega.requires_grad}"

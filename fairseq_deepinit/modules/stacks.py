@@ -13,7 +13,7 @@ reads it from there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Iterator, Tuple
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,13 @@ STACK_KINDS = (ENCODER, DECODER, DECODER_ONLY)
 def decoder_kind(cross_attention: bool) -> StackKind:
     """The kind of a decoder layer built with (``DECODER``) or without (``DECODER_ONLY``) cross-attention."""
     return DECODER if cross_attention else DECODER_ONLY
+
+
+def iter_layers(model) -> Iterator[Tuple[str, int, object]]:
+    """``(stack, l, layer)`` for every layer of ``model``, l counted from 1 separately per stack; a stack the
+    model does not have (a language model's encoder) is skipped."""
+    for stack in ("encoder", "decoder"):
+        module = getattr(model, stack, None)
+        if module is not None:
+            for i, layer in enumerate(module.layers, start=1):
+                yield stack, i, layer

@@ -1,0 +1,102 @@
+"""The model's axes: the options no method owns.
+
+``--init-scheme``, ``--residual-scale`` and ``--decoder-layer-type`` choose among the values the records
+add (:data:`~fairseq_deepinit.methods.INIT_SCHEMES`, :data:`~fairseq_deepinit.methods.RESIDUAL_SCALINGS`,
+:data:`~fairseq_deepinit.methods.LAYER_TYPES`); ``--norm-type`` / ``--norm-eps`` pick the norm of every norm
+layer; ``--force-norm-with-scheme`` lets an ablation keep a norm its scheme removes; ``--attention-impl``
+picks the attention's kernel path. :func:`all_options` lists these options, then every record's, in method
+order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALINGS
+from .methods.record import Method, Option
+from .modules.attention import ATTENTION_IMPLS
+from .modules.norms import NORM_TYPES
+
+
+def _norm_eps_problem(eps) -> str | None:
+    """``--norm-eps`` must be a finite number > 0.
+
+    Every norm divides by ``sqrt(var + eps)`` (LayerNorm, RMSNorm) or ``sqrt(||x||^2 + eps^2)`` (ScaleNorm):
+    eps <= 0 can divide by zero, ``inf`` turns every norm's output into 0 (a model that learns
+    nothing, with no error), and ``nan`` makes every output NaN (fairseq only notices at the first
+    update, with its generic non-finite gradient error).
+    """
+    if isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0:
+        return None
+    return (
+        f"--norm-eps must be a finite number greater than 0 (default 1e-5), got {eps}; "
+        "drop --norm-eps or give e.g. --norm-eps 1e-6"
+    )
+
+
+OPTIONS: Tuple[Option, ...] = (
+    Option(
+        "init_scheme",
+        str,
+        "xavier",
+        f"initialisation scheme; one of: {', '.join(sorted(INIT_SCHEMES))} (default: xavier, the fairseq 0.8/0.9 "
+        "baseline the papers used)",
+        choices=tuple(sorted(INIT_SCHEMES)),
+        metavar="SCHEME",
+    ),
+    Option(
+        "norm_type",
+        str,
+        "auto",
+        "normalisation layer replacing every LayerNorm (auto: what the init scheme needs; "
+        "layernorm unless the scheme removes norms)",
+        choices=("auto",) + NORM_TYPES,
+    ),
+    Option("norm_eps", float, 1e-5, "epsilon of the normalisation layers (default 1e-5)", check=_norm_eps_problem),
+    Option(
+        "residual_scale",
+        str,
+        "auto",
+        "residual-branch scaling (auto: what the init scheme needs, none otherwise)",
+        choices=("auto",) + tuple(sorted(RESIDUAL_SCALINGS)),
+    ),
+    Option(
+        "decoder_layer_type",
+        str,
+        "standard",
+        "decoder layer implementation (default: standard)",
+        choices=tuple(sorted(LAYER_TYPES)),
+    ),
+    Option(
+        "force_norm_with_scheme",
+        bool,
+        False,
+        "allow a --norm-type that the init scheme normally removes (e.g. LayerNorm under t-fixup); for ablations only",
+        resume=False,  # a permission, not a property of the model (the resolved --norm-type is checked)
+    ),
+    Option(
+        "attention_impl",
+        str,
+        "fairseq",
+        "multi-head attention implementation: fairseq (its own bmm/softmax path, default) or sdpa "
+        "(torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient kernels on GPU; same "
+        "parameters and checkpoints, outputs equal to float round-off)",
+        choices=ATTENTION_IMPLS,
+        resume=False,  # same parameters and checkpoints: a resumed run may switch
+    ),
+)
+AXES = {o.name: o for o in OPTIONS}
+
+
+def all_options() -> List[Tuple[Option, Method | None]]:
+    """Every option of the model: the axes' (method None), then each record's, in method order."""
+    out: List[Tuple[Option, Method | None]] = [(o, None) for o in OPTIONS]
+    seen = set(AXES)
+    for method in METHODS.values():
+        for option in method.options:
+            if option.name in seen:
+                raise ValueError(f"option {option.name!r} is defined twice")
+            seen.add(option.name)
+            out.append((option, method))
+    return out
