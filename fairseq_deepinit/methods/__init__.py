@@ -4,8 +4,8 @@ Each module holds one :class:`~.record.Method` record (``METHOD``): its options,
 (init scheme, residual scaling, decoder layer type), what it requires and excludes, its hooks, its named
 architectures. The order below is the order of ``--help``, of the model's log line, of the layer set-ups
 and post-inits, of the rules' checks, of the architecture families and of docs/schemes.md's method table
-(:mod:`deepinit_tools.methods_table`). Adding a method is one module here plus its line in :data:`METHODS` (docs/architecture.md
-walks through one).
+(:mod:`deepinit_tools.methods_table`). Adding a method is one module here plus its line in :data:`METHODS`
+(docs/architecture.md walks through one).
 """
 
 from __future__ import annotations
