@@ -11,8 +11,7 @@ exit status 1, :mod:`fairseq_deepinit.errors`):
   ``--task language_modeling`` stops in fairseq's ``build_model`` (``AttributeError: ... no attribute
   'supported_targets'``). :func:`check_task_and_arch` refuses both right after argument parsing,
   before any data is read: every architecture of the plugin's two models runs it first
-  (:func:`guard_architectures`, the way :func:`fairseq_deepinit.training.distributed.guard_architectures`
-  checks ``--ddp-backend``).
+  (:func:`fairseq_deepinit.patches.guard_architectures`, with the ``--ddp-backend`` check).
 - **an empty split.** fairseq's ``MMapIndexedDataset`` cannot ``mmap`` an empty ``.bin`` file
   (``ValueError: cannot mmap an empty file``, then a second traceback from its ``__del__``).
 - **data binarised with another dictionary.** A token id >= the dictionary's size reaches the
@@ -20,8 +19,9 @@ exit status 1, :mod:`fairseq_deepinit.errors`):
   ``crash.pt``). The largest id of a binarised split is one pass over its ``.bin`` file (a memory
   map, no copy), so it is checked when the split is loaded, against the dictionary fairseq passes.
 
-The last two are checks run by :func:`load_indexed_dataset`, a wrapper of fairseq's
-``data_utils.load_indexed_dataset`` (``fairseq/data/data_utils.py``, line 74), through which the
+The last two are checks run by :func:`load_indexed_dataset`, the wrapper of fairseq's
+``data_utils.load_indexed_dataset`` (``fairseq/data/data_utils.py``, line 74) that
+:mod:`fairseq_deepinit.patches` installs, through which the
 translation and language-modeling tasks load every split with its dictionary; only the ``mmap``
 format (``fairseq-preprocess``'s default) is checked. What stays with fairseq: docs/usage.md,
 "Bad input and one-line errors".
@@ -29,13 +29,12 @@ format (``fairseq-preprocess``'s default) is checked. What stays with fairseq: d
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
-from typing import Any, Callable, Dict
+from typing import Any
 
 import numpy as np
-from fairseq.data import data_utils, indexed_dataset
+from fairseq.data import indexed_dataset
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY, FairseqLanguageModel
 from fairseq.tasks import TASK_REGISTRY
 from fairseq.tasks.language_modeling import LanguageModelingTask
@@ -47,9 +46,6 @@ from .errors import DataConfigError, DeepInitConfigError
 
 PLUGIN_MODELS = DEEPINIT_MODELS
 PREPROCESS_FLAG = {"train": "--trainpref", "valid": "--validpref", "test": "--testpref"}
-
-_ORIGINAL: Dict[str, Callable] = {}
-
 
 # --- task and architecture ----------------------------------------------------------------------
 
@@ -86,32 +82,6 @@ def check_task_and_arch(args: Any) -> None:
             f"cannot train; use --task translation on a parallel corpus, or a decoder-only architecture such as "
             f"--arch {_counterpart(arch, to_lm=True)}"
         )
-
-
-def _guarded(arch_fn: Callable) -> Callable:
-    if getattr(arch_fn, "_deepinit_task_checked", False):
-        return arch_fn
-
-    @functools.wraps(arch_fn)
-    def arch(args):
-        check_task_and_arch(args)
-        return arch_fn(args)
-
-    arch._deepinit_task_checked = True
-    return arch
-
-
-def guard_architectures() -> int:
-    """Make every registered architecture of the plugin's models run :func:`check_task_and_arch` first.
-
-    fairseq calls the ``--arch`` function on the parsed arguments (``options.parse_args_and_arch``)
-    before ``main`` starts; returns how many architectures are guarded.
-    """
-    models = [MODEL_REGISTRY[m] for m in PLUGIN_MODELS if m in MODEL_REGISTRY]
-    names = [n for n, cls in ARCH_MODEL_REGISTRY.items() if cls in models and n in ARCH_CONFIG_REGISTRY]
-    for name in names:
-        ARCH_CONFIG_REGISTRY[name] = _guarded(ARCH_CONFIG_REGISTRY[name])
-    return len(names)
 
 
 # --- binarised splits ---------------------------------------------------------------------------
@@ -158,9 +128,9 @@ def check_split_file(prefix: str, dictionary: Any = None) -> None:
         )
 
 
-def load_indexed_dataset(path, dictionary=None, dataset_impl=None, combine=False, default="cached"):
-    """fairseq's ``data_utils.load_indexed_dataset`` after :func:`check_split_file` on every file it
-    will open (``path``, and ``path1``, ``path2``, ... with ``combine``)."""
+def load_indexed_dataset(original, path, dictionary=None, dataset_impl=None, combine=False, default="cached"):
+    """fairseq's ``data_utils.load_indexed_dataset`` (``original``) after :func:`check_split_file` on every file
+    it will open (``path``, and ``path1``, ``path2``, ... with ``combine``)."""
     for k in itertools.count():
         path_k = path + (str(k) if k > 0 else "")
         impl = dataset_impl or indexed_dataset.infer_dataset_impl(path_k)
@@ -169,14 +139,4 @@ def load_indexed_dataset(path, dictionary=None, dataset_impl=None, combine=False
         check_split_file(path_k, dictionary)
         if not combine:
             break
-    return _ORIGINAL["load_indexed_dataset"](path, dictionary, dataset_impl, combine, default)
-
-
-def install() -> None:
-    """Wrap ``data_utils.load_indexed_dataset`` and guard the plugin's architectures (idempotent;
-    call once every architecture is registered)."""
-    guard_architectures()
-    if _ORIGINAL:
-        return
-    _ORIGINAL["load_indexed_dataset"] = data_utils.load_indexed_dataset
-    data_utils.load_indexed_dataset = load_indexed_dataset
+    return original(path, dictionary, dataset_impl, combine, default)

@@ -203,19 +203,20 @@ def test_every_deepinit_architecture_checks_the_backend():
 
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 
+    from fairseq_deepinit import patches
     from fairseq_deepinit.errors import DeepInitConfigError
-    from fairseq_deepinit.training import distributed
 
     names = [n for n, cls in ARCH_MODEL_REGISTRY.items() if cls is MODEL_REGISTRY["deepinit"]]
     assert {"admin_iwslt_de_en", "dsinit_matt_iwslt_de_en_12l", "tfixup_iwslt_de_en_200l", "deepinit"} <= set(names)
     for name in names:
         with pytest.raises(DeepInitConfigError, match="pytorch_ddp"):
             ARCH_CONFIG_REGISTRY[name](Namespace(ddp_backend="fully_sharded"))
-    assert distributed.guard_architectures() == len(names)  # idempotent: nothing wrapped twice
+    lm_names = [n for n, cls in ARCH_MODEL_REGISTRY.items() if cls is MODEL_REGISTRY["deepinit_lm"]]
+    assert patches.guard_architectures() == len(names) + len(lm_names)  # idempotent: nothing wrapped twice
     chain, fn = [], ARCH_CONFIG_REGISTRY[names[0]]
-    while fn is not None:  # the wrappers around the architecture function (intercepts.py's too)
+    while fn is not None:  # the wrappers around the architecture function (one: patches.py's)
         chain.append(Path(fn.__code__.co_filename).as_posix())
         fn = getattr(fn, "__wrapped__", None)
-    assert sum(f.endswith("training/distributed.py") for f in chain) == 1, chain
+    assert sum(f.endswith("fairseq_deepinit/patches.py") for f in chain) == 1, chain
     with pytest.raises(DeepInitConfigError, match="fully_sharded"):
         MODEL_REGISTRY["deepinit"].build_model(Namespace(ddp_backend="fully_sharded"), task=None)

@@ -153,7 +153,7 @@ def test_trainer_load_checkpoint_lets_plugin_errors_through(monkeypatch):
 
     from fairseq_deepinit.checkpoints import resume
 
-    assert Trainer.load_checkpoint is resume.trainer_load_checkpoint
+    assert getattr(Trainer.load_checkpoint, "_deepinit_patch", False)  # patches.py wraps it with the function below
     plugin = errors.DeepInitConfigError("the checkpoint's options do not fit")
 
     def fairseq_load(self, filename, *args, **kwargs):  # the shape of trainer.py, lines 525-599
@@ -162,12 +162,11 @@ def test_trainer_load_checkpoint_lets_plugin_errors_through(monkeypatch):
         except Exception:  # noqa: BLE001
             raise Exception(f"Cannot load model parameters from checkpoint {filename}")  # noqa: B904
 
-    monkeypatch.setitem(resume._ORIGINAL, "Trainer.load_checkpoint", fairseq_load)
     with pytest.raises(errors.DeepInitConfigError) as info:
-        resume.trainer_load_checkpoint(None, "c.pt", inner=plugin)
+        resume.trainer_load_checkpoint(fairseq_load, None, "c.pt", inner=plugin)
     assert info.value is plugin
     with pytest.raises(Exception, match="Cannot load model parameters from checkpoint c.pt"):
-        resume.trainer_load_checkpoint(None, "c.pt", inner=KeyError("encoder.layers.0.weight"))
+        resume.trainer_load_checkpoint(fairseq_load, None, "c.pt", inner=KeyError("encoder.layers.0.weight"))
 
 
 def test_importing_the_plugin_installs_the_hooks_once():

@@ -4,7 +4,7 @@
 line 578: ``<name>.tmp`` then ``PathManager.rename``) but then copies it to ``checkpoint_last.pt``,
 ``checkpoint_best.pt``, ``checkpointN.pt`` ... with a plain ``PathManager.copy``; a SIGKILL during
 that copy leaves a truncated file. :class:`AtomicCopyPathManager`, installed by
-:func:`~.resume.install` as ``checkpoint_utils.PathManager`` only, copies through a temporary file in
+:mod:`fairseq_deepinit.patches` as ``checkpoint_utils.PathManager`` only, copies through a temporary file in
 the same folder, fsync and ``os.replace``, and fsyncs what it renames, so fairseq's own atomic write
 survives a power cut, not only a kill.
 

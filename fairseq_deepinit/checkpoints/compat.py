@@ -30,12 +30,6 @@ FAIRSEQ_CHECKPOINT_GLOBALS = (argparse.Namespace,)
 PathLike = str | os.PathLike
 
 
-def install() -> None:
-    """Allow-list fairseq's checkpoint types for ``torch.load(weights_only=True)``."""
-    if hasattr(torch.serialization, "add_safe_globals"):
-        torch.serialization.add_safe_globals(list(FAIRSEQ_CHECKPOINT_GLOBALS))
-
-
 def allowed_global_names() -> List[str]:
     """``module.qualname`` of every allow-listed type, as torch spells them."""
     return [f"{c.__module__}.{c.__qualname__}" for c in FAIRSEQ_CHECKPOINT_GLOBALS]

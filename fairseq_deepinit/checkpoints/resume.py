@@ -1,15 +1,16 @@
 """Nothing lost when a run is killed or a save fails: atomic writes, resume from the newest checkpoint, one-line errors.
 
-Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.3's
-``fairseq/checkpoint_utils.py`` at these points and copies none of its function bodies:
+The wrappers of fairseq 0.12.3's ``fairseq/checkpoint_utils.py`` (and of ``Trainer.load_checkpoint``) that
+:mod:`fairseq_deepinit.patches` installs when the plugin is imported (``--user-dir``); each takes fairseq's
+function as its first argument, calls it, and copies none of its body:
 
 1. **Atomic copies.** ``save_checkpoint`` writes the first checkpoint file atomically
    (``torch_persistent_save``, line 578: ``<name>.tmp`` then ``PathManager.rename``) but then
    copies it to ``checkpoint_last.pt``, ``checkpoint_best.pt``, ``checkpointN.pt`` ... with a
    plain ``PathManager.copy`` (``save_checkpoint``, line 139). A SIGKILL during that copy leaves
-   a truncated file. :func:`install` replaces the module attribute ``checkpoint_utils.PathManager``
+   a truncated file. The patch replaces the module attribute ``checkpoint_utils.PathManager``
    (and only that one: the rest of fairseq keeps the original class) with
-   :class:`AtomicCopyPathManager`, whose ``copy`` is :func:`.atomic.atomic_copy` (temporary file in the
+   :class:`~.atomic.AtomicCopyPathManager`, whose ``copy`` is :func:`.atomic.atomic_copy` (temporary file in the
    same folder, fsync, ``os.replace``) and whose ``rename`` also fsyncs the file it renames, so
    fairseq's own atomic write survives a power cut, not only a kill.
 2. **Failed saves.** ``checkpoint_utils.torch_persistent_save`` (line 578), ``save_checkpoint``
@@ -27,7 +28,8 @@ Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.
    copies, so a kill or a full disk between ``checkpoint_E_U.pt`` and its copy to
    ``checkpoint_last.pt`` leaves the newer state only in the other files. A ``--restore-file``
    (or ``--continue-once``, ``--finetune-from-model``) that does not exist is an error, not a
-   silent fresh start. Before any state is loaded, a ``deepinit`` model whose configuration differs
+   silent fresh start (whether it exists is fairseq's own question, ``PathManager.exists``, which other
+   storage back-ends answer). Before any state is loaded, a ``deepinit`` model whose configuration differs
    from the checkpoint's stops with the differences (``--allow-config-change`` continues on purpose).
 4. **Readable errors.** ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306), which resume,
    fairseq-generate/-interactive ``--path`` and the plugin's tools read checkpoints through, is
@@ -41,7 +43,7 @@ Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.
    lets a plugin error through instead.
 
 The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4); this module
-holds the wrappers and :func:`install`.
+holds the wrappers.
 """
 
 from __future__ import annotations
@@ -49,14 +51,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Iterator
 
-from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
-from fairseq.trainer import Trainer
 
 from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
-from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
+from .atomic import atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
 from .config_check import check_config
 from .integrity import (
     CheckpointStatus,
@@ -69,19 +69,19 @@ from .integrity import (
 
 logger = logging.getLogger(__name__)
 
-_ORIGINAL: Dict[str, Callable] = {}
 
-
-def load_checkpoint_to_cpu(path: str, arg_overrides: dict | None = None, load_on_all_ranks: bool = False) -> dict:
+def load_checkpoint_to_cpu(
+    original: Callable, path: str, arg_overrides: dict | None = None, load_on_all_ranks: bool = False
+) -> dict:
     """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306) with a one-line error for unreadable files."""
     try:
-        return _ORIGINAL["load_checkpoint_to_cpu"](path, arg_overrides, load_on_all_ranks)
+        return original(path, arg_overrides, load_on_all_ranks)
     except Exception:
         raise_if_unreadable(path)  # damaged or refused: the plugin's error; else fairseq's own
         raise
 
 
-def trainer_load_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+def trainer_load_checkpoint(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     """fairseq's ``Trainer.load_checkpoint`` (trainer.py, line 465) that lets a plugin error through.
 
     Its ``except Exception`` around the model's ``load_state_dict`` (line 596) raises
@@ -90,7 +90,7 @@ def trainer_load_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     caller); that plugin error is raised instead.
     """
     try:
-        return _ORIGINAL["Trainer.load_checkpoint"](self, *args, **kwargs)
+        return original(self, *args, **kwargs)
     except Exception as e:
         plugin = plugin_error_in(e)
         if plugin is None or plugin is e:
@@ -98,12 +98,12 @@ def trainer_load_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         raise plugin from None
 
 
-def torch_persistent_save(obj: Any, filename: str, async_write: bool = False) -> None:
+def torch_persistent_save(original: Callable, obj: Any, filename: str, async_write: bool = False) -> None:
     """fairseq's ``checkpoint_utils.torch_persistent_save`` (line 578): for a local file, one atomic
     write whose failure removes the temporary file and is one :class:`CheckpointSaveError`."""
     local = not async_write and not PathManager.path_requires_pathmanager(filename)
     if not local or not PathManager.supports_rename(filename):
-        return _ORIGINAL["torch_persistent_save"](obj, filename, async_write)
+        return original(obj, filename, async_write)
     try:
         atomic_torch_save(obj, filename)
     except Exception as e:
@@ -113,14 +113,14 @@ def torch_persistent_save(obj: Any, filename: str, async_write: bool = False) ->
         raise save_error(filename, err) from e
 
 
-def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
+def save_checkpoint(original: Callable, cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
     """fairseq's ``checkpoint_utils.save_checkpoint`` (line 35) whose failed file operations are one line.
 
     The writes and copies raise :class:`CheckpointSaveError` themselves; what is left is its
     ``os.makedirs`` of the save dir and its removal of old checkpoints (``--keep-*``).
     """
     try:
-        return _ORIGINAL["save_checkpoint"](cfg, trainer, epoch_itr, val_loss)
+        return original(cfg, trainer, epoch_itr, val_loss)
     except CheckpointSaveError:
         raise
     except Exception as e:
@@ -130,10 +130,10 @@ def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> An
         raise save_error(err.filename or cfg.save_dir, err, cfg.save_dir) from e
 
 
-def verify_checkpoint_directory(save_dir: str) -> None:
+def verify_checkpoint_directory(original: Callable, save_dir: str) -> None:
     """fairseq's start-up check that ``--save-dir`` can be written (line 870), as one line when it cannot."""
     try:
-        _ORIGINAL["verify_checkpoint_directory"](save_dir)
+        original(save_dir)
     except OSError as e:
         if PathManager.path_requires_pathmanager(save_dir):
             raise
@@ -170,10 +170,16 @@ def _fine_tuning(cfg: Any) -> bool:
 
 
 def _check_given(path: str, flag: str, instead: str) -> CheckpointStatus:
-    """The status of a checkpoint named by ``flag``; a missing, damaged or refused one is an error."""
+    """The status of a checkpoint named by ``flag``; a missing, damaged or refused one is an error.
+
+    Whether it exists is asked as fairseq asks it (``PathManager.exists``, checkpoint_utils.py:245-255); a
+    file it has that the local file system does not (another storage back-end) is fairseq's to read.
+    """
+    if not PathManager.exists(path):
+        raise CheckpointFileError(f"{flag} {path} does not exist. {instead}")
     st = inspect_checkpoint(path)
     if st.missing:
-        raise CheckpointFileError(f"{flag} {path} does not exist. {instead}")
+        return st
     err = status_error(st)
     if err is not None:
         raise err
@@ -193,7 +199,7 @@ def _first_launch(cfg: Any) -> None:
             return  # fairseq uses --continue-once first
 
 
-def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
+def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     """fairseq's ``checkpoint_utils.load_checkpoint`` (line 208) that resumes from the newest intact checkpoint.
 
     With the default ``--restore-file checkpoint_last.pt``:
@@ -211,7 +217,6 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     An explicit ``--restore-file`` is loaded as given (fairseq's behaviour); one that does not
     exist, is damaged or refused is an error. Temporary files of a killed save are removed first.
     """
-    original = _ORIGINAL["load_checkpoint"]
     suffix = getattr(trainer, "checkpoint_suffix", "") or ""
     save_dir = cfg.save_dir
     if PathManager.path_requires_pathmanager(save_dir):
@@ -279,25 +284,3 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     check_config(chosen, current, fine_tuning)
     with _restore_from(cfg, chosen.path, suffix):
         return original(cfg, trainer, **passthrough_args)
-
-
-_WRAPPERS = {
-    "load_checkpoint": load_checkpoint,
-    "load_checkpoint_to_cpu": load_checkpoint_to_cpu,
-    "torch_persistent_save": torch_persistent_save,
-    "save_checkpoint": save_checkpoint,
-    "verify_checkpoint_directory": verify_checkpoint_directory,
-}
-
-
-def install() -> None:
-    """Install the extensions into ``fairseq.checkpoint_utils`` and ``Trainer.load_checkpoint`` (idempotent)."""
-    if _ORIGINAL:
-        return
-    _ORIGINAL["PathManager"] = checkpoint_utils.PathManager
-    checkpoint_utils.PathManager = AtomicCopyPathManager
-    for name, wrapper in _WRAPPERS.items():
-        _ORIGINAL[name] = getattr(checkpoint_utils, name)
-        setattr(checkpoint_utils, name, wrapper)
-    _ORIGINAL["Trainer.load_checkpoint"] = Trainer.load_checkpoint
-    Trainer.load_checkpoint = trainer_load_checkpoint

@@ -41,7 +41,7 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
 Gradients exist only after the backward pass, which fairseq's task runs; the criterion therefore
 gives the task a small mixin that tells it the update number, and wraps the optimizer's
 ``clip_grad_norm`` — the one point where the gradients of an update are complete and where fairseq
-decides that they are non-finite: both in :mod:`.taps`, with the fairseq lines they attach to. The
+decides that they are non-finite: both in :mod:`fairseq_deepinit.patches`, with the fairseq lines they attach to. The
 guard's state and report are :mod:`.guard`.
 """
 
@@ -58,13 +58,13 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.logging import metrics
 
 from ..errors import DeepInitConfigError, DivergenceError
+from ..patches import install_task_mixin, wrap_optimizer
 from ..training.autocast_state import AutocastState
 from . import depth_hooks, hooks, training_counters
 from .criterion_config import DEFAULT_STATS, STATS, DiagnosticsCriterionConfig
 from .depth_criterion import DepthDiagnostics
 from .guard import RunState, _parse_inject, check_inject_target, divergence_report, unwrap_model
 from .stats import _grad_squares, nonfinite_parameters
-from .taps import install_task_mixin, wrap_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def _grad_norm_statistics(self, grad_norm, sharded: bool) -> Dict[str, torch.Tensor] | None:
         """Per-layer gradient norms as a logging output, on the device (the task reduces them with the
-        update's other statistics, :meth:`.taps.DiagnosticsTaskMixin.reduce_metrics`)."""
+        update's other statistics, :meth:`fairseq_deepinit.patches.DiagnosticsTaskMixin.reduce_metrics`)."""
         run = self._run
         if sharded:  # FSDP: each rank holds a shard of every gradient
             if not run.warned_sharded:

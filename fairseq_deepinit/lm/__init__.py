@@ -14,9 +14,7 @@ torchscale's DeepNorm divisor (8N)^(1/4), Sub-LN's gain sqrt(ln 2N), closed-form
 calculate_init(2N). Importing the package registers all of it (:mod:`.export` is a command, imported on use).
 """
 
-from . import architectures, criterion, model, numpy_compat, task  # noqa: F401  (registration)
+from . import architectures, criterion, model, task  # noqa: F401  (registration)
 from .model import DeepInitLanguageModel, resolve_lm_args
-
-numpy_compat.install()  # fairseq-interactive / --sample-break-mode eos under numpy >= 2
 
 __all__ = ["DeepInitLanguageModel", "resolve_lm_args"]

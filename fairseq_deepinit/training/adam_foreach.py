@@ -14,13 +14,14 @@ operations over every parameter of a group that share a step count, so the numbe
 launches no longer grows with the number of tensors. The options are ``adam``'s (``--adam-betas``,
 ``--adam-eps``, ``--weight-decay``) and so is the layout of the optimizer state (``exp_avg``,
 ``exp_avg_sq``, ``step`` per parameter), so a run trained with ``adam`` resumes with ``adam_foreach``
-and the other way round (:func:`accept_adam_state`, installed by :func:`install`). Gradient clipping (and the norm
-fairseq logs as ``gnorm``) is taken the same way, with one ``_foreach_norm`` instead of a norm per
-tensor (:meth:`FairseqAdamForeach.clip_grad_norm`).
+and the other way round (:func:`accept_adam_state`, run by
+:func:`fairseq_deepinit.patches.build_optimizer`). Gradient clipping (and the norm fairseq logs as
+``gnorm``) is taken the same way, with one ``_foreach_norm`` instead of a norm per tensor
+(:meth:`FairseqAdamForeach.clip_grad_norm`).
 
 ``--adam-betas`` is read as a Python literal (:func:`parse_adam_betas`), not with the ``eval()`` of
 fairseq's ``FairseqAdam.optimizer_config`` (``fairseq/optim/adam.py``; with the plugin loaded,
-``--optimizer adam`` reads it the same way, :func:`install`), and must be two finite
+``--optimizer adam`` reads it the same way, a patch of :mod:`fairseq_deepinit.patches`), and must be two finite
 numbers in [0, 1): at beta1 = 1 the bias correction ``1 - beta1^t`` is 0 (a division by zero), at
 beta2 = 1 ``sqrt(1 - beta2^t)`` is 0, so the step size is 0 and the model never trains, above 1 the
 moving averages put a negative weight on the new gradient (and ``1 - beta2^t < 0`` has no square
@@ -231,27 +232,3 @@ def accept_adam_state(trainer: Trainer) -> None:
         logger.info(f"resuming the optimizer state of {saved} with {current}: the same state and update rule")
         entry = {**history[-1], "optimizer_name": current, "resumed_from_optimizer": saved}
         trainer._optim_history = [*history[:-1], entry]
-
-
-def install() -> None:
-    """Two extensions of fairseq's ``adam`` for every run with the plugin loaded (idempotent).
-
-    - :func:`accept_adam_state` runs each time fairseq's ``Trainer`` builds its optimizer:
-      ``Trainer._build_optimizer`` is the one step between reading the checkpoint's optimizer
-      history and fairseq's class-name check.
-    - ``--optimizer adam`` reads ``--adam-betas`` as ``adam_foreach`` does (:func:`parse_adam_betas`:
-      a literal, no ``eval()``, each beta in [0, 1)): ``FairseqAdam.optimizer_config`` becomes
-      :attr:`FairseqAdamForeach.optimizer_config`, which returns the same dict for every valid value.
-    """
-    FairseqAdam.optimizer_config = FairseqAdamForeach.optimizer_config
-    build = Trainer._build_optimizer
-    if getattr(build, "_deepinit_adam_state", False):
-        return
-
-    def _build_optimizer(self, *args, **kwargs):
-        out = build(self, *args, **kwargs)
-        accept_adam_state(self)
-        return out
-
-    _build_optimizer._deepinit_adam_state = True
-    Trainer._build_optimizer = _build_optimizer

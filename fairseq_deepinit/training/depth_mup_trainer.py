@@ -1,6 +1,7 @@
 """Depth-muP / CompleteP on fairseq's trainer: the training options that cannot carry per-group rates are
 refused, and every parameter is tagged with its group (:mod:`.depth_mup`) right before fairseq's
-``Trainer._build_optimizer`` hands the optimizer its flat parameter list (:func:`install`).
+``Trainer._build_optimizer`` hands the optimizer its flat parameter list
+(:func:`fairseq_deepinit.patches.build_optimizer`, the one wrapper of that method).
 
 Why fairseq's method is wrapped rather than the model's parameters tagged when the model is built and the
 optimizer left to read them (checked against fairseq 0.12.3 for the
@@ -32,7 +33,7 @@ The wrapper only runs these around fairseq's method and changes nothing inside i
 wrappers keep the parameter objects, so the groups reach the optimizer under them too (``--ddp-backend
 no_c10d`` and ``pytorch_ddp``, two CPU ranks of tests/dist_worker.py, run by hand on 2026-11-25: the groups
 logged, both ranks' parameters bit-identical after 3 updates). ``--optimizer adam_foreach`` wraps the same
-method for the ``adam`` state it resumes (:func:`.adam_foreach.install`).
+method, in the same wrapper, for the ``adam`` state it resumes (:func:`.adam_foreach.accept_adam_state`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from fairseq.trainer import Trainer
 
 from ..errors import DeepInitConfigError
 from .depth_mup import describe, param_groups, tag_parameters
-from .param_groups import check_groups_reached
 
 logger = logging.getLogger(__name__)
 
@@ -108,35 +108,15 @@ def training_args(cfg: Any) -> SimpleNamespace:
 
 
 def tag_for_training(trainer: Trainer) -> bool:
-    """Before fairseq's trainer builds its optimizer: under ``--depth-mup`` (the model's arguments) refuse
-    training options that cannot carry per-group rates, tag every parameter with its group and log the
-    groups; False when the model does not use depth-muP."""
-    args = getattr(trainer._model, "args", None)
-    if not getattr(args, "depth_mup", False):
+    """Before fairseq's trainer builds its optimizer: under ``--depth-mup`` (the model's spec) refuse training
+    options that cannot carry per-group rates, tag every parameter with its group and log the groups; False
+    when the model does not use depth-muP."""
+    spec = getattr(trainer._model, "spec", None)
+    p = spec.features.get("depth_mup") if spec is not None else None
+    if p is None:
         return False
     check_training_config(training_args(trainer.cfg))
-    groups = param_groups(trainer._model, args.depth_mup_base_layers, args.depth_mup_alpha, args.depth_mup_source)
+    groups = param_groups(trainer._model, p.depth_mup_base_layers, p.depth_mup_alpha, p.depth_mup_source)
     tag_parameters(trainer._model, groups)
     logger.info("depth-muP optimizer groups: " + describe(groups))
     return True
-
-
-def install() -> None:
-    """Wrap ``Trainer._build_optimizer`` (``fairseq/trainer.py:289-344``, where fairseq hands the optimizer
-    its flat parameter list) with :func:`tag_for_training` before and
-    :func:`~.param_groups.check_groups_reached` after (idempotent; why a wrapper and not only tags read by the
-    optimizer: the module docstring)."""
-    build = Trainer._build_optimizer
-    if getattr(build, "_deepinit_depth_mup", False):
-        return
-
-    def _build_optimizer(self, *args, **kwargs):
-        tagged = tag_for_training(self)
-        out = build(self, *args, **kwargs)
-        if tagged:
-            check_groups_reached(self._optimizer, self._model)
-        return out
-
-    _build_optimizer.__dict__.update(build.__dict__)  # the markers of the wrappers below (their idempotence)
-    _build_optimizer._deepinit_depth_mup = True
-    Trainer._build_optimizer = _build_optimizer

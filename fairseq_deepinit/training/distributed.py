@@ -15,16 +15,13 @@ the plugin cannot work with:
 
 fairseq enters its FSDP wrapping context *before* it calls the model's ``build_model`` (and that
 context already fails with an ImportError where fairscale is missing, advising to install it), so
-the check also runs right after argument parsing: :func:`guard_architectures` makes every
-``deepinit`` architecture function, which fairseq calls on the parsed arguments, check first.
+the check also runs right after argument parsing: :func:`fairseq_deepinit.patches.guard_architectures`
+makes every ``deepinit`` architecture function, which fairseq calls on the parsed arguments, check first.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
-
-from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 
 from ..errors import DeepInitConfigError
 
@@ -40,31 +37,3 @@ def check_ddp_backend(args: Any) -> None:
     """Raise :class:`DeepInitConfigError` for a data-parallel backend the plugin cannot train with."""
     if getattr(args, "ddp_backend", None) == "fully_sharded":
         raise DeepInitConfigError(FULLY_SHARDED_MESSAGE)
-
-
-def _guarded(arch_fn):
-    """``arch_fn`` preceded by :func:`check_ddp_backend` (marked, so wrapping twice is a no-op)."""
-    if getattr(arch_fn, "_deepinit_ddp_checked", False):
-        return arch_fn
-
-    @functools.wraps(arch_fn)
-    def arch(args):
-        check_ddp_backend(args)
-        return arch_fn(args)
-
-    arch._deepinit_ddp_checked = True
-    return arch
-
-
-def guard_architectures(model_name: str = "deepinit") -> int:
-    """Make every registered architecture of ``model_name`` run :func:`check_ddp_backend` first.
-
-    fairseq-train calls the ``--arch`` function on the parsed arguments before its ``main`` starts,
-    which is the first point where the plugin sees ``--ddp-backend``. Call this after every
-    architecture is registered; returns how many are guarded.
-    """
-    model_cls = MODEL_REGISTRY[model_name]
-    names = [name for name, cls in ARCH_MODEL_REGISTRY.items() if cls is model_cls and name in ARCH_CONFIG_REGISTRY]
-    for name in names:
-        ARCH_CONFIG_REGISTRY[name] = _guarded(ARCH_CONFIG_REGISTRY[name])
-    return len(names)

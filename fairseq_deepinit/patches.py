@@ -1,0 +1,289 @@
+"""Every change the plugin makes to fairseq when it is imported, in one list (:data:`PATCHES`) with one install.
+
+Each :class:`Patch` names what it replaces in fairseq 0.12.3 (file and lines), why, and what it changes for a
+*stock* model (fairseq's own ``transformer`` or ``transformer_lm`` trained with ``--user-dir fairseq_deepinit``).
+A patch wraps fairseq's function and calls it (nothing of its body is copied), or checks before it; the code
+it calls lives with its subject (``checkpoints/resume.py``, ``intercepts.py``, ``training/``); only this
+module assigns into fairseq (and into torch's and numpy's globals, the first and last rows).
+``scripts/fairseq_tests.py`` runs fairseq's own tests without the plugin and with it imported: none fails
+only with it. :func:`install` runs once, from ``fairseq_deepinit/__init__.py`` after every model and
+architecture is registered; it is idempotent.
+
+Two more hooks attach at run time to instances, for the runs that choose the plugin's diagnostics criteria
+(fairseq's ``Trainer.train_step``, trainer.py:797-1060, has no hook where a gradient exists):
+:func:`install_task_mixin` puts :class:`DiagnosticsTaskMixin` in front of the task instance's class
+(``train_step``: the update number before fairseq's forward/backward, trainer.py:843-851 and its replay at
+1000-1007; ``optimizer_step``, 974-976; ``begin_epoch``, 779; ``reduce_metrics``, 1541; ``state_dict``, 424:
+a veto on saving a diverged model), and :func:`wrap_optimizer` routes the optimizer instance's
+``clip_grad_norm`` (trainer.py:953 -> 1295-1297, the complete gradients of an update) and ``zero_grad``
+(802, 993-996: a discarded update). The hooks add calls around fairseq's methods, which run unchanged.
+The error hook of :mod:`fairseq_deepinit.errors` (``sys.excepthook``, not fairseq) is installed first of all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Tuple
+
+import numpy as np
+import torch
+from fairseq import checkpoint_utils
+from fairseq.data import data_utils
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+from fairseq.optim.adam import FairseqAdam
+from fairseq.trainer import Trainer
+
+from . import intercepts
+from .checkpoints import resume
+from .checkpoints.atomic import AtomicCopyPathManager
+from .checkpoints.config_check import DEEPINIT_MODELS
+from .training import adam_foreach, depth_mup_trainer, distributed
+from .training.param_groups import check_groups_reached
+
+MARK = "_deepinit_patch"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """``target`` replaced by :func:`install` (``apply``); ``replaces``: fairseq 0.12.3's lines; ``why``; ``stock``:
+    what it changes for a stock fairseq model."""
+
+    target: str
+    replaces: str
+    why: str
+    stock: str
+    apply: Callable[[], None]
+
+
+def wrap(owner: Any, name: str, wrapper: Callable) -> None:
+    """``owner.name = wrapper(fairseq's owner.name, ...)``, once."""
+    original = getattr(owner, name)
+    if getattr(original, MARK, False):
+        return
+    patched = functools.wraps(original)(lambda *args, **kwargs: wrapper(original, *args, **kwargs))
+    setattr(patched, MARK, True)
+    setattr(owner, name, patched)
+
+
+def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
+    """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) between what depth-muP needs before it (the
+    training options checked, the parameters tagged with their groups: :mod:`.training.depth_mup_trainer`) and
+    after it (the groups found in the optimizer fairseq built), and the ``adam`` <-> ``adam_foreach`` state
+    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check)."""
+    tagged = depth_mup_trainer.tag_for_training(trainer)
+    out = original(trainer, *args, **kwargs)
+    adam_foreach.accept_adam_state(trainer)
+    if tagged:
+        check_groups_reached(trainer._optimizer, trainer._model)
+    return out
+
+
+def guard_architectures() -> int:
+    """Every registered architecture of the plugin's models first refuses a task of the other kind and
+    ``--ddp-backend fully_sharded`` (fairseq calls it on the parsed arguments, ``options.parse_args_and_arch``,
+    before ``main``); returns how many are guarded (idempotent)."""
+    models = [MODEL_REGISTRY[m] for m in DEEPINIT_MODELS if m in MODEL_REGISTRY]
+    names = [n for n, cls in ARCH_MODEL_REGISTRY.items() if cls in models and n in ARCH_CONFIG_REGISTRY]
+    for name in names:
+        arch_fn = ARCH_CONFIG_REGISTRY[name]
+        if not getattr(arch_fn, MARK, False):
+            ARCH_CONFIG_REGISTRY[name] = functools.wraps(arch_fn)(_guarded(arch_fn))
+            setattr(ARCH_CONFIG_REGISTRY[name], MARK, True)
+    return len(names)
+
+
+def _guarded(arch_fn: Callable) -> Callable:
+    def arch(args):
+        intercepts.check_task_and_arch(args)
+        distributed.check_ddp_backend(args)
+        return arch_fn(args)
+
+    return arch
+
+
+def _safe_globals() -> None:
+    if hasattr(torch.serialization, "add_safe_globals"):
+        torch.serialization.add_safe_globals([argparse.Namespace])
+
+
+def _numpy_compat() -> None:
+    try:
+        np.compat  # noqa: B018  (numpy's module __getattr__ raises AttributeError when it is gone)
+    except AttributeError:
+        np.compat = types.SimpleNamespace(long=int)
+
+
+def _checkpoint_utils(name: str) -> Callable[[], None]:
+    return lambda: wrap(checkpoint_utils, name, getattr(resume, name))
+
+
+def _adam_betas() -> None:
+    FairseqAdam.optimizer_config = adam_foreach.FairseqAdamForeach.optimizer_config
+
+
+PATCHES: Tuple[Patch, ...] = (
+    Patch(
+        "torch.serialization safe globals",
+        "checkpoint_utils.py:340 (torch.load of every checkpoint)",
+        "torch >= 2.6 loads with weights_only=True, which refuses the argparse.Namespace fairseq stores; it is "
+        "allow-listed, and nothing else (checkpoints/compat.py)",
+        "its checkpoints load under torch >= 2.6 (without the plugin: 'Unsupported global')",
+        _safe_globals,
+    ),
+    Patch(
+        "checkpoint_utils.PathManager",
+        "checkpoint_utils.py:139 (PathManager.copy of each saved file), 578-592 (rename)",
+        "a kill during the copy to checkpoint_last.pt left a truncated file: copies through a temporary file, "
+        "fsync and os.replace (checkpoints/atomic.py)",
+        "the same files, written atomically",
+        lambda: setattr(checkpoint_utils, "PathManager", AtomicCopyPathManager),
+    ),
+    Patch(
+        "checkpoint_utils.torch_persistent_save / save_checkpoint / verify_checkpoint_directory",
+        "checkpoint_utils.py:578-592, 35-205, 872-886",
+        "a write that fails (disk full, permissions, file size limit) removes its temporary file and is one line",
+        "the same files; a failed save: one line instead of fairseq's three attempts and chained tracebacks",
+        lambda: [
+            _checkpoint_utils(n)() for n in ("torch_persistent_save", "save_checkpoint", "verify_checkpoint_directory")
+        ],
+    ),
+    Patch(
+        "checkpoint_utils.load_checkpoint",
+        "checkpoint_utils.py:208-303",
+        "resume from the newest intact checkpoint of the save dir (a kill between a save and its copy leaves "
+        "checkpoint_last.pt older or damaged); a given checkpoint that does not exist is an error; a deepinit "
+        "model's options are compared with its checkpoint's first (checkpoints/config_check.py)",
+        "resumes from checkpoint_last.pt when it is the newest intact file (as fairseq); a missing "
+        "--restore-file / --continue-once is an error, not a fresh start",
+        _checkpoint_utils("load_checkpoint"),
+    ),
+    Patch(
+        "checkpoint_utils.load_checkpoint_to_cpu",
+        "checkpoint_utils.py:306-369",
+        "a damaged file, or one torch refuses, is one line naming it",
+        "the same for a readable file; an unreadable one: one line instead of a traceback",
+        _checkpoint_utils("load_checkpoint_to_cpu"),
+    ),
+    Patch(
+        "Trainer.load_checkpoint",
+        "trainer.py:465-615 (its except at 596-601)",
+        "fairseq turns every error of its model loading into 'Cannot load model parameters'; a plugin error "
+        "inside is raised as itself",
+        "none (fairseq's own errors keep fairseq's exception)",
+        lambda: wrap(Trainer, "load_checkpoint", resume.trainer_load_checkpoint),
+    ),
+    Patch(
+        "Trainer._build_optimizer",
+        "trainer.py:289-382",
+        "the one point between the checkpoint's optimizer history and fairseq's optimizer-name check (adam <-> "
+        "adam_foreach resume) and where the flat parameter list is handed over (depth-muP's groups): "
+        "build_optimizer",
+        "none unless the optimizer is adam_foreach resuming adam's state (or the other way round)",
+        lambda: wrap(Trainer, "_build_optimizer", build_optimizer),
+    ),
+    Patch(
+        "FairseqAdam.optimizer_config",
+        "optim/adam.py:80-95 (eval of --adam-betas)",
+        "--adam-betas read as a literal, nothing executed (training/adam_foreach.py parse_adam_betas)",
+        "the same betas for every valid value; an invalid one is a one-line error",
+        _adam_betas,
+    ),
+    Patch(
+        "data_utils.load_indexed_dataset",
+        "data/data_utils.py:74-120",
+        "an empty or truncated split, or token ids beyond the dictionary, are refused when the split is loaded "
+        "(intercepts.py), not in the first forward",
+        "valid data loads as before (one pass over each mmap .bin file for its largest id)",
+        lambda: wrap(data_utils, "load_indexed_dataset", intercepts.load_indexed_dataset),
+    ),
+    Patch(
+        "ARCH_CONFIG_REGISTRY (the plugin's architectures)",
+        "options.py parse_args_and_arch (the --arch function on the parsed arguments)",
+        "a task of the other kind and --ddp-backend fully_sharded are refused before any data is read",
+        "none (the plugin's architectures only)",
+        guard_architectures,
+    ),
+    Patch(
+        "numpy.compat.long",
+        "data/token_block_dataset.py:125, data/language_pair_dataset.py:292",
+        "numpy >= 2 removed numpy.compat, which fairseq asks for (eos blocks of language modeling)",
+        "fairseq's eos-break TokenBlockDataset works under numpy >= 2 (it fails without)",
+        _numpy_compat,
+    ),
+)
+
+
+def install() -> None:
+    """Apply :data:`PATCHES`, in order (idempotent)."""
+    for patch in PATCHES:
+        patch.apply()
+
+
+# --- run-time hooks of the diagnostics criteria (the module docstring) ---------------------------
+
+
+class DiagnosticsTaskMixin:
+    """Put in front of the task's class by :func:`install_task_mixin`: reports the update number to the
+    criterion before fairseq's forward/backward, hands it the update's gradient statistics in
+    ``reduce_metrics``, and lets it veto checkpoints of a diverged model."""
+
+    _deepinit_criterion: Any  # the DiagnosticsCriterion that installed the mixin
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
+        self._deepinit_criterion.begin_update(update_num, model, optimizer, sample)
+        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+
+    def optimizer_step(self, optimizer, model, update_num):
+        super().optimizer_step(optimizer, model, update_num)
+        self._deepinit_criterion.after_step(update_num)
+
+    def begin_epoch(self, epoch, model):
+        # the first point where the criterion sees the model outside the training step
+        self._deepinit_criterion.check_model(model)
+        super().begin_epoch(epoch, model)
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        # fairseq reduces an update's logging outputs after its optimizer step: the per-layer gradient norms
+        # join them there, so one device read serves all statistics; then the maxima over depth and counters
+        grad_stats = self._deepinit_criterion.take_grad_statistics()
+        if grad_stats:
+            logging_outputs = [*logging_outputs, grad_stats]
+        depth_stats = self._deepinit_criterion.take_depth_statistics(logging_outputs)
+        if depth_stats:
+            logging_outputs = [*logging_outputs, depth_stats]
+        return super().reduce_metrics(logging_outputs, criterion)
+
+    def state_dict(self):
+        self._deepinit_criterion.check_before_save()  # fairseq asks the task for its state on every save
+        return super().state_dict()
+
+
+_MIXED: Dict[type, type] = {}  # one mixed class per task class
+
+
+def install_task_mixin(task, criterion) -> None:
+    """Give ``task`` (an instance of any fairseq task) the :class:`DiagnosticsTaskMixin` behaviour."""
+    cls = task.__class__
+    if not issubclass(cls, DiagnosticsTaskMixin):
+        if cls not in _MIXED:
+            _MIXED[cls] = type(f"Diagnostics{cls.__name__}", (DiagnosticsTaskMixin, cls), {"__module__": __name__})
+        task.__class__ = _MIXED[cls]
+    task._deepinit_criterion = criterion
+
+
+def wrap_optimizer(optimizer, on_clip: Callable, before_zero_grad: Callable[[], None]) -> None:
+    """Route ``optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)`` through ``on_clip(original, max_norm,
+    aggregate_norm_fn)`` and call ``before_zero_grad()`` before ``optimizer.zero_grad()`` (on the instance)."""
+    original_clip, original_zero_grad = optimizer.clip_grad_norm, optimizer.zero_grad
+
+    def clip_grad_norm(max_norm, aggregate_norm_fn=None):
+        return on_clip(original_clip, max_norm, aggregate_norm_fn)
+
+    def zero_grad():
+        before_zero_grad()
+        return original_zero_grad()
+
+    optimizer.clip_grad_norm, optimizer.zero_grad = clip_grad_norm, zero_grad
