@@ -217,6 +217,9 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
     An explicit ``--restore-file`` is loaded as given (fairseq's behaviour); one that does not
     exist, is damaged or refused is an error. Temporary files of a killed save are removed first.
     """
+    resets = ("reset_optimizer", "reset_lr_scheduler", "reset_meters", "reset_dataloader")
+    if getattr(cfg, "finetune_from_model", None) and any(getattr(cfg, k, False) for k in resets):
+        return original(cfg, trainer, **passthrough_args)  # fairseq refuses that combination itself (line 222)
     suffix = getattr(trainer, "checkpoint_suffix", "") or ""
     save_dir = cfg.save_dir
     if PathManager.path_requires_pathmanager(save_dir):
