@@ -112,6 +112,3 @@ class ModelSpec:
         """The layers of ``stack`` (``encoder`` / ``decoder``), 0 for a stack the model does not have."""
         found = getattr(self, stack)
         return found.layers if found is not None else 0
-
-    def on(self, method: str) -> bool:
-        return method in self.features

@@ -112,8 +112,12 @@ def test_installed_on_import():
     from fairseq.file_io import PathManager
 
     assert checkpoint_utils.PathManager is atomic.AtomicCopyPathManager
-    assert checkpoint_utils.load_checkpoint is resume.load_checkpoint
-    assert checkpoint_utils.load_checkpoint_to_cpu is resume.load_checkpoint_to_cpu
+    for name in ("load_checkpoint", "load_checkpoint_to_cpu"):  # wrapped by patches.py around fairseq's own
+        patched = getattr(checkpoint_utils, name)
+        assert (
+            getattr(patched, "_deepinit_patch", False) and patched.__wrapped__.__module__ == checkpoint_utils.__name__
+        )
+        assert callable(getattr(resume, name))
     assert PathManager.copy is not atomic.AtomicCopyPathManager.copy  # the rest of fairseq is untouched
 
 

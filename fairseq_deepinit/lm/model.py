@@ -108,21 +108,18 @@ class DeepInitLanguageModel(TransformerLanguageModel):
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
         if getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
+        if args.tie_adaptive_weights and not (
+            args.adaptive_input
+            and args.adaptive_input_factor == args.adaptive_softmax_factor
+            and args.adaptive_softmax_cutoff == args.adaptive_input_cutoff
+            and args.decoder_input_dim == args.decoder_output_dim
+        ):
+            raise DeepInitConfigError(
+                "--tie-adaptive-weights needs --adaptive-input with the same factor and cutoff as the adaptive "
+                "softmax, and --decoder-input-dim equal to --decoder-output-dim"
+            )
         with plan.carried(args, spec):
-            embed_tokens = cls.build_lm_embedding(args, task)
-        if args.tie_adaptive_weights:
-            if not (
-                args.adaptive_input
-                and args.adaptive_input_factor == args.adaptive_softmax_factor
-                and args.adaptive_softmax_cutoff == args.adaptive_input_cutoff
-                and args.decoder_input_dim == args.decoder_output_dim
-            ):
-                raise DeepInitConfigError(
-                    "--tie-adaptive-weights needs --adaptive-input with the same factor and cutoff as the adaptive "
-                    "softmax, and --decoder-input-dim equal to --decoder-output-dim"
-                )
-        with plan.carried(args, spec):
-            model = cls(cls.build_decoder(args, task.target_dictionary, embed_tokens))
+            model = cls(cls.build_decoder(args, task.target_dictionary, cls.build_lm_embedding(args, task)))
         model.decoder.set_target_padding(target_padding(task))
         model.args = args  # as fairseq's TransformerModel keeps them (Admin's task and export read them)
         plan.apply_init(model, spec)

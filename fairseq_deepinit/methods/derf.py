@@ -15,14 +15,7 @@ from __future__ import annotations
 import math
 
 from ..modules.dyt import DERF_ALPHA_INIT, DERF_SHIFT_INIT
-from .pointwise import (
-    describe_pointwise,
-    embed_scale,
-    learnable_embed_scales,
-    pointwise_norm_args,
-    pointwise_options,
-    validate_pointwise,
-)
+from .pointwise import pointwise_hooks, pointwise_options
 from .record import Method, Option
 
 
@@ -49,10 +42,6 @@ METHOD = Method(
             check=_shift_problem,
         ),
     ),
-    derive=embed_scale("derf"),
-    validate=validate_pointwise("derf"),
-    describe=lambda p: describe_pointwise("derf", p) + f", shift-init={p.derf_shift_init}",
-    norm_args=pointwise_norm_args("derf", lambda p: {"shift_init": float(p.derf_shift_init)}),
-    post_init=learnable_embed_scales("derf"),
+    **pointwise_hooks("derf", lambda p: {"shift_init": float(p.derf_shift_init)}),
     families={"derf": dict(norm_type="derf", encoder_normalize_before=True, decoder_normalize_before=True)},
 )

@@ -29,14 +29,7 @@ No eps: ``--norm-eps`` is refused (nothing is divided; :func:`fairseq_deepinit.r
 from __future__ import annotations
 
 from ..modules.dyt import DYT_ALPHA_INIT
-from .pointwise import (
-    describe_pointwise,
-    embed_scale,
-    learnable_embed_scales,
-    pointwise_norm_args,
-    pointwise_options,
-    validate_pointwise,
-)
+from .pointwise import pointwise_hooks, pointwise_options
 from .record import Method
 
 METHOD = Method(
@@ -48,11 +41,7 @@ METHOD = Method(
     code="jiachenzhu/DyT @ aab5dde dynamic_tanh.py:6-23; other_tasks/LLaMA/fms_fsdp/models/llama.py:32-46,208-209,383",
     enabled_by="norm_type=dyt",
     options=pointwise_options("dyt", DYT_ALPHA_INIT, "DyT"),
-    derive=embed_scale("dyt"),
-    validate=validate_pointwise("dyt"),
-    describe=lambda p: describe_pointwise("dyt", p),
-    norm_args=pointwise_norm_args("dyt"),
-    post_init=learnable_embed_scales("dyt"),
+    **pointwise_hooks("dyt"),
     # Pre-LN, the released language models' placement
     families={"dyt": dict(norm_type="dyt", encoder_normalize_before=True, decoder_normalize_before=True)},
 )

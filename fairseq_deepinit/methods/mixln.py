@@ -59,8 +59,14 @@ def _k_problem(value: int) -> str | None:
 
 
 def validate_mixln_args(p, spec, args) -> None:
-    """k within every stack."""
+    """k given once (``--mixln-post-layers`` or ``--mixln-ratio``: an explicit 0.25 means the default and
+    cannot be told from none), and within every stack."""
     k = p.mixln_post_layers
+    if k is not None and p.mixln_ratio != POST_LN_RATIO:
+        raise DeepInitConfigError(
+            f"--mixln-post-layers {k} sets k itself and --mixln-ratio {p.mixln_ratio:g} would compute it from the "
+            "depth; give one of them"
+        )
     for stack in reversed(spec.stacks):
         if k is not None and k > stack.layers:
             raise DeepInitConfigError(

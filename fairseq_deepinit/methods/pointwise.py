@@ -139,3 +139,21 @@ def describe_pointwise(norm: str, p) -> str:
     alpha, scale = p[f"{norm}_alpha_init"], p[f"{norm}_embed_scale"]
     bias = "" if p[f"{norm}_bias"] else ", no bias"
     return f"{norm} alpha-init={alpha}{bias}, embed-scale={scale}"
+
+
+def pointwise_hooks(norm: str, extra: Callable[[Any], Dict[str, Any]] | None = None) -> Dict[str, Any]:
+    """The record fields every point-wise norm type has (``Method(..., **pointwise_hooks("dyt"))``): the
+    ``auto`` embedding scale derived, per-position alphas checked, the log line, each norm's arguments
+    (``extra``: more of them, Derf's shift), the learnable embedding scale."""
+
+    def describe(p) -> str:
+        more = extra(p) if extra is not None else {}
+        return describe_pointwise(norm, p) + "".join(f", {k.replace('_', '-')}={v}" for k, v in more.items())
+
+    return dict(
+        derive=embed_scale(norm),
+        validate=validate_pointwise(norm),
+        describe=describe,
+        norm_args=pointwise_norm_args(norm, extra),
+        post_init=learnable_embed_scales(norm),
+    )

@@ -13,7 +13,7 @@ on when its ``enabled_by`` says so: a flag of its own (``"qk_norm"``), a selecto
 when it is off they are refused if given, and stored as their ``off`` value. What it needs from the rest
 of the model and what it rules out are :class:`Rule` declarations on the spec's axes
 (``requires``, ``excludes``, ``cautions``), which one checker turns into one-line errors naming both
-flags (:func:`fairseq_deepinit.resolve.check_rules`); ``validate`` is left for what concerns its own options.
+flags (:func:`fairseq_deepinit.checks.check_rules`); ``validate`` is left for what concerns its own options.
 """
 
 from __future__ import annotations
