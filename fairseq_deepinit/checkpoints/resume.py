@@ -51,12 +51,14 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterator
 
+import torch
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 from fairseq.trainer import Trainer
 
 from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
 from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
+from . import run_lock
 from .config_check import check_config
 from .integrity import (
     CheckpointStatus,
@@ -193,6 +195,12 @@ def _first_launch(cfg: Any) -> None:
             return  # fairseq uses --continue-once first
 
 
+def _global_rank() -> int:
+    return (
+        torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    )
+
+
 def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     """fairseq's ``checkpoint_utils.load_checkpoint`` (line 208) that resumes from the newest intact checkpoint.
 
@@ -216,10 +224,16 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     save_dir = cfg.save_dir
     if PathManager.path_requires_pathmanager(save_dir):
         return original(cfg, trainer, **passthrough_args)
+    if _global_rank() == 0 and not getattr(cfg, "no_save", False):
+        run_lock.acquire(save_dir)  # before anything in the save dir is read, removed or written
     if getattr(trainer, "data_parallel_rank", 0) == 0:
         remove_stale_temporaries(save_dir)
     current = getattr(getattr(trainer, "cfg", None), "model", None)
     fine_tuning = _fine_tuning(cfg)
+    max_update = getattr(getattr(getattr(trainer, "cfg", None), "optimization", None), "max_update", 0)
+
+    def check_finished(st: CheckpointStatus) -> None:
+        run_lock.check_not_finished(st.path, st.num_updates, max_update, bool(getattr(cfg, "reset_optimizer", False)))
 
     if cfg.restore_file != "checkpoint_last.pt":
         path = cfg.restore_file.replace(".pt", suffix + ".pt") if suffix else cfg.restore_file
@@ -232,6 +246,7 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
             )
             logger.info(f"loading {path} ({st.num_updates} updates), given by --restore-file")
             check_config(st, current, fine_tuning)
+            check_finished(st)
         return original(cfg, trainer, **passthrough_args)
 
     last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
@@ -264,6 +279,7 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     if _same(chosen.path, last):
         logger.info(f"resuming from {last} ({chosen.num_updates} updates), the newest intact checkpoint{skipped}")
         check_config(chosen, current, fine_tuning)
+        check_finished(chosen)
         return original(cfg, trainer, **passthrough_args)
     if last_st.ok:
         why = (
@@ -277,6 +293,7 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
         f"{skipped}"
     )
     check_config(chosen, current, fine_tuning)
+    check_finished(chosen)
     with _restore_from(cfg, chosen.path, suffix):
         return original(cfg, trainer, **passthrough_args)
 
