@@ -34,7 +34,7 @@ from .training import adam_foreach, autocast, depth_mup_trainer, distributed, la
 
 adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
 depth_mup_trainer.install()  # --depth-mup: per-group lr/eps reach the optimizer (training/depth_mup_trainer.py)
-launch.install()  # torchrun on the CPU, wrong launches in one line, --heartbeat-timeout in collectives (training/launch.py)
+launch.install()  # torchrun on the CPU, wrong launches refused, --heartbeat-timeout in collectives (training/launch.py)
 
 # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py); after every
 # architecture is registered (above)

@@ -57,8 +57,8 @@ from fairseq.file_io import PathManager
 from fairseq.trainer import Trainer
 
 from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
-from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
 from . import run_lock
+from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
 from .config_check import check_config
 from .integrity import (
     CheckpointStatus,
