@@ -27,7 +27,7 @@ broadcast.install()  # on resume, rank 0's checkpoint state reaches the other ra
 
 # fairseq registrations (models, architectures, tasks, criteria, optimizers, schedulers); which import
 # registers what is independent of their order: each module imports what it needs
-from . import architectures, intercepts, lm, model  # noqa: E402,F401  (deepinit, deepinit_lm and their --arch)
+from . import architectures, input_checks, intercepts, lm, model  # noqa: E402,F401  (deepinit, deepinit_lm, --arch)
 from .admin import task  # noqa: E402,F401  (--task translation_admin)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
 from .training import adam_foreach, autocast, depth_mup_trainer, distributed, launch, radam, tfixup_schedule  # noqa: E402,F401
@@ -41,5 +41,6 @@ launch.install()  # torchrun on the CPU, wrong launches refused, --heartbeat-tim
 distributed.guard_architectures(lm.model.MODEL_NAME)
 distributed.guard_architectures(model.MODEL_NAME)
 intercepts.install()  # task/architecture mismatch, empty splits, data of another dictionary: one line (intercepts.py)
+input_checks.install()  # no data folder, duplicate dictionary words, too-long sentences, --beam 0 (input_checks.py)
 
 __version__ = "0.2.0.dev0"

@@ -28,8 +28,8 @@ import torch
 from fairseq import utils
 
 from ..errors import AdminConfigError
-from .profile_file import apply_profile, check_profile_destination, load_profile, save_profile
 from .gather import gather_net_inputs
+from .profile_file import apply_profile, check_profile_destination, load_profile, save_profile
 from .profiling import data_parallel_group, log_profile, profile_model, refresh_master_params, world_size
 from .residual import admin_residuals, is_profiled, omega_parameters, unwrap_model
 

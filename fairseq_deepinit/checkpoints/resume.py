@@ -83,6 +83,41 @@ def load_checkpoint_to_cpu(path: str, arg_overrides: dict | None = None, load_on
         raise
 
 
+def load_model_ensemble_and_task(
+    filenames: list, arg_overrides: dict | None = None, task: Any = None, strict: bool = True, suffix: str = "",
+    num_shards: int = 1, state: dict | None = None,
+) -> Any:  # fmt: skip
+    """fairseq's ``checkpoint_utils.load_model_ensemble_and_task`` (line 419), through which fairseq-generate,
+    -interactive and -eval-lm (``--path``) and deepinit-diagnose load models, with one line for a file that does
+    not exist or is a folder (fairseq: ``OSError: Model file not found`` or ``IsADirectoryError``) and for a
+    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``)."""
+    for name in filenames if state is None else []:
+        path = checkpoint_utils.get_maybe_sharded_checkpoint_filename(name, suffix, 0, num_shards)
+        if PathManager.path_requires_pathmanager(path):
+            continue
+        if os.path.isdir(path):
+            raise CheckpointFileError(
+                f"checkpoint {path} is a folder: give a checkpoint file in it ({path}/checkpoint_best.pt, ...)"
+            )
+        if not os.path.exists(path):
+            raise CheckpointFileError(
+                f"checkpoint {path} does not exist; give a checkpoint written by fairseq-train "
+                "(<save-dir>/checkpoint_best.pt, ...)"
+            )
+    try:
+        return _ORIGINAL["load_model_ensemble_and_task"](
+            filenames, arg_overrides, task, strict, suffix, num_shards, state
+        )
+    except RuntimeError as e:
+        if "Neither args nor cfg exist in state" not in str(e):
+            raise
+        which = filenames[0] if len(filenames) == 1 else "one of " + ", ".join(map(str, filenames))
+        raise CheckpointFileError(
+            f"checkpoint {which} holds neither 'args' nor 'cfg' (the options fairseq-train saves with the weights): it "
+            "was not written by fairseq-train (a bare state dict?). Use a checkpoint written by fairseq-train"
+        ) from None
+
+
 def trainer_load_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     """fairseq's ``Trainer.load_checkpoint`` (trainer.py, line 465) that lets a plugin error through.
 
@@ -304,6 +339,7 @@ _WRAPPERS = {
     "torch_persistent_save": torch_persistent_save,
     "save_checkpoint": save_checkpoint,
     "verify_checkpoint_directory": verify_checkpoint_directory,
+    "load_model_ensemble_and_task": load_model_ensemble_and_task,
 }
 
 

@@ -27,7 +27,9 @@ Three fairseq 0.12.3 behaviours, each replaced by one self-contained function (:
   inside a blocked collective) every collective and the rendezvous give up after N seconds; the rank
   that waited raises, and torchrun then ends the others.
 
-For a stock model nothing changes beyond these launches (the plugin is loaded with ``--user-dir``).
+:func:`call_main` also refuses ``--fp16`` without CUDA (:func:`check_precision`): it is the one point
+before any work where fairseq-train and fairseq-hydra-train hand over the whole configuration. For a
+stock model nothing changes beyond these launches and that refusal.
 """
 
 from __future__ import annotations
@@ -103,6 +105,19 @@ def check_launch(cfg: Any) -> None:
                 "each process's rank: start the ranks with torchrun (which sets RANK and WORLD_SIZE), or pass "
                 "--distributed-rank R to process R; otherwise every process is rank 0 and the start hangs"
             )
+
+
+def check_precision(cfg: Any) -> None:
+    """Refuse ``--fp16`` where fairseq's FP16Optimizer cannot keep its master weights: without CUDA it
+    asks ``torch.cuda.current_device()`` for its flat fp32 copy (``fairseq/optim/fp16_optimizer.py``, line 38)
+    and stops with ``AssertionError: Torch not compiled with CUDA enabled``."""
+    common = cfg.common
+    if common.fp16 and not common.memory_efficient_fp16 and not common.fp16_no_flatten_grads and not _uses_cuda(cfg):
+        where = "--cpu" if common.cpu else "a machine without CUDA"
+        raise DeepInitConfigError(
+            f"--fp16 on {where}: fairseq's FP16Optimizer keeps its flat fp32 master weights on a CUDA device. Train in "
+            "fp32 (drop --fp16), or add --fp16-no-flatten-grads (fp16 on the CPU is slow), or use --amp"
+        )
 
 
 def adopt_torchrun_environment(cfg: Any) -> bool:
@@ -187,7 +202,9 @@ def _lost_rank_in_one_line(main: Callable) -> Callable:
 
 def call_main(cfg: Any, main: Callable, **kwargs: Any) -> None:
     """fairseq's ``distributed_utils.call_main`` (``fairseq/distributed/utils.py``, line 368) after
-    :func:`check_launch` and :func:`adopt_torchrun_environment`; a rank lost in training is one line."""
+    :func:`check_precision`, :func:`check_launch` and :func:`adopt_torchrun_environment`; a rank lost in
+    training is one line."""
+    check_precision(cfg)
     check_launch(cfg)
     adopt_torchrun_environment(cfg)
     return _ORIGINAL["call_main"](cfg, _lost_rank_in_one_line(main), **kwargs)
