@@ -59,7 +59,8 @@ from fairseq.trainer import Trainer
 from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
 from . import run_lock
 from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
-from .config_check import check_config
+from .config_check import check_config as check_config_change
+from .config_check import check_parameters_fit
 from .integrity import (
     CheckpointStatus,
     checkpoint_candidates,
@@ -269,6 +270,10 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
 
     def check_finished(st: CheckpointStatus) -> None:
         run_lock.check_not_finished(st.path, st.num_updates, max_update, bool(getattr(cfg, "reset_optimizer", False)))
+
+    def check_config(st: CheckpointStatus, current: Any, fine_tuning: bool) -> None:
+        if check_config_change(st, current, fine_tuning) and hasattr(trainer, "get_model"):
+            check_parameters_fit(st.path, trainer.get_model())
 
     if cfg.restore_file != "checkpoint_last.pt":
         path = cfg.restore_file.replace(".pt", suffix + ".pt") if suffix else cfg.restore_file
