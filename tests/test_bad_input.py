@@ -12,8 +12,9 @@ and fairseq-eval-lm with the other kind of checkpoint, ``--beam 0``, ``--max-len
 missing, a folder or a bare state dict, a test sentence beyond ``--max-source-positions``; fairseq-train with a
 duplicate dictionary word, embed dim 7, ``--fp16 --cpu``, a too-long validation sentence, Mix-LN's ratio with
 ``--mixln-post-layers``, ``--allow-config-change`` that changes parameter shapes; fairseq-hydra-train without
-``task.data`` and with an unknown ``model._name``; deepinit-diagnose ``--checkpoint`` of a language model on
-translation data and of a folder.
+``task.data``, with an unknown ``model._name``, with a key no option of its node has (``+task.nosuch=1``, the
+tfixup scheduler's ``decay_period`` left behind by ``lr_scheduler._name=inverse_sqrt``: hydra_plugins/);
+deepinit-diagnose ``--checkpoint`` of a language model on translation data and of a folder.
 """
 
 from __future__ import annotations
@@ -227,6 +228,16 @@ def probes(trained, synthetic_bin, lm_bin) -> dict:
                                        "--allow-config-change cannot continue from"),
         "hydra_no_data": ("hydra_train", [*HYDRA, f"checkpoint.save_dir={root / 'h1'}", f"hydra.run.dir={root / 'h1'}"],
                           "--task translation has no data folder: give the output of fairseq-preprocess"),
+        "hydra_unknown_task_key": ("hydra_train", [*HYDRA, f"task.data={synthetic_bin}", "+task.nosuch=1",
+                                   f"checkpoint.save_dir={root / 'h3'}", f"hydra.run.dir={root / 'h3'}"],
+                                   "task.nosuch is not an option of --task translation (TranslationConfig)"),
+        "hydra_scheduler_key_left": ("hydra_train", [*HYDRA, f"task.data={synthetic_bin}",
+                                     "lr_scheduler._name=inverse_sqrt", f"checkpoint.save_dir={root / 'h4'}",
+                                     f"hydra.run.dir={root / 'h4'}"],
+                                     "lr_scheduler.decay_period is not an option of --lr-scheduler inverse_sqrt "
+                                     "(InverseSquareRootLRScheduleConfig): a typo, or a key of the component the "
+                                     "YAML named before lr_scheduler._name was changed. Drop it "
+                                     "(~lr_scheduler.decay_period)"),
         "hydra_unknown_model": ("hydra_train", [*HYDRA, f"task.data={synthetic_bin}", "model._name=tfixup_iwslt_de_e",
                                 f"checkpoint.save_dir={root / 'h2'}", f"hydra.run.dir={root / 'h2'}"],
                                 "model._name tfixup_iwslt_de_e: no model or architecture of that name"),
