@@ -40,8 +40,15 @@ Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.
    model loading into ``Exception("Cannot load model parameters ...")``; :func:`trainer_load_checkpoint`
    lets a plugin error through instead.
 
-The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4); this module
-holds the wrappers and :func:`install`.
+5. **One run per save dir; a finished run stays finished.** Before anything in the save dir is read,
+   removed or written, :func:`load_checkpoint` takes the save dir's lock on the global rank 0
+   (:mod:`.run_lock`), and a run whose checkpoint already holds ``--max-update`` updates ends with
+   status 0 before anything changes. ``load_model_ensemble_and_task`` (line 419, ``--path`` of
+   fairseq-generate/-interactive/-eval-lm) gives one line for a missing file, a folder, and a
+   checkpoint with neither ``args`` nor ``cfg`` (:func:`load_model_ensemble_and_task`).
+
+The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4), :mod:`.run_lock`
+(5); this module holds the wrappers and :func:`install`.
 """
 
 from __future__ import annotations
