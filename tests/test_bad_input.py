@@ -277,6 +277,7 @@ def test_diagnose_checkpoint_probes(trained, synthetic_bin, tmp_path, capsys):
          f"{synthetic_bin}"),
         (trained.root, f"--checkpoint {trained.root} is a folder: give a checkpoint file in it"),
         (trained.root / "nosuch.pt", f"--checkpoint {trained.root / 'nosuch.pt'} does not exist"),
+        (trained.root / "bare.pt", f"checkpoint {trained.root / 'bare.pt'} holds neither 'args' nor 'cfg'"),
     ):  # fmt: skip
         status, err = _diagnose(capsys, synthetic_bin, "--checkpoint", checkpoint, "--output-dir", tmp_path / "out")
         lines = [ln for ln in err.splitlines() if ln.startswith("deepinit-diagnose: error: ")]

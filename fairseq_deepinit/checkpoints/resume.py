@@ -98,7 +98,8 @@ def load_model_ensemble_and_task(
     """fairseq's ``checkpoint_utils.load_model_ensemble_and_task`` (line 419), through which fairseq-generate,
     -interactive and -eval-lm (``--path``) and deepinit-diagnose load models, with one line for a file that does
     not exist or is a folder (fairseq: ``OSError: Model file not found`` or ``IsADirectoryError``) and for a
-    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``)."""
+    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``).
+    Only these errors change, for any model's checkpoint; what loads, loads as in fairseq."""
     for name in filenames if state is None else []:
         path = checkpoint_utils.get_maybe_sharded_checkpoint_filename(name, suffix, 0, num_shards)
         if PathManager.path_requires_pathmanager(path):

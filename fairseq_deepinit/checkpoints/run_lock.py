@@ -21,6 +21,9 @@ update: "4 >= max_update 3") and overwrote ``checkpoint_last.pt``.
   ``--max-update`` updates (and ``--reset-optimizer``, which restarts the count, is not given), the
   run logs that training is finished and exits with status 0, before anything is changed; a larger
   ``--max-update`` continues.
+
+Both apply to every model trained with the plugin loaded, fairseq's own included (they are about the
+save folder, not the model); nothing else of a run changes.
 """
 
 from __future__ import annotations
