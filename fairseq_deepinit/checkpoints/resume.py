@@ -276,8 +276,15 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     fine_tuning = _fine_tuning(cfg)
     max_update = getattr(getattr(getattr(trainer, "cfg", None), "optimization", None), "max_update", 0)
 
+    # a run that trains; --admin-profile-only stops before the first update, and Admin's own check says why a
+    # profile-only run cannot use a save dir whose checkpoint is profiled
+    trains = not getattr(current, "admin_profile_only", False)
+
     def check_finished(st: CheckpointStatus) -> None:
-        run_lock.check_not_finished(st.path, st.num_updates, max_update, bool(getattr(cfg, "reset_optimizer", False)))
+        if trains:
+            run_lock.check_not_finished(
+                st.path, st.num_updates, max_update, bool(getattr(cfg, "reset_optimizer", False))
+            )
 
     def check_config(st: CheckpointStatus, current: Any, fine_tuning: bool) -> None:
         if check_config_change(st, current, fine_tuning) and hasattr(trainer, "get_model"):
