@@ -204,7 +204,9 @@ def test_quick_session_returns_every_file_and_pastes_into_the_docs(carry, tmp_pa
     assert json.loads((out / "gpu-6l.json").read_text())["rows"]
     pack = json.loads((out / "cells-18l.json").read_text())
     (cell,) = pack["cells"]
-    assert cell["cell"] == "preln:2:paper:s1" and cell["status"] in ("cut", "converged", "capped")
+    # 300 training pairs: the cell may stop by patience (then converge's status rules judge it) or be cut
+    assert cell["cell"] == "preln:2:paper:s1"
+    assert cell["status"] in ("cut", "converged", "capped", "stalled", "source-blind"), cell["status"]
     assert re.fullmatch(r"\d+ epochs? in [\d.]+ minutes, packed 1 at a time(, cut at the deadline|, converged "
                         r"\(dev-loss patience\))?", cell["label"])  # fmt: skip
     assert cell["dev_curve"] and all(e["dev_bleu"] is not None for e in cell["dev_curve"])

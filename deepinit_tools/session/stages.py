@@ -35,7 +35,7 @@ class Stage:
 
     name: str
     what: str
-    minutes: float  # expected on an H100 (a greedy stage: its minimum); --plan refines it
+    minutes: float  # expected on an H100, as --plan estimates it (a greedy stage: its minimum)
     quick_minutes: float  # expected in the CPU rehearsal (--device cpu --quick) on 2 shared cores
     result: str  # its JSON, copied into the output folder as it is rewritten
     extras: tuple = ()  # files of its work folder that go into the extras tarball
@@ -50,16 +50,16 @@ STAGES = {
     s.name: s
     for s in (
         Stage("smoke", "CUDA smoke test of every architecture: fp16 and bf16 steps, beam-4 decode, SDPA backend "
-              "per attention kind, host syncs, matmul dtypes", 2.0, 2.5, "smoke.json", ("smoke.md",)),
+              "per attention kind, host syncs, matmul dtypes", 2.2, 2.5, "smoke.json", ("smoke.md",)),
         Stage("speed6", "6-layer speed rows (stock fp16/fp32 and the plugin's paths, transformer base, equal batch, "
-              "interleaved) and the loss-curve check", 3.0, 1.0, "gpu-6l.json", ("gpu-6l.md",)),
+              "interleaved) and the loss-curve check", 3.2, 1.0, "gpu-6l.json", ("gpu-6l.md",)),
         Stage("cells18", "the 18-layer paper cells trained side by side, each in its paper's regime", 2.5, 1.0,
               "cells-18l.json", CELL_EXTRAS, greedy=True, depth=18),
-        Stage("speed-deep", "18- and 36-layer speed rows (stock fp16, the plugin's fp16 / bf16 SDPA paths)", 3.0,
+        Stage("speed-deep", "18- and 36-layer speed rows (stock fp16, the plugin's fp16 / bf16 SDPA paths)", 2.7,
               1.0, "gpu-18l-36l.json", ("gpu-18l-36l.md",)),
-        Stage("compile", "the torch.compile row beside its eager twin and stock fp16 (6 layers)", 3.5, 0.7,
+        Stage("compile", "the torch.compile row beside its eager twin and stock fp16 (6 layers)", 2.7, 0.7,
               "gpu-compile.json", ("gpu-compile.md",)),
-        Stage("profile", "phases and torch.profiler of stock fp16 and the plugin's fast paths (6 layers, eager)", 1.0,
+        Stage("profile", "phases and torch.profiler of stock fp16 and the plugin's fast paths (6 layers, eager)", 1.2,
               0.7, "prof.json", ("prof.txt",)),
         Stage("cells6", "the 6-layer paper cells trained side by side, each in its paper's regime", 2.5, 1.0,
               "cells-6l.json", CELL_EXTRAS, greedy=True, depth=6),
