@@ -176,6 +176,27 @@ def test_mhc_megatron_mappings_equal_the_papers_order():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_deepseek_v4_mappings_hand_computed_and_equal_to_megatrons_without_eps():
+    n, c = 3, 2
+    x = randn(2, 2, n, c, g=gen(26))
+    zero_fn, base = torch.zeros((2 + n) * n, n * c, dtype=F64), torch.zeros((2 + n) * n, dtype=F64)
+    base[0], base[n] = math.log(3.0), -math.log(3.0)
+    pre, post, comb = mhc.mappings_deepseek_v4(x, zero_fn, base, torch.ones(3, dtype=F64))
+    torch.testing.assert_close(pre[..., 0], torch.full((2, 2), 0.75 + 1e-6, dtype=F64), **TOL)  # sigmoid(log 3) + eps
+    torch.testing.assert_close(pre[..., 1], torch.full((2, 2), 0.5 + 1e-6, dtype=F64), **TOL)
+    torch.testing.assert_close(post[..., 0], torch.full((2, 2), 0.5, dtype=F64), **TOL)  # 2 sigmoid(-log 3), no eps
+    torch.testing.assert_close(post[..., 1], torch.ones(2, 2, dtype=F64), **TOL)
+    torch.testing.assert_close(comb, torch.full_like(comb, 1 / n), rtol=0, atol=1e-5)
+    # with every eps 0, V4's mappings are Megatron's (fn = phi, base = b, scale = the three alphas) at the same
+    # iteration count: V4's row softmax is Megatron's exp followed by its first row normalisation
+    g = gen(27)
+    fn, base, scale = randn((2 + n) * n, n * c, g=g), randn((2 + n) * n, g=g), torch.tensor([0.7, 0.4, 1.3], dtype=F64)
+    v4 = mhc.mappings_deepseek_v4(x, fn, base, scale, iters=20, eps=0.0, rms_eps=0.0)
+    mg = mhc.mappings_megatron(x, mhc.MHCParams(fn, 0.7, 0.4, 1.3, base), iters=20, eps=0.0)
+    for a, b in zip(v4, mg, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_deepseek_v4_comb_is_used_transposed():
     g = gen(10)
     n, c = 4, 3
