@@ -164,6 +164,29 @@ def test_mhc_megatron_init_closed_form():
     torch.testing.assert_close(out, want.expand_as(out), **TOL)
 
 
+def test_hc_and_mhc_at_init_are_the_pre_ln_stack():
+    # n copies in; HC at init adds F(x) to every stream (beta 1, A_r = I), mHC at Megatron's init (alpha -> 0,
+    # b = 0) averages the identical streams and feeds F(n/2 x) = F(x) (a LayerNorm with eps 0 is scale
+    # invariant); the final norm removes HC's factor n from the sum. Both are then the Pre-LN stack.
+    g = gen(28)
+    n, d = 4, 6
+    ln0 = NormSpec("layer", None, None, 0.0)
+    branches = [(lambda w: lambda x: common.ffn(ln0(x), w))(FFNWeights.random(d, 2 * d, g)) for _ in range(3)]
+    x = randn(2, 3, d, g=g)
+    plain = x
+    for f in branches:
+        plain = plain + f(plain)
+    h = hyper_connections.expand(x, n)
+    m = mhc.expand(x, n)
+    for i, f in enumerate(branches):
+        h = hyper_connections.sublayer(h, f, hyper_connections.init_params(n, d, layer_index=i))
+        p = mhc.init_megatron(n, d, g)
+        p.alpha_pre = p.alpha_post = p.alpha_res = 0.0
+        m = mhc.sublayer(m, f, *mhc.mappings_megatron(m, p))
+    torch.testing.assert_close(ln0(hyper_connections.reduce(h)), ln0(plain), **TOL)
+    torch.testing.assert_close(mhc.contract_mean(m), plain, **TOL)
+
+
 def test_mhc_megatron_mappings_equal_the_papers_order():
     g = gen(9)
     n, c = 3, 5
