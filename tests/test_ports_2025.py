@@ -565,3 +565,13 @@ def test_qk_clip_groups_take_the_max_of_their_heads():
     torch.testing.assert_close(qk_clip.eta(m, 2), torch.tensor([100 / 150, 1.0], dtype=F64), **TOL)
     f = qk_clip.kimi_mla_factors(torch.tensor([0.25], dtype=F64))
     assert float(f["q_c"] * f["k_c"]) == 0.25 and float(f["q_r"] * f["k_r"]) == 0.25
+
+
+def test_qk_clip_megatrons_factor_for_a_negative_max_head_and_the_guard():
+    m = torch.tensor([150.0, -2.0], dtype=F64)  # one head over tau, one whose every logit is negative
+    e = qk_clip.eta(m, 2)
+    assert float(e[1]) == -50.0 and bool(e.pow(0.5).isnan()[1])  # Megatron's clamp(tau / max, max=1)
+    torch.testing.assert_close(qk_clip.eta(m, 2, guarded=True), torch.tensor([100 / 150, 1.0], dtype=F64), **TOL)
+    under = torch.tensor([50.0, -2.0], dtype=F64)
+    assert qk_clip.eta(under, 2) is None
+    assert torch.equal(qk_clip.eta(under, 2, guarded=True), torch.ones(2, dtype=F64))

@@ -42,9 +42,14 @@ def per_head_max_logit(q: Tensor, k: Tensor, scale: float, causal: bool = False,
     return logits.masked_fill(masked, float("-inf")).amax(dim=(0, 2, 3))
 
 
-def eta(max_logits: Tensor, n_groups: int, tau: float = TAU) -> Tensor | None:
-    """Per query group ``clamp(tau / max, max=1)``, or None when no group exceeds ``tau`` (no change)."""
+def eta(max_logits: Tensor, n_groups: int, tau: float = TAU, guarded: bool = False) -> Tensor | None:
+    """Per query group ``clamp(tau / max, max=1)`` (``attention.py:2008-2010``), or None when no group exceeds
+    ``tau`` (no change; Megatron's ``torch.any`` test, a host read). A group whose max logit is negative gets a
+    negative factor there (``tau / max < 0`` passes the clamp), and ``eta ** alpha`` is then NaN;
+    ``guarded=True`` gives such groups 1: ``where(max > tau, tau / max, 1)``, which also needs no ``any``."""
     grouped = max_logits.view(n_groups, -1).amax(dim=1)
+    if guarded:
+        return torch.where(grouped > tau, tau / grouped, torch.ones_like(grouped))
     if not bool((grouped > tau).any()):
         return None
     return torch.clamp(tau / grouped, max=1.0)
