@@ -261,14 +261,20 @@ def test_h_res_diagnostics():
 # --------------------------------------------------------------------------------- gated attention
 
 
+def gate_case(seed: int, kind: str, heads: int = 2, d: int = 8):
+    """Attention weights, a decoder-side ``x`` (5 positions), an encoder output ``mem`` (3) and a gate ``(wg, bg)``."""
+    g = gen(seed)
+    w = AttnWeights.random(d, g)
+    x, mem = randn(2, 5, d, g=g), randn(2, 3, d, g=g)
+    width = gated_attention.gate_width(kind, heads, d // heads)
+    return w, x, mem, randn(width, d, g=g), randn(width, g=g)
+
+
 @pytest.mark.parametrize("kind", gated_attention.KINDS)
 def test_gate_bias_plus_inf_is_plain_attention_and_minus_inf_leaves_the_output_bias(kind):
-    g = gen(11)
-    d, heads = 8, 2
-    w = AttnWeights.random(d, g)
-    x, mem = randn(2, 4, d, g=g), randn(2, 3, d, g=g)
-    width = gated_attention.gate_width(kind, heads, d // heads)
-    wg = randn(width, d, g=g)
+    heads = 2
+    w, x, mem, wg, _ = gate_case(11, kind, heads)
+    width = wg.shape[0]
     for x_kv, causal in ((x, True), (mem, False)):
         plain = common.attention(x, x_kv, w, heads, causal=causal)
         open_ = gated_attention.gated_attention(x, x_kv, w, heads, wg, torch.full((width,), math.inf, dtype=F64),
@@ -308,14 +314,10 @@ def test_gate_elementwise_constant_over_head_dim_equals_headwise():
 
 @pytest.mark.parametrize("kind", gated_attention.KINDS)
 def test_released_fused_q_proj_equals_a_separate_gate_projection(kind):
-    g = gen(13)
-    d, heads = 8, 2
-    w = AttnWeights.random(d, g)
-    x, mem = randn(2, 5, d, g=g), randn(2, 3, d, g=g)
-    width = gated_attention.gate_width(kind, heads, d // heads)
-    wg, bg = randn(width, d, g=g), randn(width, g=g)
+    heads = 2
+    w, x, mem, wg, bg = gate_case(13, kind, heads)
     wf, bf = gated_attention.fused_q_proj(w.wq, w.bq, wg, bg, heads, kind)
-    assert wf.shape[0] == d + width
+    assert wf.shape[0] == w.wq.shape[0] + wg.shape[0]
     for x_kv, causal in ((x, True), (mem, False)):
         released = gated_attention.released_gated_attention(x, x_kv, wf, bf, w, heads, kind, causal=causal)
         ours = gated_attention.gated_attention(x, x_kv, w, heads, wg, bg, causal=causal)
@@ -433,12 +435,16 @@ def test_value_residual_mixes():
     torch.testing.assert_close(got[..., 2:], v1[..., 2:], **TOL)
 
 
+def lm_case(seed: int, length: int, d: int = 8):
+    """Three random Pre-LN decoder-only layers (LayerNorm eps 1e-5) and an input of ``length`` positions."""
+    g = gen(seed)
+    layers = value_residual.random_lm_layers(3, d, 2 * d, g, NormSpec("layer", None, None, 1e-5))
+    return layers, randn(2, length, d, g=g)
+
+
 def test_value_residual_stack_first_layer_untouched_and_lambda_0_is_plain():
-    g = gen(20)
-    d, heads = 8, 2
-    ln = NormSpec("layer", None, None, 1e-5)
-    layers = value_residual.random_lm_layers(3, d, 16, g, ln)
-    x = randn(2, 5, d, g=g)
+    heads = 2
+    layers, x = lm_case(20, 5)
 
     def plain(x, layers):
         for lay in layers:
@@ -453,11 +459,8 @@ def test_value_residual_stack_first_layer_untouched_and_lambda_0_is_plain():
 
 
 def test_value_residual_incremental_decoding_with_mixed_cache_equals_the_full_forward():
-    g = gen(21)
-    d, heads = 8, 2
-    ln = NormSpec("layer", None, None, 1e-5)
-    layers = value_residual.random_lm_layers(3, d, 16, g, ln)
-    x = randn(2, 6, d, g=g)
+    heads = 2
+    layers, x = lm_case(21, 6)
     full = value_residual.lm_stack(x, layers, heads)
     torch.testing.assert_close(value_residual.lm_stack_incremental(x, layers, heads), full, **TOL)
 
