@@ -5,7 +5,6 @@ files a session returns, the plan, the paste into the docs, and the whole sessio
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import shutil
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MULTI30K, REPO, read_multi30k
+from conftest import REPO, write_multi30k_gz
 from deepinit_tools.matrix import report as rp
 from deepinit_tools.session import cells, driver, stages
 from deepinit_tools.session.plan import plan
@@ -169,17 +168,11 @@ def test_mirror_copies_only_complete_json_and_extras_stay_under_the_limit(tmp_pa
 @pytest.fixture(scope="module")
 def carry(tmp_path_factory) -> Path:
     """The rehearsal's data (``prepare``, its CPU part) from the first lines of Multi30k."""
-    if not (MULTI30K / "train.de.gz").exists():
-        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
     from deepinit_tools.session import data
 
     root = tmp_path_factory.mktemp("session-data")
-    raw = root / "raw"
-    raw.mkdir()
-    for split, n in {"train": 300, "val": 40, "test_2016_flickr": 20, "test_2017_flickr": 20}.items():
-        for lang in ("de", "en"):
-            with gzip.open(raw / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
-                f.write("\n".join(read_multi30k(split, lang, n)) + "\n")
+    sizes = {"train": 300, "val": 40, "test_2016_flickr": 20, "test_2017_flickr": 20}
+    raw = write_multi30k_gz(root / "raw", sizes)
     data.prepare(root / "carry", raw, work=root / "full", merges=300, device=False)
     return root / "carry"
 

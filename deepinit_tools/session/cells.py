@@ -307,10 +307,12 @@ def summary(records: Sequence[dict], jobs: int) -> str:
         return f"no cell finished training yet (packed {jobs} at a time)"
     epochs = sorted({r["epochs"] for r in records})
     minutes = max(r["minutes"] for r in records)
-    span = f"{epochs[0]}" if len(epochs) == 1 else f"{epochs[0]}-{epochs[-1]}"
+    span = (
+        f"{epochs[0]} epoch{'s' if epochs[0] != 1 else ''}" if len(epochs) == 1 else f"{epochs[0]}-{epochs[-1]} epochs"
+    )
     converged = [r["method"] for r in records if r["status"] == "converged"]
     return (
-        f"{len(records)} cells, {span} epochs in {minutes:.1f} minutes, packed {jobs} at a time; converged "
+        f"{len(records)} cells, {span} in {minutes:.1f} minutes, packed {jobs} at a time; converged "
         f"(dev-loss patience): {', '.join(converged) if converged else 'none'}"
     )
 

@@ -80,10 +80,12 @@ def cells_block(session: dict, packs: Dict[str, dict]) -> str:
     parts = [session_line(session), ""]
     for name, pack in sorted(packs.items()):
         meta = pack["meta"]
+        first = pack["cells"][0] if pack["cells"] else {"precision": "?", "settings": {}}
+        how = first["precision"] + (" on the plugin's fast path" if first["settings"].get("fast_path") else "")
         parts += [f"**{name}**: {pack['label']}. {meta['layers']} layers, d {meta['dim']}, FFN {meta['ffn']}, "
-                  f"{meta['heads']} heads, bf16 autocast + the plugin's fast path, each cell in its paper's regime; "
-                  f"dev BLEU {pack['dev_bleu']}; test BLEU: sacreBLEU, beam 5, the best checkpoint "
-                  "(by dev loss) when training stopped.", ""]  # fmt: skip
+                  f"{meta['heads']} heads, {how}, each cell in its paper's regime; dev loss in bits; dev BLEU "
+                  f"{pack['dev_bleu']}; test BLEU: sacreBLEU, beam 5, the best checkpoint (by dev loss) when "
+                  "training stopped.", ""]  # fmt: skip
         rows = []
         for c in pack["cells"]:
             curve = " ".join(f"{e['dev_loss']:.2f}/{_f(e['dev_bleu'], 1)}" for e in c.get("dev_curve", []))
