@@ -84,12 +84,14 @@ def start(args: list, cwd: Path, env: dict | None = None) -> subprocess.Popen:
 
 def workers(proc: subprocess.Popen) -> dict:
     """``{rank: pid}`` of the ranks torchrun started (each in a session of its own)."""
-    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     out = {}
-    for pid in map(int, found):
+    for entry in Path("/proc").iterdir():
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+            # /proc/<pid>/stat: "pid (name) state ppid ..."; the name may hold spaces, so split after its ")"
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != proc.pid:
+                continue
+            pid, env = int(entry.name), (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
             continue
         rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
         if rank is not None:
