@@ -11,7 +11,13 @@ exit status 1, :mod:`fairseq_deepinit.errors`):
   ``--task language_modeling`` stops in fairseq's ``build_model`` (``AttributeError: ... no attribute
   'supported_targets'``). :func:`check_task_and_arch` refuses both right after argument parsing,
   before any data is read: every architecture of the plugin's two models runs it first
-  (:func:`fairseq_deepinit.patches.guard_architectures`, with the ``--ddp-backend`` check).
+  (:func:`fairseq_deepinit.patches.guard_architectures`, with the ``--ddp-backend`` check). A model from a
+  checkpoint or a YAML meets the task in fairseq's ``models.build_model``, which :func:`build_model` precedes
+  with :func:`check_task_and_model`: ``fairseq-generate`` with a language-model checkpoint produced garbage
+  and a BLEU without a word, ``fairseq-eval-lm`` with a translation checkpoint stopped at
+  ``supported_targets``, an unknown ``model._name`` gave ``KeyError: "'_name'"``.
+- **an embedding dimension the heads do not divide.** fairseq's ``MultiheadAttention`` asserts it
+  while the model is built; :func:`check_dimensions` runs after every architecture function.
 - **an empty split.** fairseq's ``MMapIndexedDataset`` cannot ``mmap`` an empty ``.bin`` file
   (``ValueError: cannot mmap an empty file``, then a second traceback from its ``__del__``).
 - **data binarised with another dictionary.** A token id >= the dictionary's size reaches the
@@ -29,9 +35,11 @@ format (``fairseq-preprocess``'s default) is checked. What stays with fairseq: d
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import itertools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from fairseq.data import indexed_dataset
@@ -82,6 +90,77 @@ def check_task_and_arch(args: Any) -> None:
             f"cannot train; use --task translation on a parallel corpus, or a decoder-only architecture such as "
             f"--arch {_counterpart(arch, to_lm=True)}"
         )
+
+
+def check_dimensions(args: Any) -> None:
+    """Refuse an embedding dimension that the attention heads do not divide, or a non-positive one
+    (fairseq's ``MultiheadAttention`` asserts it while the model is built)."""
+    for side in ("encoder", "decoder"):
+        dim, heads = getattr(args, f"{side}_embed_dim", None), getattr(args, f"{side}_attention_heads", None)
+        if not (isinstance(dim, int) and isinstance(heads, int)):
+            continue
+        if dim < 1 or heads < 1:
+            raise DeepInitConfigError(
+                f"--{side}-embed-dim {dim} with --{side}-attention-heads {heads}: both must be positive"
+            )
+        if dim % heads:
+            near = max(heads, round(dim / heads) * heads)
+            raise DeepInitConfigError(
+                f"--{side}-embed-dim {dim} is not divisible by --{side}-attention-heads {heads} (each head gets "
+                f"embed-dim / heads dimensions); use a multiple of {heads}, e.g. {near}, or another number of heads"
+            )
+
+
+def _task_name(task: Any) -> str:
+    return next((n for n, cls in TASK_REGISTRY.items() if cls is type(task)), type(task).__name__)
+
+
+def check_task_and_model(model_type: str, task: Any, from_checkpoint: bool) -> None:
+    """Refuse a model type that no registry knows (hydra's ``model._name``), and a plugin model built for a
+    task of the other kind: a model from a checkpoint (fairseq-generate, -interactive, -eval-lm, whose
+    ``--task`` is the user's while the checkpoint's arguments name the task it was trained with) or from a
+    YAML. fairseq-train's command line is checked earlier, by :func:`check_task_and_arch`."""
+    if model_type not in ARCH_MODEL_REGISTRY and model_type not in MODEL_REGISTRY:
+        close = difflib.get_close_matches(model_type, [*ARCH_MODEL_REGISTRY, *MODEL_REGISTRY], n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise DeepInitConfigError(
+            f"model._name {model_type}: no model or architecture of that name is registered (every fairseq-train "
+            f"--arch is a valid name; the plugin's need common.user_dir){hint}"
+        )
+    model_cls = ARCH_MODEL_REGISTRY.get(model_type) or MODEL_REGISTRY.get(model_type)
+    if task is None or model_cls not in [MODEL_REGISTRY.get(m) for m in PLUGIN_MODELS]:
+        return
+    decoder_only = issubclass(model_cls, FairseqLanguageModel)
+    wrong = isinstance(task, TranslationTask) if decoder_only else isinstance(task, LanguageModelingTask)
+    if not wrong:
+        return
+    if not from_checkpoint:
+        check_task_and_arch(argparse.Namespace(task=_task_name(task), arch=model_type))
+        return
+    if decoder_only:
+        raise DeepInitConfigError(
+            f"the checkpoint holds a decoder-only language model (--arch {model_type}), which --task "
+            f"{_task_name(task)} cannot run on source and target sentences; evaluate it with fairseq-eval-lm on "
+            "language-model data, or give a translation checkpoint"
+        )
+    raise DeepInitConfigError(
+        f"the checkpoint holds an encoder-decoder (translation) model (--arch {model_type}), which --task "
+        f"{_task_name(task)} cannot run on one token stream; translate with fairseq-generate on translation data, "
+        "or give a language-model checkpoint"
+    )
+
+
+def build_model(original: Callable, cfg: Any, task: Any, from_checkpoint: bool = False) -> Any:
+    """fairseq's ``models.build_model`` (``fairseq/models/__init__.py``, line 56) after :func:`check_task_and_model`.
+
+    fairseq raised ``KeyError: "'_name'"`` (while formatting its own message) for an unknown ``model._name``,
+    and built a language model for ``fairseq-generate`` on translation data (garbage output, a BLEU, no
+    warning) or failed deep in ``fairseq-eval-lm`` (``supported_targets``). For a stock model nothing changes.
+    """
+    model_type = getattr(cfg, "_name", None) or getattr(cfg, "arch", None)
+    if isinstance(model_type, str):
+        check_task_and_model(model_type, task, from_checkpoint)
+    return original(cfg, task, from_checkpoint)
 
 
 # --- binarised splits ---------------------------------------------------------------------------

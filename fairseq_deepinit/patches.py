@@ -18,6 +18,10 @@ a veto on saving a diverged model), and :func:`wrap_optimizer` routes the optimi
 ``clip_grad_norm`` (trainer.py:953 -> 1295-1297, the complete gradients of an update) and ``zero_grad``
 (802, 993-996: a discarded update). The hooks add calls around fairseq's methods, which run unchanged.
 The error hook of :mod:`fairseq_deepinit.errors` (``sys.excepthook``, not fairseq) is installed first of all.
+One change cannot live here: ``fairseq-hydra-train`` merges the YAML's nodes with their dataclasses
+(``add_defaults``, ``fairseq/dataclass/initialize.py:30``) before it imports ``common.user_dir``, so a key no
+option has is made one line by ``hydra_plugins/fairseq_deepinit_config_keys.py``, which Hydra's plugin
+discovery imports first; it imports nothing of the plugin and changes nothing else.
 """
 
 from __future__ import annotations
@@ -30,17 +34,20 @@ from typing import Any, Callable, Dict, Tuple
 
 import numpy as np
 import torch
-from fairseq import checkpoint_utils
-from fairseq.data import data_utils
-from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+from fairseq import checkpoint_utils, tasks
+from fairseq import models as fairseq_models
+from fairseq.data import Dictionary, data_utils
+from fairseq.distributed import utils as distributed_utils
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY, distributed_fairseq_model
 from fairseq.optim.adam import FairseqAdam
+from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
-from . import intercepts
-from .checkpoints import resume
+from . import input_checks, intercepts
+from .checkpoints import broadcast, resume
 from .checkpoints.atomic import AtomicCopyPathManager
 from .checkpoints.config_check import DEEPINIT_MODELS
-from .training import adam_foreach, depth_mup_trainer, distributed
+from .training import adam_foreach, depth_mup_trainer, distributed, launch
 from .training.param_groups import check_groups_reached
 
 MARK = "_deepinit_patch"
@@ -83,8 +90,9 @@ def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: 
 
 def guard_architectures() -> int:
     """Every registered architecture of the plugin's models first refuses a task of the other kind and
-    ``--ddp-backend fully_sharded`` (fairseq calls it on the parsed arguments, ``options.parse_args_and_arch``,
-    before ``main``); returns how many are guarded (idempotent)."""
+    ``--ddp-backend fully_sharded``, and after its defaults an embedding dimension the heads do not divide
+    (fairseq calls it on the parsed arguments, ``options.parse_args_and_arch``, before ``main``); returns how
+    many are guarded (idempotent)."""
     models = [MODEL_REGISTRY[m] for m in DEEPINIT_MODELS if m in MODEL_REGISTRY]
     names = [n for n, cls in ARCH_MODEL_REGISTRY.items() if cls in models and n in ARCH_CONFIG_REGISTRY]
     for name in names:
@@ -99,7 +107,9 @@ def _guarded(arch_fn: Callable) -> Callable:
     def arch(args):
         intercepts.check_task_and_arch(args)
         distributed.check_ddp_backend(args)
-        return arch_fn(args)
+        out = arch_fn(args)
+        intercepts.check_dimensions(args)  # after the architecture's defaults
+        return out
 
     return arch
 
@@ -122,6 +132,21 @@ def _checkpoint_utils(name: str) -> Callable[[], None]:
 
 def _adam_betas() -> None:
     FairseqAdam.optimizer_config = adam_foreach.FairseqAdamForeach.optimizer_config
+
+
+def _launch() -> None:
+    wrap(distributed_utils, "call_main", launch.call_main)
+    wrap(distributed_utils, "distributed_init", launch.distributed_init)
+    if not isinstance(distributed_utils.dist, launch._TimedDist):
+        distributed_utils.dist = launch.timed_dist()
+    distributed_fairseq_model.DistributedDataParallel = launch.cpu_distributed_data_parallel
+
+
+def _input_checks() -> None:
+    wrap(tasks, "setup_task", input_checks.setup_task)
+    wrap(Dictionary, "add_from_file", input_checks.add_from_file)
+    wrap(FairseqTask, "filter_indices_by_size", input_checks.filter_indices_by_size)
+    wrap(FairseqTask, "build_generator", input_checks.build_generator)
 
 
 PATCHES: Tuple[Patch, ...] = (
@@ -168,6 +193,13 @@ PATCHES: Tuple[Patch, ...] = (
         _checkpoint_utils("load_checkpoint_to_cpu"),
     ),
     Patch(
+        "checkpoint_utils.load_model_ensemble_and_task",
+        "checkpoint_utils.py:419-525 (--path of fairseq-generate/-interactive/-eval-lm)",
+        "a --path that is missing or a folder, or a file without args and cfg, is one line (checkpoints/resume.py)",
+        "what loads, loads as before; only those errors change",
+        _checkpoint_utils("load_model_ensemble_and_task"),
+    ),
+    Patch(
         "Trainer.load_checkpoint",
         "trainer.py:465-615 (its except at 596-601)",
         "fairseq turns every error of its model loading into 'Cannot load model parameters'; a plugin error "
@@ -202,9 +234,42 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(
         "ARCH_CONFIG_REGISTRY (the plugin's architectures)",
         "options.py parse_args_and_arch (the --arch function on the parsed arguments)",
-        "a task of the other kind and --ddp-backend fully_sharded are refused before any data is read",
+        "a task of the other kind, --ddp-backend fully_sharded and heads that do not divide the embedding are "
+        "refused before any data is read",
         "none (the plugin's architectures only)",
         guard_architectures,
+    ),
+    Patch(
+        "models.build_model",
+        "models/__init__.py:56-110",
+        "a model from a checkpoint or a YAML built for a task of the other kind, or an unknown model._name, is one "
+        "line (intercepts.py)",
+        "an unknown model._name: one line instead of KeyError; otherwise none",
+        lambda: wrap(fairseq_models, "build_model", intercepts.build_model),
+    ),
+    Patch(
+        "tasks.setup_task, Dictionary.add_from_file, FairseqTask.filter_indices_by_size / build_generator",
+        "tasks/__init__.py:24, data/dictionary.py:231, tasks/fairseq_task.py:168, 374",
+        "no data folder, a word twice in a dictionary, a valid/test sentence longer than the positions, --beam 0, "
+        "--max-len-b below --min-len: one line (input_checks.py)",
+        "input fairseq accepts: none; that input: one line instead of a traceback",
+        _input_checks,
+    ),
+    Patch(
+        "distributed_utils._broadcast_object_slow",
+        "distributed/utils.py:784-810 (the receiving ranks' torch.load)",
+        "on resume, rank 0's checkpoint state (a DictConfig, fairseq's tensor placeholders) reaches the other ranks "
+        "under weights_only, without widening what a file may hold (checkpoints/broadcast.py)",
+        "a multi-rank resume works (without it every rank but 0 stops at 'Unsupported global')",
+        lambda: wrap(distributed_utils, "_broadcast_object_slow", broadcast.broadcast_object_slow),
+    ),
+    Patch(
+        "distributed_utils.call_main / distributed_init / dist, distributed_fairseq_model.DistributedDataParallel",
+        "distributed/utils.py:46-91, 273, 368, 412; models/distributed_fairseq_model.py:60",
+        "torchrun on the CPU, wrong launches refused in one line, --heartbeat-timeout in collectives, "
+        "pytorch_ddp on CPU ranks (training/launch.py)",
+        "a GPU launch that worked gets the same values; those launches and --fp16 without CUDA: one line",
+        _launch,
     ),
     Patch(
         "numpy.compat.long",
