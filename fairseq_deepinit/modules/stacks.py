@@ -38,7 +38,6 @@ class StackKind:
 ENCODER = StackKind("encoder", "encoder", True, ("self_attn", "ffn"))
 DECODER = StackKind("decoder", "decoder", True, ("self_attn", "encoder_attn", "ffn"))
 DECODER_ONLY = StackKind("decoder-only", "decoder", False, ("self_attn", "ffn"))
-STACK_KINDS = (ENCODER, DECODER, DECODER_ONLY)
 
 
 def decoder_kind(cross_attention: bool) -> StackKind:
