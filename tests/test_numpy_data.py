@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copyreg
 import io
 import os
 import re
@@ -44,6 +45,20 @@ class Reduces:
 
     def __reduce__(self):
         return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+class NewObj:
+    """Pickles as NEWOBJ: ``cls.__new__(cls, *args)`` without ``__init__`` (``__class__`` passes pickle's check)."""
+
+    def __init__(self, cls, *args) -> None:
+        self.cls, self.args = cls, args
+
+    @property
+    def __class__(self):
+        return self.cls
+
+    def __reduce__(self):
+        return copyreg.__newobj__, (self.cls, *self.args)
 
 
 def forged_dtype(flags: int) -> Reduces:
@@ -88,13 +103,16 @@ def numeric_values() -> dict:
         "in_set": {np.int8(4)},
         "in_namespace": argparse.Namespace(x=np.ones(2)),
         "as_key": {np.int64(5): "five"},
+        "every_dtype": [
+            np.arange(3).astype(np.dtype(c).newbyteorder(o)) for c in sorted(numpy_data.NUMERIC_CODES) for o in "<>"
+        ],
     }
 
 
 def assert_same(a, b) -> None:
     assert type(a) is type(b), (a, b)
     if isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.dtype.byteorder == b.dtype.byteorder and a.shape == b.shape
+        assert a.dtype == b.dtype and a.dtype.str == b.dtype.str and a.shape == b.shape  # str: with the byte order
         assert a.flags.f_contiguous == b.flags.f_contiguous and b.flags.writeable
         assert np.array_equal(a, b)
     elif isinstance(a, (np.generic, np.dtype)):
@@ -183,6 +201,8 @@ def refused_cases(marker: Path) -> dict:
         "short": (forged_array((1, (4,), np.dtype("i8"), False, b"A" * 8)),
                   "a numpy array of dtype '<i8' and shape (4,) from 8 bytes"),
         "ndarray_called": (Reduces(np.ndarray, ((2,),)), "numpy.ndarray((2,),) called"),
+        "dtype_by_newobj": (NewObj(np.dtype, "i8"), "numpy.dtype()"),  # the stand-in's __init__ skipped
+        "empty": (np.zeros((0, 3)), "builtins.bytes"),  # torch.save writes b"" as bytes(), which torch refuses
         "payload_in_object_array": (np.array([touch], dtype=object), "posix.system"),
         "payload_beside_numbers": ([np.arange(3), touch], "posix.system"),
     }  # fmt: skip

@@ -70,7 +70,6 @@ class _Record:
     """What the unpickler made of one numpy call: its arguments and the state BUILD gave it, nothing else."""
 
     __slots__ = ("args", "state")
-    numpy_name = ""
 
     def __new__(cls, *args: Any) -> _Record:  # also torch's NEWOBJ path, which skips __init__
         self = super().__new__(cls)
@@ -88,25 +87,27 @@ class _Record:
 
 
 class _DTypeRecord(_Record):
+    """``numpy.dtype(code, align, copy)`` and its state."""
+
     __slots__ = ()
-    numpy_name = "numpy.dtype"
 
 
 class _ArrayRecord(_Record):
+    """``numpy._core.multiarray._reconstruct(ndarray, (0,), b"b")`` and the array's state."""
+
     __slots__ = ()
-    numpy_name = "numpy._core.multiarray._reconstruct"
 
 
 class _ScalarRecord(_Record):
+    """``numpy._core.multiarray.scalar(dtype, raw_bytes)``."""
+
     __slots__ = ()
-    numpy_name = "numpy._core.multiarray.scalar"
 
 
 class _NDArrayName(_Record):
     """``numpy.ndarray``: only ever an argument of ``_reconstruct``; an instance means the file called it."""
 
     __slots__ = ()
-    numpy_name = "numpy.ndarray"
 
 
 # the names numpy's pickles use (numpy 2 and 1.x), each mapped to its stand-in
