@@ -25,7 +25,12 @@ power ``--lenpen``. What must be set to make them agree (docs/export.md has the 
   ``label_smoothing / V``). So ``<blank>`` is left in, as fairseq's scores are; a hypothesis that picks it
   (it never wins a beam slot in a trained model) is decoded again with ``<blank>`` suppressed, and counted;
 - ``</s>`` as the first word: both forbid it below ``--min-len`` (default 1); CTranslate2's masking
-  renormalises that first step, a shift of ``log(1 - p(</s>))`` shared by every hypothesis of the sentence;
+  renormalises that first step: every hypothesis of the sentence gets the same ``c = -log(1 - p(</s>))`` added,
+  which leaves the search itself unchanged (every comparison during it is between two sums that both hold c)
+  and only moves the final normalised scores by ``c / length^lenpen``. ``exact_first_step`` undoes that: every
+  finished hypothesis is returned, c is read from ``score_batch`` (the log-probability of ``</s>`` first) and
+  the hypotheses are ranked again by fairseq's score. A trained model gives ``</s>`` as the first word almost no
+  probability (c about 0), so the default skips that extra scoring pass;
 - the source's ``</s>`` and the decoder's first input ``</s>`` are in the model's config (:mod:`.to_ct2`).
 
 Not carried (refused by :func:`ct2_options`): sampling, diverse beam search, ``--unkpen`` other than 0,
@@ -34,6 +39,7 @@ Not carried (refused by :func:`ct2_options`): sampling, diverse beam search, ``-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Dict, List, Sequence, Tuple
@@ -85,29 +91,114 @@ def _strip_end(tokens: Sequence[str]) -> List[str]:
     return list(tokens[:-1]) if tokens and tokens[-1] == EOS else list(tokens)
 
 
+def _rerank(result, c: float, lenpen: float, nbest: int) -> List[List[str]]:
+    """The hypotheses by fairseq's score: CTranslate2's minus ``c / length^lenpen`` (module docstring)."""
+    fixed = [score - c / len(h) ** lenpen for h, score in zip(result.hypotheses, result.scores, strict=True)]
+    order = sorted(range(len(fixed)), key=lambda k: -fixed[k])
+    return [result.hypotheses[k] for k in order[:nbest]]
+
+
 def translate_tokens(
-    translator, sources: Sequence[Sequence[str]], decoding: FairseqDecoding = FairseqDecoding(), batch_size: int = 64
+    translator,
+    sources: Sequence[Sequence[str]],
+    decoding: FairseqDecoding = FairseqDecoding(),
+    batch_size: int = 64,
+    exact_first_step: bool = False,
 ) -> Tuple[List[List[List[str]]], int]:
     """``(hypotheses, redone)``: the ``nbest`` hypotheses (tokens, without ``</s>``) of each source (tokens,
     without ``</s>``), decoded as fairseq-generate decodes them: sources of one length together (their
     ``max_len`` is one number), in batches of at most ``batch_size``; in the order of ``sources``. ``redone``:
-    how many sentences were decoded again with ``<blank>`` suppressed (module docstring)."""
+    how many sentences were decoded again with ``<blank>`` suppressed; ``exact_first_step``: rank as fairseq
+    even where ``</s>`` is likely as the first word (module docstring)."""
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: List[List[List[str]]] = [[] for _ in sources]
     redone = 0
+    lenpen = 0.0 if decoding.unnormalized else decoding.lenpen
     for length, group in groupby(order, key=lambda i: len(sources[i])):
         ids = list(group)
         options = ct2_options(decoding, length + 1)
+        if exact_first_step:
+            options["num_hypotheses"] = decoding.beam
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
-            results = translator.translate_batch([list(sources[i]) for i in chunk], **options)
-            for i, result in zip(chunk, results, strict=True):
+            batch = [list(sources[i]) for i in chunk]
+            results = translator.translate_batch(batch, **options)
+            if exact_first_step and decoding.min_len > 0:
+                first = translator.score_batch(batch, [[] for _ in batch])
+                shifts = [-math.log1p(-math.exp(r.log_probs[0])) for r in first]
+            else:
+                shifts = [0.0] * len(batch)
+            for i, result, c in zip(chunk, results, shifts, strict=True):
                 if any(BLANK in h for h in result.hypotheses):
                     redone += 1
-                    again = translator.translate_batch([list(sources[i])], suppress_sequences=[[BLANK]], **options)
-                    result = again[0]
-                out[i] = [_strip_end(h) for h in result.hypotheses]
+                    result = translator.translate_batch([list(sources[i])], suppress_sequences=[[BLANK]], **options)[0]
+                hypotheses = _rerank(result, c, lenpen, decoding.nbest) if exact_first_step else result.hypotheses
+                out[i] = [_strip_end(h) for h in hypotheses]
     return out, redone
 
 
-__all__ = ["BLANK", "FairseqDecoding", "ct2_options", "translate_tokens"]
+def ct2_lm_options(decoding: FairseqDecoding, prompt_length: int) -> Dict[str, object]:
+    """``generate_batch`` keyword arguments for fairseq's ``SequenceGenerator`` continuing a prompt of
+    ``prompt_length`` words given as ``prefix_tokens`` (fairseq-interactive / fairseq-generate on a language model).
+
+    The prompt is read before the search (``include_prompt_in_result=False``), not forced word by word inside
+    it: CTranslate2's forced prefix bars ``</s>`` from all but the first beam at the first free step
+    (``update_sample_with_prefix``, src/decoding.cc:21-68), fairseq does not. Lengths then count generated words:
+    fairseq's ``max_len`` counts the prompt too, and its ``--min-len`` applies from the first word of the prompt
+    on. Every finished hypothesis is returned, for :func:`generate_tokens` to rank by fairseq's score.
+    """
+    options = ct2_options(decoding, prompt_length)
+    total = options.pop("max_decoding_length")
+    options.pop("min_decoding_length")
+    options.pop("max_input_length")
+    options.update(
+        max_length=max(total - prompt_length, 1),
+        min_length=max(decoding.min_len - prompt_length, 0),
+        include_prompt_in_result=False,
+        num_hypotheses=decoding.beam,
+    )
+    return options
+
+
+def generate_tokens(
+    generator, prompts: Sequence[Sequence[str]], decoding: FairseqDecoding = FairseqDecoding()
+) -> Tuple[List[List[List[str]]], int]:
+    """A language model's continuations of ``prompts`` (prompt words, without the leading ``</s>``), decoded as
+    fairseq decodes a prompt given as ``prefix_tokens``; ``(hypotheses with the prompt, without </s>, redone)``.
+
+    fairseq ranks a finished hypothesis by ``(S_prompt + S) / (P + L)^lenpen`` (the prompt's ``P`` words and
+    log-probability ``S_prompt`` included), CTranslate2 by ``S / L^lenpen``: every comparison during the search is
+    between sums that both miss ``S_prompt``, so the search is the same, and the finished hypotheses are ranked
+    again by fairseq's score (``S_prompt`` from ``score_batch``). A ``--min-len`` that reaches past the prompt by
+    one word masks ``</s>`` at the first generated step: the shift it adds to every hypothesis is taken out as
+    for a translation's first step; one that reaches further is refused (its shifts differ between beams).
+    """
+    out: List[List[List[str]]] = []
+    redone = 0
+    lenpen = 0.0 if decoding.unnormalized else decoding.lenpen
+    for prompt in prompts:
+        if decoding.min_len - len(prompt) > 1:
+            raise ExportError(
+                f"--min-len {decoding.min_len} reaches {decoding.min_len - len(prompt)} words past a "
+                f"{len(prompt)}-word prompt: CTranslate2 renormalises each of those steps (docs/export.md); give a "
+                "--min-len at most one word beyond the prompt"
+            )
+        options = ct2_lm_options(decoding, len(prompt))
+        start = [EOS, *prompt]
+        result = generator.generate_batch([start], **options)[0]
+        if any(BLANK in h for h in result.sequences):
+            redone += 1
+            result = generator.generate_batch([start], suppress_sequences=[[BLANK]], **options)[0]
+        scored = generator.score_batch([[*start, EOS]])[0].log_probs
+        prompt_score = sum(scored[:-1])
+        shift = -math.log1p(-math.exp(scored[-1])) if options["min_length"] > 0 else 0.0
+        fixed = []
+        for h, score in zip(result.sequences, result.scores, strict=True):
+            generated = score * len(h) ** lenpen - shift
+            fixed.append((prompt_score + generated) / (len(prompt) + len(h)) ** lenpen)
+        order = sorted(range(len(fixed)), key=lambda k: -fixed[k])
+        out.append([[*prompt, *_strip_end(result.sequences[k])] for k in order[: decoding.nbest]])
+    return out, redone
+
+
+__all__ = ["BLANK", "FairseqDecoding", "ct2_lm_options", "ct2_options", "generate_tokens", "translate_tokens"]

@@ -72,6 +72,9 @@ def stock_checkpoint(state: dict, src: str, model_sd: dict, model_args: dict, ch
     history = state.get("optimizer_history") or [{}]
     last = {k: v for k, v in history[-1].items() if k != "optimizer"}
     last = _primitive(last) | {"num_updates": int(last.get("num_updates", 0) or 0)}
+    # what fairseq's loader expects of the entry (checkpoint_utils._upgrade_state_dict), whatever wrote the source
+    last.setdefault("optimizer_name", "Adam")
+    last.setdefault("lr_scheduler_state", {"best": last.pop("best_loss", None)})
     if lm:
         if isinstance(cfg.get("criterion"), dict):
             cfg["criterion"] = {"_name": "cross_entropy", "sentence_avg": False}
