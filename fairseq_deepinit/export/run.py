@@ -129,6 +129,7 @@ def export_ct2(
             "route": route.describe(),
             "quantization": quantization or "float32",
             "ctranslate2_layer_norm_epsilon": route.ct2_eps,
+            "max_target_positions": int(getattr(args, "max_target_positions", 1024) or 1024),
             "decoding": "docs/export.md, 'Decoding as fairseq-generate'",
         }
         with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
