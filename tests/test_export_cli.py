@@ -189,3 +189,12 @@ def test_fairseq_hydra_train_checkpoints_export_to_both_targets(synthetic_bin, t
         code, err = export(capsys, save / "checkpoint_last.pt", out, "--to", to, *data)
         assert code == 0, err
         assert out.exists()
+
+
+@pytest.mark.slow
+def test_the_family_table_in_the_docs_is_the_generated_one():
+    from fairseq_deepinit.export import table
+
+    assert table.current(table.DOC.read_text()) == table.render(), (
+        "docs/export.md's table is stale: python -m fairseq_deepinit.export.table --write"
+    )
