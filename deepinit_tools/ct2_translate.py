@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-type", default="default", help="CTranslate2's compute type (default: default, the model's)"
     )
     p.add_argument("--reference", help="raw reference translations: print sacreBLEU (default: no score)")
-    p.add_argument("--fairseq-output", help="a fairseq-generate output of the same sentences to compare with")
+    p.add_argument(
+        "--fairseq-output", help="a fairseq-generate output of the same sentences to compare with (default: none)"
+    )
     p.add_argument("--fairseq-log", help="that run's log (stderr), for its tokens/s (default: no speed comparison)")
     return p
 

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def report(prog: str, output: str, summary: dict) -> None:
     """The export's log line: what was written, what was folded, the check's result."""
     route = summary["route"]
-    what = summary.get("arch") or f"CTranslate2 model ({summary.get('quantization', 'float32')})"
+    what = f"arch {summary['arch']}" if "arch" in summary else f"CTranslate2 model ({summary['quantization']})"
     changes = ", ".join(f"{k}={v}" for k, v in summary.get("changes", {}).items())
     check = (
         f"max |log-prob difference| on random sentences {summary['max_abs_diff']:.2e}"

@@ -69,11 +69,12 @@ def load_checkpoint(path: str) -> Tuple[dict, argparse.Namespace]:
     args = copy.deepcopy(model_args(state))
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    model = ARCH_MODEL_NAME_REGISTRY.get(getattr(args, "arch", None))
-    if model not in (config_check.TRANSLATION_MODEL, config_check.LM_MODEL):
+    arch = getattr(args, "arch", None)
+    model = ARCH_MODEL_NAME_REGISTRY.get(arch)
+    if arch is not None and model not in (config_check.TRANSLATION_MODEL, config_check.LM_MODEL):
         raise ExportError(
-            f"{path} is a checkpoint of fairseq's {model or getattr(args, 'arch', '?')}, not of a deepinit model: "
-            "a stock fairseq checkpoint needs no export (CTranslate2's own ct2-fairseq-converter reads it)"
+            f"{path} is a checkpoint of fairseq's {model or arch}, not of a deepinit model: a stock fairseq "
+            "checkpoint needs no export (CTranslate2's own ct2-fairseq-converter reads it)"
         )
     return state, args
 
