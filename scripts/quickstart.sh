@@ -204,7 +204,7 @@ if [ "${EXPORT:-1}" != 0 ]; then
   fi
   "$PY" scripts/translate_ct2.py "$CT2" --codes "$BPE/codes" --vocabulary "$BPE/vocab.de" \
     --input "$CORPUS/raw/test.de" --output "$RUN/ctranslate2-test.en" --beam "$BEAM" --max-len-a 1.2 --max-len-b 20 \
-    --batch-size 64 --threads "$THREADS" --reference "$CORPUS/raw/test.en" --fairseq-output "$GEN" \
+    --batch-size 64 --target-bpe "$BPE/test.en" --threads "$THREADS" --reference "$CORPUS/raw/test.en" --fairseq-output "$GEN" \
     --fairseq-log "$RUN/generate.log" | tee "$RUN/ctranslate2.txt"
   echo "fairseq-generate: $(head -1 "$RUN/bleu.txt")"
 fi

@@ -117,12 +117,12 @@ def test_ct2_beam5_outputs_equal_fairseq_generate(case, exported):
     want = fairseq_beam(model, ids, BEAM, lm)
     ct2 = scoring.load_ct2(folder, lm)
     if lm:
-        got, redone = decoding.generate_tokens(ct2, words, BEAM)
+        got, redone, at_limit = decoding.generate_tokens(ct2, words, BEAM)
     else:
-        got, redone = decoding.translate_tokens(ct2, words, BEAM, exact_first_step=True)
+        got, redone, at_limit = decoding.translate_tokens(ct2, words, BEAM, exact_first_step=True)
     assert all(len(w) < BEAM.max_len_b for w in want)  # every sentence ended before the length limit
     assert [h[0] for h in got] == want
-    assert redone == 0
+    assert redone == 0 and at_limit == []
 
 
 @pytest.mark.parametrize("case", _targets(FAIRSEQ, refused=False), ids=case_id)

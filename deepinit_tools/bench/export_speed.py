@@ -76,12 +76,10 @@ class Fairseq:
         dataset = task.dataset(subset)
         ids = list(range(min(limit, len(dataset))))
         self.sources = [[task.source_dictionary[t] for t in dataset[i]["source"].tolist()[:-1]] for i in ids]
-        order = sorted(
-            ids, key=lambda i: (dataset.tgt_sizes[i] if dataset.tgt_sizes is not None else 0, dataset.src_sizes[i])
-        )
-        self.batches = [
-            dataset.collater([dataset[i] for i in order[k : k + batch_size]]) for k in range(0, len(order), batch_size)
-        ]
+        decoding, _run = plugin()
+        sizes = (dataset.src_sizes[ids], None if dataset.tgt_sizes is None else dataset.tgt_sizes[ids])
+        self.order = decoding.fairseq_batches(*sizes, batch_size)  # fairseq-generate's batches, for both systems
+        self.batches = [dataset.collater([dataset[ids[i]] for i in batch]) for batch in self.order]
         self.generator = task.build_generator(
             [self.model], argparse.Namespace(beam=beam, max_len_a=0, max_len_b=200, min_len=1, lenpen=1, unkpen=0)
         )
@@ -104,20 +102,22 @@ class Fairseq:
 class CTranslate2:
     """The same sentences through an exported model (:func:`fairseq_deepinit.export.decoding.translate_tokens`)."""
 
-    def __init__(self, folder: str, sources: Sequence[Sequence[str]], beam: int, batch_size: int, threads: int):
+    def __init__(self, folder: str, sources, order, beam: int, threads: int):
         import ctranslate2
 
         decoding, _run = plugin()
         self.translator = ctranslate2.Translator(folder, device="cpu", inter_threads=1, intra_threads=threads)
         self.sources = sources
+        self.order = order
         self.options = decoding.FairseqDecoding(beam=beam)
-        self.batch_size = batch_size
         self.hypotheses: List[List[str]] = []
+        self.at_limit: List[int] = []
         self._translate = decoding.translate_tokens
 
     def __call__(self) -> int:
-        hyps, _redone = self._translate(self.translator, self.sources, self.options, batch_size=self.batch_size)
-        self.hypotheses = [h[0] for h in hyps]
+        decoded = self._translate(self.translator, self.sources, self.options, batches=self.order)
+        self.hypotheses = [h[0] for h in decoded.hypotheses]
+        self.at_limit = decoded.at_limit
         return sum(len(h) + 1 for h in self.hypotheses)
 
 
@@ -138,7 +138,7 @@ def measure(args, name: str, checkpoint: Path, references: List[str]) -> List[di
         torch.set_num_threads(threads)
         systems = {"fairseq": fairseq}
         for system, folder in folders.items():
-            systems[system] = CTranslate2(folder, fairseq.sources, args.beam, args.batch_size, threads)
+            systems[system] = CTranslate2(folder, fairseq.sources, fairseq.order, args.beam, threads)
         load = os.getloadavg()[0]
         rounds = interleave(
             systems, args.rounds, warmup=0, on_round=lambda r, _, t=threads: print(f"[{name} x{t}] round {r + 1}")
@@ -158,6 +158,7 @@ def measure(args, name: str, checkpoint: Path, references: List[str]) -> List[di
                     cpu_ratio=median(rounds.ratios(system, "fairseq", "cpu")),
                     bleu=bleu(hyps, refs),
                     identical=sum(a == b for a, b in zip(hyps, base, strict=True)),
+                    at_limit=len(getattr(systems[system], "at_limit", [])),
                     sentences=len(base),
                     load_before=load,
                     load_after=os.getloadavg()[0],

@@ -14,9 +14,9 @@ power ``--lenpen``. What must be set to make them agree (docs/export.md has the 
 - ``--max-len-a``/``--max-len-b`` -> ``max_decoding_length = min(int(a * n + b), max_positions - 1) + 1`` with
   ``n`` the source length with its ``</s>``: fairseq allows ``max_len`` words and then the ``</s>``, CTranslate2
   ``max_decoding_length`` steps, ``</s>`` included. fairseq reads ``n`` from the padded batch (its longest
-  source), so :func:`translate_tokens` decodes sources of one length together, which is what fairseq does
-  with batches of one length. At that limit the two differ: fairseq forces ``</s>`` at the last step,
-  CTranslate2 keeps the best word there (a hypothesis that long is cut, not ended);
+  source), so :func:`translate_tokens` decodes in fairseq-generate's batches when it is given them
+  (:func:`fairseq_batches`), else sources of one length together. At that limit the two differ: fairseq forces
+  ``</s>`` at the last step, CTranslate2 keeps the best word there (a hypothesis that long is cut, not ended);
 - ``--min-len`` (default 1: no ``</s>`` as the first word) -> ``min_decoding_length``;
 - ``<pad>`` (``<blank>`` in the vocabulary): fairseq sets its log-probability to -inf after the log-softmax,
   so every other word keeps the probability the model gives it. CTranslate2's ``suppress_sequences`` (and its
@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence
 
 from ..errors import ExportError
 
@@ -68,6 +68,16 @@ class FairseqDecoding:
     def max_len(self, source_length: int) -> int:
         """fairseq's ``max_len`` for sources of ``source_length`` tokens (``</s>`` included)."""
         return min(int(self.max_len_a * source_length + self.max_len_b), self.max_positions - 1)
+
+
+class Decoded(NamedTuple):
+    """What :func:`translate_tokens` / :func:`generate_tokens` return: per source, its ``nbest`` hypotheses (tokens,
+    without ``</s>``); how many sentences were decoded again with ``<blank>`` suppressed; which sentences' best
+    hypothesis reached the length limit without ``</s>`` (where fairseq would have forced one: module docstring)."""
+
+    hypotheses: List[List[List[str]]]
+    redone: int
+    at_limit: List[int]
 
 
 def ct2_options(decoding: FairseqDecoding, source_length: int) -> Dict[str, object]:
@@ -98,43 +108,67 @@ def _rerank(result, c: float, lenpen: float, nbest: int) -> List[List[str]]:
     return [result.hypotheses[k] for k in order[:nbest]]
 
 
+def fairseq_batches(
+    source_lengths: Sequence[int], target_lengths: Sequence[int] | None = None, batch_size: int = 64
+) -> List[List[int]]:
+    """The batches fairseq-generate makes of a test set (indices into it): sorted by target length, then stably by
+    source length (``LanguagePairDataset.ordered_indices``, fairseq/data/language_pair_dataset.py:427-438, the test
+    split unshuffled), then ``--batch-size`` sentences at a time (``--required-batch-size-multiple 1``)."""
+    order = list(range(len(source_lengths)))
+    if target_lengths is not None:
+        order.sort(key=lambda i: target_lengths[i])
+    order.sort(key=lambda i: source_lengths[i])
+    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+
+
 def translate_tokens(
     translator,
     sources: Sequence[Sequence[str]],
     decoding: FairseqDecoding = FairseqDecoding(),
     batch_size: int = 64,
     exact_first_step: bool = False,
-) -> Tuple[List[List[List[str]]], int]:
-    """``(hypotheses, redone)``: the ``nbest`` hypotheses (tokens, without ``</s>``) of each source (tokens,
-    without ``</s>``), decoded as fairseq-generate decodes them: sources of one length together (their
-    ``max_len`` is one number), in batches of at most ``batch_size``; in the order of ``sources``. ``redone``:
-    how many sentences were decoded again with ``<blank>`` suppressed; ``exact_first_step``: rank as fairseq
-    even where ``</s>`` is likely as the first word (module docstring)."""
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    batches: Sequence[Sequence[int]] | None = None,
+) -> Decoded:
+    """The ``nbest`` hypotheses of each source (tokens, without ``</s>``), in the order of ``sources``
+    (:class:`Decoded`).
+
+    fairseq-generate's ``max_len`` reads the padded length of each batch (its longest source): ``batches``
+    (:func:`fairseq_batches`) decodes in fairseq-generate's own batches, each with its longest source's limit;
+    without them, sources of one length are decoded together (what fairseq does with batches of one length) in
+    batches of at most ``batch_size``. ``exact_first_step``: rank as fairseq even where ``</s>`` is likely as the
+    first word (module docstring).
+    """
+    if batches is None:
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+        batches = [
+            ids[start : start + batch_size]
+            for _length, group in groupby(order, key=lambda i: len(sources[i]))
+            for ids in [list(group)]
+            for start in range(0, len(ids), batch_size)
+        ]
     out: List[List[List[str]]] = [[] for _ in sources]
-    redone = 0
+    redone, at_limit = 0, []
     lenpen = 0.0 if decoding.unnormalized else decoding.lenpen
-    for length, group in groupby(order, key=lambda i: len(sources[i])):
-        ids = list(group)
-        options = ct2_options(decoding, length + 1)
+    for chunk in batches:
+        options = ct2_options(decoding, max(len(sources[i]) for i in chunk) + 1)
         if exact_first_step:
             options["num_hypotheses"] = decoding.beam
-        for start in range(0, len(ids), batch_size):
-            chunk = ids[start : start + batch_size]
-            batch = [list(sources[i]) for i in chunk]
-            results = translator.translate_batch(batch, **options)
-            if exact_first_step and decoding.min_len > 0:
-                first = translator.score_batch(batch, [[] for _ in batch])
-                shifts = [-math.log1p(-math.exp(r.log_probs[0])) for r in first]
-            else:
-                shifts = [0.0] * len(batch)
-            for i, result, c in zip(chunk, results, shifts, strict=True):
-                if any(BLANK in h for h in result.hypotheses):
-                    redone += 1
-                    result = translator.translate_batch([list(sources[i])], suppress_sequences=[[BLANK]], **options)[0]
-                hypotheses = _rerank(result, c, lenpen, decoding.nbest) if exact_first_step else result.hypotheses
-                out[i] = [_strip_end(h) for h in hypotheses]
-    return out, redone
+        batch = [list(sources[i]) for i in chunk]
+        results = translator.translate_batch(batch, **options)
+        if exact_first_step and decoding.min_len > 0:
+            first = translator.score_batch(batch, [[] for _ in batch])
+            shifts = [-math.log1p(-math.exp(r.log_probs[0])) for r in first]
+        else:
+            shifts = [0.0] * len(batch)
+        for i, result, c in zip(chunk, results, shifts, strict=True):
+            if any(BLANK in h for h in result.hypotheses):
+                redone += 1
+                result = translator.translate_batch([list(sources[i])], suppress_sequences=[[BLANK]], **options)[0]
+            hypotheses = _rerank(result, c, lenpen, decoding.nbest) if exact_first_step else result.hypotheses
+            if hypotheses and (not hypotheses[0] or hypotheses[0][-1] != EOS):
+                at_limit.append(i)
+            out[i] = [_strip_end(h) for h in hypotheses]
+    return Decoded(out, redone, at_limit)
 
 
 def ct2_lm_options(decoding: FairseqDecoding, prompt_length: int) -> Dict[str, object]:
@@ -162,9 +196,9 @@ def ct2_lm_options(decoding: FairseqDecoding, prompt_length: int) -> Dict[str, o
 
 def generate_tokens(
     generator, prompts: Sequence[Sequence[str]], decoding: FairseqDecoding = FairseqDecoding()
-) -> Tuple[List[List[List[str]]], int]:
+) -> Decoded:
     """A language model's continuations of ``prompts`` (prompt words, without the leading ``</s>``), decoded as
-    fairseq decodes a prompt given as ``prefix_tokens``; ``(hypotheses with the prompt, without </s>, redone)``.
+    fairseq decodes a prompt given as ``prefix_tokens`` (:class:`Decoded`; the hypotheses begin with the prompt).
 
     fairseq ranks a finished hypothesis by ``(S_prompt + S) / (P + L)^lenpen`` (the prompt's ``P`` words and
     log-probability ``S_prompt`` included), CTranslate2 by ``S / L^lenpen``: every comparison during the search is
@@ -174,9 +208,9 @@ def generate_tokens(
     for a translation's first step; one that reaches further is refused (its shifts differ between beams).
     """
     out: List[List[List[str]]] = []
-    redone = 0
+    redone, at_limit = 0, []
     lenpen = 0.0 if decoding.unnormalized else decoding.lenpen
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         if decoding.min_len - len(prompt) > 1:
             raise ExportError(
                 f"--min-len {decoding.min_len} reaches {decoding.min_len - len(prompt)} words past a "
@@ -197,8 +231,20 @@ def generate_tokens(
             generated = score * len(h) ** lenpen - shift
             fixed.append((prompt_score + generated) / (len(prompt) + len(h)) ** lenpen)
         order = sorted(range(len(fixed)), key=lambda k: -fixed[k])
+        best = result.sequences[order[0]] if order else []
+        if not best or best[-1] != EOS:
+            at_limit.append(index)
         out.append([[*prompt, *_strip_end(result.sequences[k])] for k in order[: decoding.nbest]])
-    return out, redone
+    return Decoded(out, redone, at_limit)
 
 
-__all__ = ["BLANK", "FairseqDecoding", "ct2_lm_options", "ct2_options", "generate_tokens", "translate_tokens"]
+__all__ = [
+    "BLANK",
+    "Decoded",
+    "FairseqDecoding",
+    "ct2_lm_options",
+    "ct2_options",
+    "fairseq_batches",
+    "generate_tokens",
+    "translate_tokens",
+]
