@@ -17,8 +17,9 @@ For each ``--model NAME=CHECKPOINT`` (a checkpoint of the plugin, its data in ``
    detokenised hypotheses against ``--reference`` (raw text), and how many hypotheses are identical to fairseq's.
 
 Targets (docs/export.md): float32 >= 2x fairseq's tokens/s with identical outputs, int8 >= 4x with BLEU within
-0.5. The decoding options are fairseq-generate's defaults but the beam: ``--max-len-a 0 --max-len-b 200``
-(:mod:`fairseq_deepinit.export.decoding` says why a length limit that binds is decoded differently).
+0.5. The decoding options are fairseq-generate's defaults but the beam and ``--max-len-b`` (``--max-len-a 0``:
+the limit does not depend on the batch); where a hypothesis reaches the limit the two systems end it differently
+(:mod:`fairseq_deepinit.export.decoding`), and the table says how many did.
 
     OMP_NUM_THREADS=1 python benchmarks/export_speed.py --data work-data/bible-s-k/bpe8000-len80/bin \\
         --reference work-data/bible-s-k/raw/test.en --model quickstart=<run>/checkpoint_last.pt
@@ -62,7 +63,9 @@ def export_models(name: str, checkpoint: Path, data: Path, work: Path) -> Dict[s
 class Fairseq:
     """fairseq-generate's generation loop on the first ``limit`` sentences of ``subset``."""
 
-    def __init__(self, checkpoint: Path, data: Path, subset: str, limit: int, beam: int, batch_size: int) -> None:
+    def __init__(
+        self, checkpoint: Path, data: Path, subset: str, limit: int, beam: int, batch_size: int, max_len_b: int
+    ):
         import torch
         from fairseq import checkpoint_utils
 
@@ -81,7 +84,7 @@ class Fairseq:
         self.order = decoding.fairseq_batches(*sizes, batch_size)  # fairseq-generate's batches, for both systems
         self.batches = [dataset.collater([dataset[ids[i]] for i in batch]) for batch in self.order]
         self.generator = task.build_generator(
-            [self.model], argparse.Namespace(beam=beam, max_len_a=0, max_len_b=200, min_len=1, lenpen=1, unkpen=0)
+            [self.model], argparse.Namespace(beam=beam, max_len_a=0, max_len_b=max_len_b, min_len=1, lenpen=1, unkpen=0)
         )
         self.ids = ids
         self.hypotheses: Dict[int, List[str]] = {}
@@ -102,14 +105,14 @@ class Fairseq:
 class CTranslate2:
     """The same sentences through an exported model (:func:`fairseq_deepinit.export.decoding.translate_tokens`)."""
 
-    def __init__(self, folder: str, sources, order, beam: int, threads: int):
+    def __init__(self, folder: str, sources, order, beam: int, threads: int, max_len_b: int):
         import ctranslate2
 
         decoding, _run = plugin()
         self.translator = ctranslate2.Translator(folder, device="cpu", inter_threads=1, intra_threads=threads)
         self.sources = sources
         self.order = order
-        self.options = decoding.FairseqDecoding(beam=beam)
+        self.options = decoding.FairseqDecoding(beam=beam, max_len_b=max_len_b)
         self.hypotheses: List[List[str]] = []
         self.at_limit: List[int] = []
         self._translate = decoding.translate_tokens
@@ -131,14 +134,14 @@ def measure(args, name: str, checkpoint: Path, references: List[str]) -> List[di
     import torch
 
     folders = export_models(name, checkpoint, args.data, args.work)
-    fairseq = Fairseq(checkpoint, args.data, args.subset, args.limit, args.beam, args.batch_size)
+    fairseq = Fairseq(checkpoint, args.data, args.subset, args.limit, args.beam, args.batch_size, args.max_len_b)
     refs = references[: len(fairseq.ids)]
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         systems = {"fairseq": fairseq}
         for system, folder in folders.items():
-            systems[system] = CTranslate2(folder, fairseq.sources, fairseq.order, args.beam, threads)
+            systems[system] = CTranslate2(folder, fairseq.sources, fairseq.order, args.beam, threads, args.max_len_b)
         load = os.getloadavg()[0]
         rounds = interleave(
             systems, args.rounds, warmup=0, on_round=lambda r, _, t=threads: print(f"[{name} x{t}] round {r + 1}")
@@ -172,10 +175,12 @@ def table(rows: List[dict]) -> str:
               "identical to fairseq", "load avg"]  # fmt: skip
     body = []
     for r in rows:
+        limit = f" ({r['at_limit']} at the length limit)" if r["at_limit"] else ""
         body.append(
             [r["model"], r["threads"], r["system"], f"{r['wall_tps']:.1f}", f"{r['cpu_tps']:.1f}",
              f"{r['wall_ratio']:.2f}", f"{r['cpu_ratio']:.2f}", f"{r['bleu']:.2f}",
-             f"{r['identical']}/{r['sentences']}", f"{r['load_before']:.1f}-{r['load_after']:.1f}"]
+             f"{r['identical']}/{r['sentences']}{limit}",
+             f"{r['load_before']:.1f}-{r['load_after']:.1f}"]
         )  # fmt: skip
     return report.markdown_table(header, body, right=(1, 3, 4, 5, 6, 7))
 
@@ -189,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, default=200, help="its first sentences translated")
     p.add_argument("--beam", type=positive_int, default=5, help="beam size")
     p.add_argument("--batch-size", type=positive_int, default=64, help="sentences per batch, both systems")
+    p.add_argument("--max-len-b", type=positive_int, default=200, help="fairseq-generate's --max-len-b (--max-len-a 0)")
     p.add_argument("--threads", type=int_list, default=[1, 2], help="thread counts, comma-separated")
     p.add_argument("--rounds", type=positive_int, default=3, help="timing rounds (systems interleaved)")
     p.add_argument("--work", type=Path, default=Path("work-data/export-speed"), help="where the exports go")
