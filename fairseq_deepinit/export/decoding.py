@@ -15,7 +15,7 @@ power ``--lenpen``. What must be set to make them agree (docs/export.md has the 
   ``n`` the source length with its ``</s>``: fairseq allows ``max_len`` words and then the ``</s>``, CTranslate2
   ``max_decoding_length`` steps, ``</s>`` included. fairseq reads ``n`` from the padded batch (its longest
   source), so :func:`translate_tokens` decodes in fairseq-generate's batches when it is given them
-  (:func:`fairseq_batches`), else sources of one length together. At that limit the two differ: fairseq forces
+  (:func:`.decoding.fairseq_batches`), else sources of one length together. At that limit the two differ: fairseq forces
   ``</s>`` at the last step, CTranslate2 keeps the best word there (a hypothesis that long is cut, not ended);
 - ``--min-len`` (default 1: no ``</s>`` as the first word) -> ``min_decoding_length``;
 - ``<pad>`` (``<blank>`` in the vocabulary): fairseq sets its log-probability to -inf after the log-softmax,
@@ -133,7 +133,7 @@ def translate_tokens(
     (:class:`Decoded`).
 
     fairseq-generate's ``max_len`` reads the padded length of each batch (its longest source): ``batches``
-    (:func:`fairseq_batches`) decodes in fairseq-generate's own batches, each with its longest source's limit;
+    (:func:`.decoding.fairseq_batches`) decodes in fairseq-generate's own batches, each with its longest source's limit;
     without them, sources of one length are decoded together (what fairseq does with batches of one length) in
     batches of at most ``batch_size``. ``exact_first_step``: rank as fairseq even where ``</s>`` is likely as the
     first word (module docstring).
