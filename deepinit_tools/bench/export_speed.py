@@ -161,7 +161,11 @@ def measure(args, name: str, checkpoint: Path, references: List[str]) -> List[di
                     cpu_ratio=median(rounds.ratios(system, "fairseq", "cpu")),
                     bleu=bleu(hyps, refs),
                     identical=sum(a == b for a, b in zip(hyps, base, strict=True)),
-                    at_limit=len(getattr(systems[system], "at_limit", [])),
+                    # of the hypotheses that differ from fairseq's, those that reached the length limit
+                    at_limit=len(
+                        {i for i, (a, b) in enumerate(zip(hyps, base, strict=True)) if a != b}
+                        & set(getattr(systems[system], "at_limit", []))
+                    ),
                     sentences=len(base),
                     load_before=load,
                     load_after=os.getloadavg()[0],
@@ -175,7 +179,7 @@ def table(rows: List[dict]) -> str:
               "identical to fairseq", "load avg"]  # fmt: skip
     body = []
     for r in rows:
-        limit = f" ({r['at_limit']} at the length limit)" if r["at_limit"] else ""
+        limit = f" (of the others {r['at_limit']} at the length limit)" if r["at_limit"] else ""
         body.append(
             [r["model"], r["threads"], r["system"], f"{r['wall_tps']:.1f}", f"{r['cpu_tps']:.1f}",
              f"{r['wall_ratio']:.2f}", f"{r['cpu_ratio']:.2f}", f"{r['bleu']:.2f}",

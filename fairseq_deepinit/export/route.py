@@ -152,9 +152,12 @@ class Route:
         return "fold" if self.folds else "stock"
 
     def check(self, target: str) -> None:
-        """Raise the one-line :class:`~fairseq_deepinit.errors.ExportError` if ``target`` is refused."""
+        """Raise the one-line :class:`~fairseq_deepinit.errors.ExportError` if ``target`` is refused (naming the
+        other target where that one takes the model)."""
         if target in self.reasons:
-            raise ExportError(f"cannot export to {target}: {self.reasons[target]}")
+            other = CTRANSLATE2 if target == FAIRSEQ else FAIRSEQ
+            hint = f"; --to {other} exports it exactly" if other not in self.reasons else ""
+            raise ExportError(f"cannot export to {target}: {self.reasons[target]}{hint}")
 
     def describe(self) -> str:
         """One line: the model as the export sees it, and what happens to it per target."""
@@ -275,7 +278,7 @@ def classify(args) -> Route:
     if fairseq:
         reasons[FAIRSEQ] = fairseq
     eps, eps_reason = _ct2_eps(args, norm, stacks, qk)
-    ct2 = qk_reason or eps_reason or _ct2_reason(args, lm)
+    ct2 = qk_reason or eps_reason or _ct2_reason(args)
     if ct2:
         reasons[CTRANSLATE2] = ct2
     return Route(**route, reasons=reasons, ct2_eps=eps)
@@ -284,25 +287,19 @@ def classify(args) -> Route:
 def _fairseq_reason(args, norm: str, placements: Dict[str, str]) -> str | None:
     if norm != "layernorm":
         what = "no norm at all" if norm == "none" else f"--norm-type {norm}"
-        return f"{what}: a stock fairseq transformer has LayerNorms (CTranslate2 can take it: --to ctranslate2)"
+        return f"{what}: a stock fairseq transformer has LayerNorms"
     if float(args.norm_eps) != FAIRSEQ_LN_EPS:
-        return (
-            f"--norm-eps {args.norm_eps:g}: fairseq's LayerNorm has eps 1e-5 and no option to change it "
-            "(CTranslate2 can take it: --to ctranslate2)"
-        )
+        return f"--norm-eps {args.norm_eps:g}: fairseq's LayerNorm has eps 1e-5 and no option to change it"
     if "peri" in placements.values():
-        return "--norm-placement peri (Peri-LN): a stock transformer has no output norms (--to ctranslate2 can)"
+        return "--norm-placement peri (Peri-LN): a stock transformer has no norm on a sub-layer's output"
     if getattr(args, "qk_norm", False):
         return "--qk-norm: a stock transformer has no q/k norms"
     if getattr(args, "fixnorm", False):
-        return (
-            "--fixnorm: its output layer adds a per-word bias, which a stock transformer's output projection lacks "
-            "(--to ctranslate2 can)"
-        )
+        return "--fixnorm: its output layer adds a per-word bias, which a stock transformer's output projection lacks"
     return None
 
 
-def _ct2_reason(args, lm: bool) -> str | None:
+def _ct2_reason(args) -> str | None:
     act = getattr(args, "activation_fn", "relu") or "relu"
     if act not in CT2_ACTIVATIONS:
         return f"--activation-fn {act}: CTranslate2's fairseq activations are {', '.join(CT2_ACTIVATIONS)}"
@@ -316,5 +313,4 @@ def _ct2_reason(args, lm: bool) -> str | None:
             "only one of --decoder-input-dim / --decoder-output-dim differs from --decoder-embed-dim; CTranslate2's "
             "project_in_out has both projections or neither"
         )
-    del lm
     return None

@@ -115,6 +115,7 @@ def build_plugin_model(sd: dict, args, dtype: torch.dtype, src_dict=None, tgt_di
     task = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
     a = copy.deepcopy(args)
     a.task = None  # only evaluated: no profiling-task checks
+    a.checkpoint_activations = a.offload_activations = False  # the layers themselves, not their training wrappers
     cls = DeepInitLanguageModel if lm else DeepInitTransformerModel
     model = cls.build_model(a, task).to(dtype)
     model.load_state_dict(sd, strict=True, model_cfg=a)
