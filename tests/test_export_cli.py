@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from export_cases import build_case, write_checkpoint
+from export_cases import build_case, resolved, write_checkpoint
 
 from fairseq_deepinit.export import cli, scoring, source, to_fairseq
 
@@ -198,3 +198,17 @@ def test_the_family_table_in_the_docs_is_the_generated_one():
     assert table.current(table.DOC.read_text()) == table.render(), (
         "docs/export.md's table is stale: python -m fairseq_deepinit.export.table --write"
     )
+
+
+def test_an_option_the_route_was_not_written_for_is_refused(monkeypatch):
+    """A method added after the export (its option set, its residual or norm unknown) is refused, not ignored."""
+    from fairseq_deepinit.export import route
+
+    args = resolved(("lnscale", (), False))
+    assert route.classify(args).fairseq == "fold"
+    monkeypatch.setattr(route, "UNDERSTOOD", route.UNDERSTOOD - {"layernorm_scaling"})
+    reasons = route.classify(args).reasons
+    want = "--layernorm-scaling (LayerNorm Scaling): the export does not carry this option yet"
+    assert reasons == {route.FAIRSEQ: want, route.CTRANSLATE2: want}
+    monkeypatch.setattr(route, "KNOWN_RESIDUALS", ("none",))
+    assert "no fold for this residual" in route.classify(resolved(("admin", (), False))).reasons[route.FAIRSEQ]

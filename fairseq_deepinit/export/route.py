@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
+from .. import options
 from ..errors import ExportError
 
 FAIRSEQ = "fairseq"
@@ -39,6 +40,41 @@ CT2_ACTIVATIONS = {
     "gelu_fast": "GELUTanh",
     "swish": "SWISH",
 }
+
+#: the plugin's options the route decides on, or that change nothing an export carries (the init schemes' and the
+#: profiling's, read before training only); another method's option, with a value other than its default, is
+#: refused until this list and :func:`classify` say what it does (:func:`_unknown`)
+UNDERSTOOD = frozenset(
+    {
+        *("init_scheme", "norm_type", "norm_eps", "residual_scale", "decoder_layer_type", "force_norm_with_scheme"),
+        *("attention_impl", "lipschitz_bias_free", "ds_init_variant", "ds_init_alpha", "fixnorm", "deepnorm_variant"),
+        *("admin_formula", "admin_output_change", "admin_freeze_omega", "admin_profile_batches"),
+        *("admin_profile_max_tokens", "admin_profile_path", "admin_profile_only", "matt_self_branch", "matt_share_v"),
+        *("b2t_init_rescale", "resi_dual_scale", "resi_dual_alpha", "resi_dual_start", "resi_dual_final_eps"),
+        *("scale_attn", "scale_fc", "scale_heads", "scale_resids", "subln", "layernorm_scaling", "mix_ln"),
+        *("mixln_ratio", "mixln_post_layers", "norm_placement", "qk_norm", "qk_norm_scope", "qk_norm_type"),
+        *("qk_norm_eps", "qk_norm_cross", "dyt_alpha_init", "dyt_bias", "dyt_embed_scale", "derf_alpha_init"),
+        *("derf_bias", "derf_embed_scale", "derf_shift_init", "depth_mup", "depth_mup_alpha", "depth_mup_base_layers"),
+        "depth_mup_source",
+    }
+)
+#: the values of the selectors the route knows (folded, exact or refused with a reason)
+KNOWN_RESIDUALS = ("none", "admin", "deepnorm", "rezero", "depth-mup", "b2t", "resi-dual")
+KNOWN_NORMS = ("layernorm", "rmsnorm", "scalenorm", "none", "dyt", "derf")
+
+
+def _unknown(args) -> str | None:
+    """Why a model using something the route was not written for is refused (a method added since), or None."""
+    for option, method in options.all_options():
+        value = getattr(args, option.name, None)
+        if option.name not in UNDERSTOOD and value not in (None, False) and value != option.default:
+            return f"{option.flag} ({method.title}): the export does not carry this option yet"
+    if args.residual_scale not in KNOWN_RESIDUALS:
+        return f"--residual-scale {args.residual_scale}: the export has no fold for this residual yet"
+    if args.norm_type not in KNOWN_NORMS:
+        return f"--norm-type {args.norm_type}: the export does not carry this norm yet"
+    return None
+
 
 #: features that neither target can carry, each with why (first match wins)
 _NEVER = (
@@ -253,7 +289,7 @@ def classify(args) -> Route:
     """
     lm = getattr(args, "encoder_layers", None) == 0
     stacks = ("decoder",) if lm else ("encoder", "decoder")
-    never = next((why(args) for test, why in _NEVER if test(args)), None)
+    never = _unknown(args) or next((why(args) for test, why in _NEVER if test(args)), None)
     placements = {s: _stack_placement(args, s) for s in stacks}
     norm = args.norm_type
     if norm == "none":
