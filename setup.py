@@ -1,6 +1,6 @@
 """fairseq-deepinit: deep-Transformer initialisation and normalisation schemes for fairseq."""
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 setup(
     name="fairseq-deepinit",
@@ -13,7 +13,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.13",
     # the plugin, and the tools its scripts and benchmarks run (docs/architecture.md, "The tools")
-    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*", "deepinit_tools", "deepinit_tools.*"]),
+    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*", "deepinit_tools", "deepinit_tools.*"])
+    # fairseq-hydra-train's config-key errors in one line: Hydra imports this namespace at start-up
+    + find_namespace_packages(include=["hydra_plugins"]),
     install_requires=[
         # exact pins; ve-fairseq's wheel hashes are in requirements/fairseq.txt
         "ve-fairseq==0.12.3",

@@ -10,8 +10,9 @@ found before a model is built), :class:`AdminConfigError` and :class:`AdminNotPr
 :class:`DivergenceError` (the diagnostics guard), :class:`UnsafeCheckpointError` (a checkpoint that
 pickles something torch's ``weights_only`` loader refuses; also a ``pickle.UnpicklingError``, what torch
 raises for it), :class:`CheckpointFileError` / :class:`ConfigChangeError` (a checkpoint that cannot be
-read or must not be resumed) and
-:class:`CheckpointSaveError` (an ``OSError``: a checkpoint that cannot be written).
+read or must not be resumed) and :class:`CheckpointSaveError` (an ``OSError``: a checkpoint that cannot be
+written), :class:`RankLostError` (another data-parallel rank stopped answering) and :class:`SaveDirBusyError`
+(a ``--save-dir`` another run holds).
 
 The one-line exit belongs to the command line, not to the library. :func:`install` (called once
 when the plugin is imported, i.e. by ``--user-dir``, and by the plugin's own console scripts, which
@@ -129,6 +130,14 @@ class ConfigChangeError(CheckpointFileError):
 
 class CheckpointSaveError(DeepInitError, OSError):
     """A checkpoint could not be written (disk full, no permission, file size limit, ...)."""
+
+
+class RankLostError(DeepInitError, RuntimeError):
+    """Another data-parallel rank stopped answering (timed out) or closed its connection."""
+
+
+class SaveDirBusyError(DeepInitError, RuntimeError):
+    """The ``--save-dir`` belongs to another run that is still going."""
 
 
 # --- how they end a command ---------------------------------------------------------------------
