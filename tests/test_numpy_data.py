@@ -6,8 +6,8 @@ Numeric arrays and scalars load as they were saved, through every loader of the 
 torch's process-wide allow-list; an object, structured, string or datetime dtype, a dtype whose state numpy
 never writes (flags that claim Python objects), an array whose bytes do not fit its shape, ``numpy.ndarray``
 called directly, and payloads beside or inside numpy data are refused with the one-line refusal that names
-them, and nothing of them runs. The slow test trains with ``--eval-bleu`` and generates, diagnoses and
-resumes from its best checkpoint.
+them, and nothing of them runs. The slow test trains with ``--eval-bleu`` and generates, diagnoses, exports
+and resumes from its best checkpoint.
 """
 
 from __future__ import annotations
@@ -274,8 +274,9 @@ def generate(data: Path, path: Path, check: bool = True):
 
 
 @pytest.mark.slow
-def test_eval_bleu_run_generates_diagnoses_and_resumes_from_its_best_checkpoint(synthetic_bin, tmp_path):
+def test_eval_bleu_run_generates_diagnoses_exports_and_resumes_from_its_best_checkpoint(synthetic_bin, tmp_path):
     from fairseq_deepinit.diagnostics import diagnose
+    from fairseq_deepinit.export import cli as export_cli
 
     save = tmp_path / "ckpt"
     log = eval_bleu_train(synthetic_bin, save, 4).stdout
@@ -294,6 +295,10 @@ def test_eval_bleu_run_generates_diagnoses_and_resumes_from_its_best_checkpoint(
         code = diagnose.main([str(synthetic_bin), "--checkpoint", str(best), "--output-dir", str(tmp_path / "diag"),
                               "--measure", "grad", "--num-batches", "1"])  # fmt: skip
     assert code in (0, None) and (tmp_path / "diag" / "diagnostics.json").exists()
+    stock = tmp_path / "stock.pt"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert export_cli.main([str(best), str(stock), "--to", "fairseq"]) == 0  # checked against the model
+    assert not set(NUMPY_GLOBALS) & set(compat.pickled_globals(stock))  # the export writes no metrics
 
     log = eval_bleu_train(synthetic_bin, save, 6).stdout
     assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ 4 updates\)", log), log[-2000:]
