@@ -29,6 +29,7 @@ setup(
     entry_points={
         "console_scripts": [
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",
+            "deepinit-export = fairseq_deepinit.export.cli:main",
             "deepinit-export-admin = fairseq_deepinit.admin.export:main",
             "deepinit-export-admin-lm = fairseq_deepinit.lm.export:main",
         ]

@@ -12,6 +12,7 @@
 #   EXTRA_TRAIN_ARGS [] (appended to fairseq-train, e.g. "--init-scheme lipschitz")
 #   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
 #   SKIP_SETUP [0]  THREADS [auto: the cores the load average leaves idle, at least 1]
+#   EXPORT [1] (0: skip the last step, the model exported to CTranslate2 and compared with fairseq-generate)
 # Every knob is checked before any work (one line, exit status 1) and none is ever run as code; the
 # training options are parsed by fairseq-train right after set-up, before the corpus is fetched.
 set -euo pipefail
@@ -44,6 +45,7 @@ MAX_LEN=${MAX_LEN:-80}
 WORK_DIR=${WORK_DIR:-work-data}
 THREADS=${THREADS:-auto}
 SKIP_SETUP=${SKIP_SETUP:-0}
+EXPORT=${EXPORT:-1}
 
 # Every knob is checked here, before any work, and none is ever run as code: one line and exit 1.
 die() { echo "error: $*" >&2; exit 1; }
@@ -80,6 +82,7 @@ need_int BPE_MERGES 1
 need_int MAX_LEN 1 "longest sentence kept, in tokens"
 [ -n "$WORK_DIR" ] || die "WORK_DIR is empty: give a folder"
 [[ $SKIP_SETUP =~ ^[01]$ ]] || die "SKIP_SETUP=$SKIP_SETUP: give 0 or 1"
+[[ $EXPORT =~ ^[01]$ ]] || die "EXPORT=$EXPORT: give 0 or 1"
 [ "$THREADS" = auto ] || need_int THREADS 1 "CPU threads, or auto"
 NCPU=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
 if [ "$THREADS" = auto ]; then
@@ -235,3 +238,24 @@ END_T=$SECONDS
 echo
 timings | tee -a "$RUN/timings.txt"
 echo "files: $RUN (train.log, $(basename "$GEN"), bleu.txt)"
+
+# The way out (EXPORT=0 skips it): the trained model exported to CTranslate2 (deepinit-export, docs/export.md),
+# the raw test set translated with it (tokenise, BPE, CTranslate2 with fairseq-generate's decoding options,
+# detokenise: scripts/translate_ct2.py), CTranslate2's BLEU and speed printed beside fairseq-generate's.
+if [ "$EXPORT" = 1 ]; then
+  echo
+  echo "==> [$(date +%H:%M:%S), +$((SECONDS - T0))s] export: the model as CTranslate2's, the test set again (beam $BEAM)"
+  CT2=$RUN/ctranslate2
+  if [ -f "$CT2/model.bin" ] && [ "$CT2/model.bin" -nt "$RUN/checkpoint_last.pt" ]; then
+    echo "already exported: $CT2"
+  else
+    "$PY" -m fairseq_deepinit.export.cli "$RUN/checkpoint_last.pt" "$CT2" --to ctranslate2 --data "$BIN" \
+      > "$RUN/export.log" 2>&1 || { tail -3 "$RUN/export.log"; echo "error: deepinit-export failed"; exit 1; }
+    grep -o "wrote .*" "$RUN/export.log" | tail -1
+  fi
+  "$PY" scripts/translate_ct2.py "$CT2" --codes "$BPE/codes" --vocabulary "$BPE/vocab.de" \
+    --input "$CORPUS/raw/test.de" --output "$RUN/ctranslate2-test.en" --beam "$BEAM" --max-len-a 1.2 --max-len-b 20 \
+    --batch-size 64 --target-bpe "$BPE/test.en" --threads "$THREADS" --reference "$CORPUS/raw/test.en" \
+    --fairseq-output "$GEN" --fairseq-log "$RUN/generate.log" | tee "$RUN/ctranslate2.txt"
+  echo "fairseq-generate: $(head -1 "$RUN/bleu.txt")"
+fi

@@ -258,6 +258,7 @@ NUMERIC_MODULES = {
     "test_diagnostics",
     "test_dyt",
     "test_dyt_model",
+    "test_export",
     "test_hooks",
     "test_kernels",
     "test_lm",

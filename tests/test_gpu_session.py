@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,23 +115,42 @@ def test_a_cut_cell_never_replaces_one_that_ended_by_itself():
     assert rp.merge({}, [cut])["preln:18:paper:s1"]["status"] == "cut"
 
 
-def test_drop_metrics_makes_an_eval_bleu_checkpoint_loadable_weights_only(tmp_path):
-    """fairseq's --eval-bleu keeps numpy arrays in the checkpoint's metrics; without them the file loads
-    with torch's weights-only unpickler and the plugin's allow-list (argparse.Namespace) only."""
+def test_decoding_reads_the_eval_bleu_checkpoint_as_saved(tmp_path, monkeypatch):
+    """The cells train with fairseq's --eval-bleu, which keeps its BLEU counts as numpy arrays in every
+    checkpoint's metrics; the plugin's loader (fairseq-generate --path's) takes them as data, so a cell's best
+    checkpoint is decoded as saved: nothing strips or rewrites it first."""
     import numpy as np
     import torch
+    from fairseq import checkpoint_utils
 
-    ckpt = tmp_path / "checkpoint_best.pt"
-    metrics = {"valid": {"_bleu_counts": np.array([3, 2, 1, 0])}}
-    state = {"args": argparse.Namespace(a=1), "model": {"w": torch.ones(2)},
-             "extra_state": {"metrics": metrics, "val_loss": 1.5}}  # fmt: skip
+    import fairseq_deepinit  # noqa: F401  (installs the plugin's checkpoint loaders, as --user-dir does)
+    from deepinit_tools.matrix import regimes as rg
+    from deepinit_tools.matrix.commands import Options
+
+    out = tmp_path / "cell"
+    out.mkdir()
+    ckpt = out / "checkpoint_best.pt"
+    state = torch.load(REPO / "tests" / "fixtures" / "v010" / "postln.pt")  # a real fairseq checkpoint
+    counts = {"val": np.array([3, 2, 1, 0]), "sum": np.array([6, 4, 2, 0]), "count": 2, "round": None}
+    state["extra_state"]["metrics"] = {"valid": [(0, "_bleu_counts", "AverageMeter", counts)]}
     torch.save(state, ckpt)
-    assert any("numpy" in g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)))
-    cells.drop_metrics(ckpt)
-    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)) == ["argparse.Namespace"]
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        loaded = torch.load(ckpt, weights_only=True)
-    assert loaded["extra_state"] == {"val_loss": 1.5} and torch.equal(loaded["model"]["w"], torch.ones(2))
+    saved, mtime = ckpt.read_bytes(), ckpt.stat().st_mtime_ns
+    loaded = {}
+
+    def decode_best(o, cell_dir, found, tests_first):  # what fairseq-generate --path loads, in process
+        loaded.update(checkpoint_utils.load_checkpoint_to_cpu(str(cell_dir / "checkpoint_best.pt")))
+        found["test2016_bleu"] = 1.0
+
+    monkeypatch.setattr(cells, "decode_best", decode_best)
+    monkeypatch.setattr(cells.Pack, "_finish", lambda self, j: setattr(j, "record", {"label": "done"}))
+    pack = cells.Pack([], Options(data=tmp_path, runs=tmp_path), time.time() + 60, 10, tmp_path / "p.json", {},
+                      "cpu", 1.0)  # fmt: skip
+    job = cells.Job(rg.Cell(2, "preln", "paper"), out, [])
+    pack._decode(job)
+    assert job.decoded["test2016_bleu"] == 1.0 and "decode_error" not in job.decoded, job.decoded
+    got = loaded["extra_state"]["metrics"]["valid"][0][3]
+    assert all(np.array_equal(got[k], counts[k]) and got[k].dtype == counts[k].dtype for k in ("val", "sum"))
+    assert ckpt.read_bytes() == saved and ckpt.stat().st_mtime_ns == mtime
 
 
 # ---------------------------------------------------------------------------------------------

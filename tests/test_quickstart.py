@@ -282,6 +282,7 @@ QUICKSTART_KNOBS = {  # knob value -> what the one line says (checked before any
     "MAX_TOKENS=1e3": "MAX_TOKENS=1e3: give a whole number >= 1",
     "ARCH=twt;rm": "ARCH=twt;rm: give a name of letters, digits and _",
     "SKIP_SETUP=yes": "SKIP_SETUP=yes: give 0 or 1",
+    "EXPORT=no": "EXPORT=no: give 0 or 1",
     "MAX_LEN=0": "MAX_LEN=0: give a whole number >= 1",
 }
 

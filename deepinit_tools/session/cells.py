@@ -59,7 +59,6 @@ WIDTH_REASON = (
     "per epoch; at d 256 the cells also sit in one table with the matrix's other cells."
 )
 POLL_S, WRITE_S, STOP_GRACE_S = 2.0, 10.0, 15.0
-_SAFE_GLOBALS = threading.Lock()  # torch's allow-list is process-wide: one cell's load at a time
 
 
 def decode_seconds(depth: int, device: str, cells: int) -> float:
@@ -67,32 +66,6 @@ def decode_seconds(depth: int, device: str, cells: int) -> float:
     5) at once, process starts included (estimated: 60 s at 6 layers, 90 s at 18); the CPU rehearsal's
     small sets on 2 shared cores, 20 s plus 10 s a cell."""
     return 45.0 + 2.5 * depth if device == "cuda" else 20.0 + 10.0 * cells
-
-
-def drop_metrics(ckpt: Path) -> None:
-    """Rewrite ``ckpt`` without fairseq's metrics state (``extra_state["metrics"]``).
-
-    fairseq's ``--eval-bleu`` logs its BLEU n-gram counts as numpy arrays, which fairseq-train saves
-    with the metrics in every checkpoint; the plugin's checkpoint loader refuses numpy objects (it
-    allows tensors, plain containers and ``argparse.Namespace``), so fairseq-generate would refuse
-    the cell's best checkpoint. Decoding needs none of the metrics. The file, written by this
-    session's own fairseq-train, is read with torch's weights-only unpickler that additionally
-    accepts numpy's array reconstruction (no other code can run); the allow-list is process-wide,
-    so the cells' decoding threads take turns."""
-    import argparse
-
-    import numpy as np
-    import torch
-
-    numpy_globals = [np.empty(0).__reduce__()[0], np.float64(0).__reduce__()[0], np.ndarray, np.dtype]
-    numpy_globals += sorted({type(np.dtype(t)) for t in ("int64", "int32", "float64", "float32")}, key=str)
-    with _SAFE_GLOBALS, torch.serialization.safe_globals([*numpy_globals, argparse.Namespace]):
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    if state.get("extra_state", {}).pop("metrics", None) is None:
-        return
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(ckpt)
 
 
 def paper_cells(depth: int, methods: Sequence[str] = rg.MAIN_METHODS) -> List[rg.Cell]:
@@ -262,7 +235,6 @@ class Pack:
             return
         o = dataclasses.replace(self.o, deadline=self.deadline)
         try:
-            drop_metrics(j.out / "checkpoint_best.pt")
             decode_best(o, j.out, j.decoded, tests_first=True)
         except DecodeDeadline as e:
             log(f"{j.cell.name}: decoding stopped at the deadline ({e})")

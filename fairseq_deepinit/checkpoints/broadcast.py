@@ -19,7 +19,8 @@ and ``broadcast_tensors`` look the name up in their module at every call): on th
 names, fairseq's placeholder): what fairseq itself adds in memory after rank 0's safe load. The bytes
 come from rank 0 of the same job, never from a file: the allow-list of checkpoint files stays
 ``argparse.Namespace`` only (a file that pickles a ``DictConfig`` is still refused), and the context
-removes its additions when the load returns. Rank 0's side, and every other use of ``torch.load``, is
+removes its additions when the load returns; numpy's numeric data (``--eval-bleu``'s metrics) is taken as
+from a file (:mod:`.numpy_data`). Rank 0's side, and every other use of ``torch.load``, is
 unchanged. For a stock model the change is the same: only the receiving ranks' unpickling differs, and
 only in what it accepts. A state holding something else (an enum of another plugin's config, say) stops
 the receiving rank with one line that names it and the flag that avoids the broadcast.
@@ -38,6 +39,7 @@ from fairseq.distributed import utils as distributed_utils
 from omegaconf import DictConfig, ListConfig, base, nodes
 
 from ..errors import CheckpointFileError
+from . import numpy_data
 
 
 def _value_nodes() -> List[type]:
@@ -86,7 +88,7 @@ def broadcast_object_slow(original: Callable, obj: Any, src_rank: int, group: ob
         return original(obj, src_rank, group, dist_device)
     try:
         with torch.serialization.safe_globals(_added_globals()):
-            return original(obj, src_rank, group, dist_device)
+            return numpy_data.loading(original, obj, src_rank, group, dist_device)
     except pickle.UnpicklingError as e:
         what = str(e).strip().splitlines()
         raise CheckpointFileError(

@@ -18,11 +18,11 @@ import copy
 import logging
 from typing import Any, List, Tuple
 
-import torch
 from omegaconf import OmegaConf
 
 from .. import model_config, options
 from ..errors import ConfigChangeError
+from . import numpy_data
 from .integrity import CheckpointStatus
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def check_parameters_fit(path: str, model: Any) -> None:
     (what fairseq's loader does), so only a real mismatch is refused; if that cannot be done, fairseq decides.
     """
     try:
-        saved = dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model"])
+        saved = dict(numpy_data.load(path, map_location="cpu", mmap=True, weights_only=True)["model"])
         model.upgrade_state_dict(saved)
         wanted = model.state_dict()
     except Exception:  # an unusual file or model: fairseq's own loader reports it

@@ -23,7 +23,8 @@ import torch
 from fairseq.file_io import PathManager
 
 from ..errors import CheckpointFileError, UnsafeCheckpointError
-from .compat import allowed_global_names, refused_file_error, resolved_global_name
+from . import numpy_data
+from .compat import accepted_global_name, refused_file_error, resolved_global_name
 
 PathLike = str | os.PathLike
 
@@ -81,8 +82,11 @@ def refused_globals(path: PathLike, error: BaseException) -> List[str] | None:
 
     The global that stopped the load comes from torch's message; for a zip checkpoint every other
     refused global is added from a static scan of its pickle
-    (``torch.serialization.get_unsafe_globals_in_checkpoint``: nothing is executed).
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``: nothing is executed). Numpy data that is not
+    numeric (:class:`.numpy_data.NumpyDataRefused`) names itself.
     """
+    if isinstance(error, numpy_data.NumpyDataRefused):
+        return list(error.names)
     if not isinstance(error, pickle.UnpicklingError):
         return None
     found = [m.group(1) for pattern in _REFUSED for m in pattern.finditer(str(error))]
@@ -94,8 +98,7 @@ def refused_globals(path: PathLike, error: BaseException) -> List[str] | None:
             names += sorted(
                 resolved_global_name(n) for n in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
             )
-    allowed = set(allowed_global_names())
-    return [n for n in dict.fromkeys(names) if n not in allowed]
+    return [n for n in dict.fromkeys(names) if not accepted_global_name(n)]
 
 
 def _saved_model_args(state: Any) -> argparse.Namespace | dict | None:
@@ -160,12 +163,12 @@ def inspect_checkpoint(path: PathLike, deep: bool = False) -> CheckpointStatus:
             return st
     try:
         # not a zip: torch's legacy format or garbage, which only a full load can tell apart
-        state = torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
+        state = numpy_data.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
     except Exception as e:  # torch reports damage as UnpicklingError, RuntimeError, EOFError, ValueError, ...
         names = refused_globals(path, e)
         if names is not None:
             st.refused, st.refused_globals = True, names
-            st.reason = f"pickles {', '.join(names) or 'a global'}, which torch.load(weights_only=True) refuses"
+            st.reason = f"pickles {', '.join(names) or 'a global'}, which the plugin's checkpoint loading refuses"
             return st
         what = "is damaged" if is_zip else "is not a torch checkpoint (neither torch's zip nor its legacy format)"
         st.reason = f"{what}: loading it fails with {_load_error(e)}"
@@ -261,10 +264,11 @@ def raise_if_unreadable(path: PathLike) -> None:
 
 
 def torch_load_checked(path: PathLike, **kwargs: Any) -> Any:
-    """``torch.load(path, **kwargs)`` whose failure on a damaged or refused file is the plugin's one-line error."""
+    """``torch.load(path, **kwargs)`` (numpy's numeric data accepted, :mod:`.numpy_data`) whose failure on a damaged
+    or refused file is the plugin's one-line error."""
     try:
         with open(path, "rb") as f:
-            return torch.load(f, **kwargs)
+            return numpy_data.load(f, **kwargs)
     except Exception:
         raise_if_unreadable(path)
         raise

@@ -38,9 +38,10 @@ function as its first argument, calls it, and copies none of its body:
    loader refuses is an :class:`~fairseq_deepinit.errors.UnsafeCheckpointError`, each one line
    that names the file (and the refused globals). They are ordinary exceptions: a library caller
    catches them; the command line prints them (:mod:`fairseq_deepinit.errors`). The ``weights_only``
-   policy of :mod:`.compat` is unchanged. ``Trainer.load_checkpoint`` turns every error in its
-   model loading into ``Exception("Cannot load model parameters ...")``; :func:`trainer_load_checkpoint`
-   lets a plugin error through instead.
+   policy of :mod:`.compat` is unchanged (numpy's numeric data: :mod:`.numpy_data`).
+   ``Trainer.load_checkpoint`` turns every error in its model loading into
+   ``Exception("Cannot load model parameters ...")``; :func:`trainer_load_checkpoint` lets a plugin
+   error through instead.
 
 5. **One run per save dir; a finished run stays finished.** Before anything in the save dir is read,
    removed or written, :func:`load_checkpoint` takes the save dir's lock on the global rank 0
@@ -65,7 +66,7 @@ from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 
 from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
-from . import run_lock
+from . import numpy_data, run_lock
 from .atomic import atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
 from .config_check import check_config as check_config_change
 from .config_check import check_parameters_fit
@@ -84,9 +85,10 @@ logger = logging.getLogger(__name__)
 def load_checkpoint_to_cpu(
     original: Callable, path: str, arg_overrides: dict | None = None, load_on_all_ranks: bool = False
 ) -> dict:
-    """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306) with a one-line error for unreadable files."""
+    """fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (line 306) with a one-line error for unreadable files,
+    and numpy's numeric data (``--eval-bleu``'s metrics) loaded as data (:func:`.numpy_data.loading`)."""
     try:
-        return original(path, arg_overrides, load_on_all_ranks)
+        return numpy_data.loading(original, path, arg_overrides, load_on_all_ranks)
     except Exception:
         raise_if_unreadable(path)  # damaged or refused: the plugin's error; else fairseq's own
         raise
