@@ -12,8 +12,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.13",
-    # the plugin, and the tools its scripts and benchmarks run (docs/architecture.md, "The tools")
-    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*", "deepinit_tools", "deepinit_tools.*"]),
+    # the plugin only: the research tools (deepinit_tools/: benchmarks, Multi30k matrix, readiness, GPU
+    # session) run from a checkout with PYTHONPATH=$PWD (README, "Research tools")
+    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*"]),
     install_requires=[
         # exact pins; ve-fairseq's wheel hashes are in requirements/fairseq.txt
         "ve-fairseq==0.12.3",

@@ -54,6 +54,8 @@ else
 fi
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export PYTHONUNBUFFERED=1
+# the corpus and progress tools (deepinit_tools/) run from this checkout: pip installs the plugin only
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 PY=$ROOT/.venv/bin/python
 USER_DIR=$ROOT/fairseq_deepinit

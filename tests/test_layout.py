@@ -270,3 +270,15 @@ def test_one_builder_of_fairseq_command_lines():
             elif isinstance(node, ast.Constant) and node.value == "--autocast-bf16":
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} (--autocast-bf16)")
     assert not bad, "build fairseq commands with deepinit_tools.fairseq_argv: " + ", ".join(bad)
+
+
+def test_pip_install_brings_the_plugin_only(monkeypatch):
+    """``pip install .`` installs ``fairseq_deepinit`` and its console scripts, never the research tools (they
+    run from the checkout, ``PYTHONPATH=$PWD``)."""
+    import distutils.core
+
+    monkeypatch.chdir(REPO)
+    dist = distutils.core.run_setup(str(REPO / "setup.py"), stop_after="init")
+    assert {p.split(".")[0] for p in dist.packages} == {PACKAGE}
+    targets = [line.split("=", 1)[1].strip() for line in dist.entry_points["console_scripts"]]
+    assert targets and all(t.startswith(PACKAGE + ".") for t in targets), targets
