@@ -24,7 +24,7 @@ setup(
         "matplotlib==3.11.2",  # deepinit-diagnose plots
         "tensorboardX==2.6.5",  # --tensorboard-logdir (fairseq falls back to it without `tensorboard`)
     ],
-    extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
+    extras_require={"test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "ruff==0.17.6"]},
     entry_points={
         "console_scripts": [
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",

@@ -157,8 +157,8 @@ echo "precision: $PRECISION ($PRECISION_WHY)"
 echo "run folder: $RUN"
 if [ -f "$RUN/train.done" ] && grep -q "cumulative_training_time" "$RUN/train.done" \
   && awk -v old="$(sed -n 's/^minutes=//p' "$RUN/train.done")" -v new="$TRAIN_MINUTES" 'BEGIN { exit !(new > old) }'; then
-  # the last session stopped at its time limit: a larger TRAIN_MINUTES continues the same model
-  echo "continuing: the last session stopped at TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done"), now $TRAIN_MINUTES"
+  # the last run stopped at its time limit: a larger TRAIN_MINUTES continues the same model
+  echo "continuing: the last run stopped at TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done"), now $TRAIN_MINUTES"
   rm "$RUN/train.done"
 fi
 if [ -f "$RUN/train.done" ]; then
@@ -174,7 +174,7 @@ else
     || { echo "error: fairseq-train failed (log: $RUN/train.log)"; exit 1; }
   [ -f "$RUN/checkpoint_last.pt" ] || { echo "error: training wrote no checkpoint (log: $RUN/train.log)"; exit 1; }
   reason=$(grep -o "Stopping training due to.*" "$RUN/train.log" | tail -1 || true)
-  printf '%s; last session took %ss\nminutes=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
+  printf '%s; last run took %ss\nminutes=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
     "$TRAIN_MINUTES" > "$RUN/train.done"
 fi
 

@@ -207,7 +207,7 @@ def test_residual_sum_is_contiguous_on_fairseqs_transposed_stream():
         assert torch.equal(out, want), type(module).__name__
 
 
-# --- the GPU matrix (issue #13), its CPU smoke run ---------------------------------------------
+# --- the GPU matrix, its CPU smoke run -----------------------------------------------------
 
 
 @pytest.fixture(scope="module")

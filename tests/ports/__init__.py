@@ -1,4 +1,4 @@
-"""Independent ports of the released code of the methods of issue 24 (reference for tests only).
+"""Independent ports of the released code of the newer methods (reference for tests only).
 
 Each module is written from the authors' released code (file and line cited in its docstrings, snapshot
 commits in ``docs/reference/new_methods.md``), imports nothing from ``fairseq_deepinit`` and nothing
