@@ -289,7 +289,8 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
 
 
 # The slow tier (CI; left out by ``pytest -m "not slow"``): every test of these modules (fairseq's CLI
-# pipelines, distributed runs, the tools, scripts, benchmarks and recipes), every test that uses a
+# pipelines, distributed runs, the tools, scripts, benchmarks and recipes, GPU readiness through the
+# tools' counters and torch.compile), every test that uses a
 # binarised corpus (``CLI_FIXTURES``: fairseq-preprocess, then fairseq's CLI), and tests marked
 # ``@pytest.mark.slow``. A test outside it that starts Python, a shell script or fairseq fails and says so
 # (``_fast_tests_start_no_process``), so a new test cannot slip into the fast tier by mistake.
@@ -299,6 +300,7 @@ SLOW_MODULES = {
     "test_cli",
     "test_converge",
     "test_distributed",
+    "test_gpu_readiness",
     "test_gpu_smoke",
     "test_hydra",
     "test_lm_study",

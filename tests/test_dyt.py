@@ -293,6 +293,7 @@ def test_promotes_like_the_released_code(kind):
         assert module(x).dtype == port_forward(kind, x, p).dtype == torch.float32
 
 
+@pytest.mark.slow  # torch.compile: seconds
 def test_compiles_without_graph_breaks():
     """``torch.compile(fullgraph=True)`` traces both functions, backward included; the traced graph
     lays its buffers out on its own (sums may run in another order), so it is held to the same bound."""
