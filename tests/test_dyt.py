@@ -51,7 +51,6 @@ from fairseq_deepinit.modules.dyt import (
     AlphaInit,
     Derf,
     DyT,
-    embed_scale_init,
     learnable_embed_scale,
 )
 
@@ -315,7 +314,7 @@ def test_learnable_embed_scale_in_fairseqs_forward():
     ``llama.py:209``) and trains the scalar: its gradient is ``sum(dL/dx * tok)``."""
     model, _ = build_model("transformer", *TINY_DIMS, "--dropout", "0")
     d = model.encoder.embed_tokens.embedding_dim
-    assert model.encoder.embed_scale == embed_scale_init(d) == port.embedding_scale_init(d)
+    assert model.encoder.embed_scale == math.sqrt(d) == port.embedding_scale_init(d)
     src = torch.randint(4, 50, (2, 5))
     before, _ = model.encoder.forward_embedding(src)
     model.encoder.embed_scale = learnable_embed_scale(model.encoder.embed_scale)

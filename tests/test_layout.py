@@ -282,3 +282,11 @@ def test_pip_install_brings_the_plugin_only(monkeypatch):
     assert {p.split(".")[0] for p in dist.packages} == {PACKAGE}
     targets = [line.split("=", 1)[1].strip() for line in dist.entry_points["console_scripts"]]
     assert targets and all(t.startswith(PACKAGE + ".") for t in targets), targets
+
+
+def test_the_test_tiers_name_existing_modules():
+    """conftest's module lists (the slow tier, the second kernel pass) name test modules that exist."""
+    from conftest import NUMERIC_MODULES, SLOW_MODULES
+
+    have = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    assert (SLOW_MODULES | NUMERIC_MODULES) <= have, sorted((SLOW_MODULES | NUMERIC_MODULES) - have)

@@ -229,11 +229,6 @@ class Derf(nn.Module):
         return f"{self.dim}, alpha_init={self.alpha_init}, shift_init={self.shift_init}, bias={self.bias is not None}"
 
 
-def embed_scale_init(dim: int) -> float:
-    """``sqrt(dim)``: the LLaMA code's ``shared_scale`` init (``llama.py:209``) and fairseq's ``embed_scale``."""
-    return math.sqrt(dim)
-
-
 def learnable_embed_scale(init: float) -> nn.Parameter:
     """A learnable embedding multiplier, shape ``(1,)`` like ``shared_scale`` (``llama.py:208``).
 
