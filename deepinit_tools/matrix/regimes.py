@@ -3,7 +3,7 @@
 
 **Paper regimes.** Each method trains in its paper's regime, taken from the recipe in
 ``examples/<paper>/`` that reproduces the paper's table (optimizer, peak lr, schedule, dropout,
-label smoothing, clipping, weight decay) and from ``../shared/reference/METHODS.md``. Two things are
+label smoothing, clipping, weight decay) and from the papers' stated recipes. Two things are
 adapted to Multi30k, by one rule for every method:
 
 - *batch*: 8,192 tokens per update (``--max-tokens 8192``) for every method. The IWSLT recipes use
