@@ -1,4 +1,5 @@
-"""The CPU's bf16 verdict the quickstart trains by: native only with oneDNN's bf16 kernels and bf16 instructions."""
+"""The CPU's bf16 verdicts: native only with oneDNN's bf16 kernels and bf16 instructions; the quickstart's
+bf16 only where it is native and runs on AMX."""
 
 import subprocess
 import sys
@@ -45,12 +46,22 @@ def test_no_onednn_bf16_or_no_flags_is_fp32(tmp_path, onednn):
     assert not ok and "cannot read the CPU flags" in why
 
 
+@pytest.mark.parametrize("extra, bf16", [("avx512_bf16 amx_bf16 amx_tile", True), ("avx512_bf16", False), ("", False)])
+def test_the_quickstart_takes_bf16_only_with_amx(tmp_path, onednn, extra, bf16):
+    info = tmp_path / "cpuinfo"
+    info.write_text(X86.format(extra=extra))
+    onednn(True)
+    ok, why = cpu_bf16.autocast_pays_off(info)
+    assert ok is bf16
+    assert ("no AMX" in why) is (extra == "avx512_bf16")
+
+
 @pytest.mark.slow
 def test_the_quickstarts_check_prints_its_choice():
     """``python fairseq_deepinit/training/cpu_bf16.py``: ``bf16|fp32 why``; an AVX2-only oneDNN says fp32."""
     script = [sys.executable, f"{USER_DIR}/training/cpu_bf16.py"]
     native = subprocess.run(script, capture_output=True, text=True, check=True).stdout.split(" ", 1)
-    assert native[0] == ("bf16" if cpu_bf16.native_bf16()[0] else "fp32")
+    assert native[0] == ("bf16" if cpu_bf16.autocast_pays_off()[0] else "fp32")
     env = {"ONEDNN_MAX_CPU_ISA": "AVX2", "PATH": "/usr/bin:/bin"}
     avx2 = subprocess.run(script, capture_output=True, text=True, check=True, env=env).stdout
     assert avx2.startswith("fp32 torch's oneDNN reports no bf16")

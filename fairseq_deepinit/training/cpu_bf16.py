@@ -5,8 +5,11 @@ and the CPU has bf16 instructions (x86: ``avx512_bf16`` or ``amx_bf16`` among th
 ``/proc/cpuinfo``; Arm: ``bf16`` among its features). On x86, torch's check alone also answers yes for
 AVX-512 CPUs without bf16 instructions, where oneDNN emulates bf16 and autocast is slower than fp32.
 
-``python fairseq_deepinit/training/cpu_bf16.py`` prints ``bf16 <why>`` or ``fp32 <why>`` (the quickstart's
-choice); it imports torch only.
+Native is not enough to be faster: on an AVX512-BF16 CPU without AMX the quickstart's model trained 6-18 %
+slower per CPU second in bf16 autocast than in fp32 (docs/quickstart.md, "Precision"), so the quickstart's
+``PRECISION=auto`` (:func:`autocast_pays_off`) takes bf16 only where the CPU also has AMX's bf16 tiles.
+``python fairseq_deepinit/training/cpu_bf16.py`` prints that choice, ``bf16 <why>`` or ``fp32 <why>``; it
+imports torch only.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ def native_bf16(cpuinfo: Path = CPUINFO) -> tuple[bool, str]:
     return True, f"torch's oneDNN has bf16 kernels and the CPU has {', '.join(native)}"
 
 
+def autocast_pays_off(cpuinfo: Path = CPUINFO) -> tuple[bool, str]:
+    """``(bf16, why)``: the quickstart's ``PRECISION=auto``, bf16 autocast where bf16 is native and runs on AMX."""
+    native, why = native_bf16(cpuinfo)
+    if not native:
+        return False, why
+    if "amx_bf16" in (cpu_flags(cpuinfo) or set()):
+        return True, why
+    return False, (
+        "bf16 is native but the CPU has no AMX: the quickstart's model trained slower in bf16 autocast than in fp32 "
+        "on such a CPU (docs/quickstart.md, Precision)"
+    )
+
+
 if __name__ == "__main__":
-    ok, why = native_bf16()
+    ok, why = autocast_pays_off()
     print("bf16" if ok else "fp32", why)
