@@ -255,6 +255,7 @@ NUMERIC_MODULES = {
     "test_norm_placement",
     "test_norms",
     "test_ports",
+    "test_ports_2025",
     "test_precision",
     "test_qk_norm",
     "test_radam",

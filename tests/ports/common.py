@@ -191,6 +191,9 @@ def attention(
     ctx_norm: Norm | None = None,
     norm_scope: str = "head",
     scale: float | None = None,
+    gate: Tensor | None = None,
+    sink: Tensor | None = None,
+    v_fn: Callable[[Tensor], Tensor] | None = None,
     return_logits: bool = False,
 ):
     """Multi-head attention with optional q/k/v/context norms; returns ``out`` or ``(out, logits)``.
@@ -201,11 +204,24 @@ def attention(
     before the output projection (HybridNorm ``c_norm``). The norms see the raw projections, before
     the softmax scale ``head_dim ** -0.5`` (or ``scale``) is applied. ``logits`` are the pre-softmax
     scores ``(B, H, T, S)`` with masked entries at ``-inf``.
+
+    The 2025-26 additions (``ports.gated_attention``, ``ports.attention_sinks``, ``ports.value_residual``):
+
+    - ``gate``: gate logits ``(B, T, H)`` (one per head) or ``(B, T, H * head_dim)`` (one per element);
+      the per-head attention output is multiplied by ``sigmoid(gate)`` (computed in at least float32)
+      after the softmax-weighted sum and before the output projection (qiuzh20/gated_attention
+      ``modeling_qwen3.py:355-360``, OLMo-core ``attention/__init__.py:636-654``);
+    - ``sink``: one logit per head ``(H,)`` that joins every softmax row's denominator with no value
+      (gpt-oss ``gpt_oss/torch/model.py:166-171``): a row whose keys are all masked then gives 0, not NaN;
+    - ``v_fn``: applied to the projected values ``(B, S, C)`` before the head split (ResFormer's value
+      mix, Zcchill/Value-Residual-Learning ``modeling_llama_resformer.py:375-381``).
     """
     B, T, C = x_q.shape
     S = x_kv.shape[1]
     dh = C // n_heads
     q, k, v = linear(x_q, w.wq, w.bq), linear(x_kv, w.wk, w.bk), linear(x_kv, w.wv, w.bv)
+    if v_fn is not None:
+        v = v_fn(v)
     if norm_scope == "proj":
         q = q if q_norm is None else q_norm(q)
         k = k if k_norm is None else k_norm(k)
@@ -227,10 +243,18 @@ def attention(
     if key_padding_mask is not None:
         masked = masked | key_padding_mask[:, None, None, :]
     logits = logits.masked_fill(masked, float("-inf"))
-    probs = torch.softmax(logits.to(_compute_dtype(logits)), dim=-1).to(v.dtype)
+    cd = _compute_dtype(logits)
+    if sink is None:
+        probs = torch.softmax(logits.to(cd), dim=-1).to(v.dtype)
+    else:
+        col = sink.to(cd).view(1, n_heads, 1, 1).expand(B, n_heads, T, 1)
+        probs = torch.softmax(torch.cat([logits.to(cd), col], dim=-1), dim=-1)[..., :-1].to(v.dtype)
     ctx = torch.matmul(probs, v)
     if ctx_norm is not None:
         ctx = ctx_norm(ctx)
+    if gate is not None:
+        g = gate.reshape(B, T, n_heads, -1).transpose(1, 2)  # (B, H, T, 1) or (B, H, T, dh)
+        ctx = ctx * torch.sigmoid(g.to(_compute_dtype(g))).to(ctx.dtype)
     out = linear(ctx.transpose(1, 2).reshape(B, T, C), w.wo, w.bo)
     return (out, logits) if return_logits else out
 
