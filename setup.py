@@ -1,6 +1,6 @@
 """fairseq-deepinit: deep-Transformer initialisation and normalisation schemes for fairseq."""
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 setup(
     name="fairseq-deepinit",
@@ -14,7 +14,9 @@ setup(
     python_requires=">=3.11,<3.13",
     # the plugin only: the research tools (deepinit_tools/: benchmarks, Multi30k matrix, readiness, GPU
     # session) run from a checkout with PYTHONPATH=$PWD (README, "Research tools")
-    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*"]),
+    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*"])
+    # fairseq-hydra-train's config-key errors in one line: Hydra imports this namespace at start-up
+    + find_namespace_packages(include=["hydra_plugins"]),
     install_requires=[
         # exact pins; ve-fairseq's wheel hashes are in requirements/fairseq.txt
         "ve-fairseq==0.12.3",
@@ -28,6 +30,7 @@ setup(
     entry_points={
         "console_scripts": [
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",
+            "deepinit-export = fairseq_deepinit.export.cli:main",
             "deepinit-export-admin = fairseq_deepinit.admin.export:main",
             "deepinit-export-admin-lm = fairseq_deepinit.lm.export:main",
         ]

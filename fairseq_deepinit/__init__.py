@@ -15,7 +15,7 @@ profiling, tasks and export), :mod:`.diagnostics`, :mod:`.checkpoints`, :mod:`.t
 """
 
 from . import errors
-from .checkpoints import compat, resume
+from .checkpoints import broadcast, compat, resume
 
 # plugin errors end fairseq commands with one line and status 1, and fairseq's prefetching threads
 # are stopped before the interpreter exits (errors.py); installed first, so that it also covers
@@ -23,21 +23,24 @@ from .checkpoints import compat, resume
 errors.install()
 compat.install()
 resume.install()  # atomic checkpoint copies, resume fallback, one-line errors for damaged checkpoints
+broadcast.install()  # on resume, rank 0's checkpoint state reaches the other ranks (checkpoints/broadcast.py)
 
 # fairseq registrations (models, architectures, tasks, criteria, optimizers, schedulers); which import
 # registers what is independent of their order: each module imports what it needs
-from . import architectures, intercepts, lm, model  # noqa: E402,F401  (deepinit, deepinit_lm and their --arch)
+from . import architectures, input_checks, intercepts, lm, model  # noqa: E402,F401  (deepinit, deepinit_lm, --arch)
 from .admin import task  # noqa: E402,F401  (--task translation_admin)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from .training import adam_foreach, autocast, depth_mup_trainer, distributed, radam, tfixup_schedule  # noqa: E402,F401
+from .training import adam_foreach, autocast, depth_mup_trainer, distributed, launch, radam, tfixup_schedule  # noqa: E402,F401
 
 adam_foreach.install()  # adam <-> adam_foreach resume; --adam-betas read as a literal (training/adam_foreach.py)
 depth_mup_trainer.install()  # --depth-mup: per-group lr/eps reach the optimizer (training/depth_mup_trainer.py)
+launch.install()  # torchrun on the CPU, wrong launches refused, --heartbeat-timeout in collectives (training/launch.py)
 
 # refuse --ddp-backend fully_sharded right after parsing (training/distributed.py); after every
 # architecture is registered (above)
 distributed.guard_architectures(lm.model.MODEL_NAME)
 distributed.guard_architectures(model.MODEL_NAME)
 intercepts.install()  # task/architecture mismatch, empty splits, data of another dictionary: one line (intercepts.py)
+input_checks.install()  # no data folder, duplicate dictionary words, too-long sentences, --beam 0 (input_checks.py)
 
 __version__ = "0.2.0.dev0"

@@ -6,11 +6,13 @@ Every error the plugin raises on purpose is an ordinary exception under one base
 and go on. Each class also keeps the built-in base that says what kind of failure it is:
 :class:`DeepInitConfigError` (``ValueError``: an invalid or incompatible combination of options,
 found before a model is built), :class:`AdminConfigError` and :class:`AdminNotProfiledError` (Admin),
-:class:`AdminExportError`, :class:`AutocastConfigError`, :class:`DivergenceError` (the diagnostics
-guard), :class:`UnsafeCheckpointError` (a checkpoint that pickles something torch's ``weights_only``
-loader refuses; also a ``pickle.UnpicklingError``, what torch raises for it), :class:`CheckpointFileError` /
-:class:`ConfigChangeError` (a checkpoint that cannot be read or must not be resumed) and
-:class:`CheckpointSaveError` (an ``OSError``: a checkpoint that cannot be written).
+:class:`ExportError` and :class:`AdminExportError` (``deepinit-export``), :class:`AutocastConfigError`,
+:class:`DivergenceError` (the diagnostics guard), :class:`UnsafeCheckpointError` (a checkpoint that
+pickles something torch's ``weights_only`` loader refuses; also a ``pickle.UnpicklingError``, what torch
+raises for it), :class:`CheckpointFileError` / :class:`ConfigChangeError` (a checkpoint that cannot be
+read or must not be resumed) and :class:`CheckpointSaveError` (an ``OSError``: a checkpoint that cannot be
+written), :class:`RankLostError` (another data-parallel rank stopped answering) and :class:`SaveDirBusyError`
+(a ``--save-dir`` another run holds).
 
 The one-line exit belongs to the command line, not to the library. :func:`install` (called once
 when the plugin is imported, i.e. by ``--user-dir``, and by the plugin's own console scripts, which
@@ -84,7 +86,12 @@ class AdminNotProfiledError(DeepInitError, RuntimeError):
     """An Admin model is being trained with omega never profiled."""
 
 
-class AdminExportError(DeepInitError, ValueError):
+class ExportError(DeepInitError, ValueError):
+    """A checkpoint that ``deepinit-export`` cannot write as asked (a family or option the target cannot
+    represent exactly, a missing dictionary, an output it must not overwrite), or an export that failed its check."""
+
+
+class AdminExportError(ExportError):
     """The checkpoint cannot be folded into a plain Post-LN transformer."""
 
 
@@ -123,6 +130,14 @@ class ConfigChangeError(CheckpointFileError):
 
 class CheckpointSaveError(DeepInitError, OSError):
     """A checkpoint could not be written (disk full, no permission, file size limit, ...)."""
+
+
+class RankLostError(DeepInitError, RuntimeError):
+    """Another data-parallel rank stopped answering (timed out) or closed its connection."""
+
+
+class SaveDirBusyError(DeepInitError, RuntimeError):
+    """The ``--save-dir`` belongs to another run that is still going."""
 
 
 # --- how they end a command ---------------------------------------------------------------------

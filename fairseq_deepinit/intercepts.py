@@ -12,7 +12,13 @@ exit status 1, :mod:`fairseq_deepinit.errors`):
   'supported_targets'``). :func:`check_task_and_arch` refuses both right after argument parsing,
   before any data is read: every architecture of the plugin's two models runs it first
   (:func:`guard_architectures`, the way :func:`fairseq_deepinit.training.distributed.guard_architectures`
-  checks ``--ddp-backend``).
+  checks ``--ddp-backend``). A model from a checkpoint or a YAML meets the task in fairseq's
+  ``models.build_model``, which :func:`build_model` precedes with :func:`check_task_and_model`:
+  ``fairseq-generate`` with a language-model checkpoint produced garbage and a BLEU without a word,
+  ``fairseq-eval-lm`` with a translation checkpoint stopped at ``supported_targets``, an unknown
+  ``model._name`` gave ``KeyError: "'_name'"``.
+- **an embedding dimension the heads do not divide.** fairseq's ``MultiheadAttention`` asserts it
+  while the model is built; :func:`check_dimensions` runs after every architecture function.
 - **an empty split.** fairseq's ``MMapIndexedDataset`` cannot ``mmap`` an empty ``.bin`` file
   (``ValueError: cannot mmap an empty file``, then a second traceback from its ``__del__``).
 - **data binarised with another dictionary.** A token id >= the dictionary's size reaches the
@@ -29,12 +35,15 @@ format (``fairseq-preprocess``'s default) is checked. What stays with fairseq: d
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import functools
 import itertools
 import os
 from typing import Any, Callable, Dict
 
 import numpy as np
+from fairseq import models as fairseq_models
 from fairseq.data import data_utils, indexed_dataset
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY, FairseqLanguageModel
 from fairseq.tasks import TASK_REGISTRY
@@ -88,6 +97,25 @@ def check_task_and_arch(args: Any) -> None:
         )
 
 
+def check_dimensions(args: Any) -> None:
+    """Refuse an embedding dimension that the attention heads do not divide, or a non-positive one
+    (fairseq's ``MultiheadAttention`` asserts it while the model is built)."""
+    for side in ("encoder", "decoder"):
+        dim, heads = getattr(args, f"{side}_embed_dim", None), getattr(args, f"{side}_attention_heads", None)
+        if not (isinstance(dim, int) and isinstance(heads, int)):
+            continue
+        if dim < 1 or heads < 1:
+            raise DeepInitConfigError(
+                f"--{side}-embed-dim {dim} with --{side}-attention-heads {heads}: both must be positive"
+            )
+        if dim % heads:
+            near = max(heads, round(dim / heads) * heads)
+            raise DeepInitConfigError(
+                f"--{side}-embed-dim {dim} is not divisible by --{side}-attention-heads {heads} (each head gets "
+                f"embed-dim / heads dimensions); use a multiple of {heads}, e.g. {near}, or another number of heads"
+            )
+
+
 def _guarded(arch_fn: Callable) -> Callable:
     if getattr(arch_fn, "_deepinit_task_checked", False):
         return arch_fn
@@ -95,7 +123,9 @@ def _guarded(arch_fn: Callable) -> Callable:
     @functools.wraps(arch_fn)
     def arch(args):
         check_task_and_arch(args)
-        return arch_fn(args)
+        out = arch_fn(args)
+        check_dimensions(args)  # after the architecture's defaults
+        return out
 
     arch._deepinit_task_checked = True
     return arch
@@ -112,6 +142,58 @@ def guard_architectures() -> int:
     for name in names:
         ARCH_CONFIG_REGISTRY[name] = _guarded(ARCH_CONFIG_REGISTRY[name])
     return len(names)
+
+
+def _task_name(task: Any) -> str:
+    return next((n for n, cls in TASK_REGISTRY.items() if cls is type(task)), type(task).__name__)
+
+
+def check_task_and_model(model_type: str, task: Any, from_checkpoint: bool) -> None:
+    """Refuse a model type that no registry knows (hydra's ``model._name``), and a plugin model built for a
+    task of the other kind: a model from a checkpoint (fairseq-generate, -interactive, -eval-lm, whose
+    ``--task`` is the user's while the checkpoint's arguments name the task it was trained with) or from a
+    YAML. fairseq-train's command line is checked earlier, by :func:`check_task_and_arch`."""
+    if model_type not in ARCH_MODEL_REGISTRY and model_type not in MODEL_REGISTRY:
+        close = difflib.get_close_matches(model_type, [*ARCH_MODEL_REGISTRY, *MODEL_REGISTRY], n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise DeepInitConfigError(
+            f"model._name {model_type}: no model or architecture of that name is registered (every fairseq-train "
+            f"--arch is a valid name; the plugin's need common.user_dir){hint}"
+        )
+    model_cls = ARCH_MODEL_REGISTRY.get(model_type) or MODEL_REGISTRY.get(model_type)
+    if task is None or model_cls not in [MODEL_REGISTRY.get(m) for m in PLUGIN_MODELS]:
+        return
+    decoder_only = issubclass(model_cls, FairseqLanguageModel)
+    wrong = isinstance(task, TranslationTask) if decoder_only else isinstance(task, LanguageModelingTask)
+    if not wrong:
+        return
+    if not from_checkpoint:
+        check_task_and_arch(argparse.Namespace(task=_task_name(task), arch=model_type))
+        return
+    if decoder_only:
+        raise DeepInitConfigError(
+            f"the checkpoint holds a decoder-only language model (--arch {model_type}), which --task "
+            f"{_task_name(task)} cannot run on source and target sentences; evaluate it with fairseq-eval-lm on "
+            "language-model data, or give a translation checkpoint"
+        )
+    raise DeepInitConfigError(
+        f"the checkpoint holds an encoder-decoder (translation) model (--arch {model_type}), which --task "
+        f"{_task_name(task)} cannot run on one token stream; translate with fairseq-generate on translation data, "
+        "or give a language-model checkpoint"
+    )
+
+
+def build_model(cfg: Any, task: Any, from_checkpoint: bool = False) -> Any:
+    """fairseq's ``models.build_model`` (``fairseq/models/__init__.py``, line 56) after :func:`check_task_and_model`.
+
+    fairseq raised ``KeyError: "'_name'"`` (while formatting its own message) for an unknown ``model._name``,
+    and built a language model for ``fairseq-generate`` on translation data (garbage output, a BLEU, no
+    warning) or failed deep in ``fairseq-eval-lm`` (``supported_targets``). For a stock model nothing changes.
+    """
+    model_type = getattr(cfg, "_name", None) or getattr(cfg, "arch", None)
+    if isinstance(model_type, str):
+        check_task_and_model(model_type, task, from_checkpoint)
+    return _ORIGINAL["build_model"](cfg, task, from_checkpoint)
 
 
 # --- binarised splits ---------------------------------------------------------------------------
@@ -173,10 +255,12 @@ def load_indexed_dataset(path, dictionary=None, dataset_impl=None, combine=False
 
 
 def install() -> None:
-    """Wrap ``data_utils.load_indexed_dataset`` and guard the plugin's architectures (idempotent;
-    call once every architecture is registered)."""
+    """Wrap ``data_utils.load_indexed_dataset`` and ``models.build_model``, and guard the plugin's
+    architectures (idempotent; call once every architecture is registered)."""
     guard_architectures()
     if _ORIGINAL:
         return
     _ORIGINAL["load_indexed_dataset"] = data_utils.load_indexed_dataset
     data_utils.load_indexed_dataset = load_indexed_dataset
+    _ORIGINAL["build_model"] = fairseq_models.build_model
+    fairseq_models.build_model = build_model

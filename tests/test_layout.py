@@ -280,7 +280,8 @@ def test_pip_install_brings_the_plugin_only(monkeypatch):
 
     monkeypatch.chdir(REPO)
     dist = distutils.core.run_setup(str(REPO / "setup.py"), stop_after="init")
-    assert {p.split(".")[0] for p in dist.packages} == {PACKAGE}
+    tops = {p.split(".")[0] for p in dist.packages}
+    assert PACKAGE in tops and tops <= {PACKAGE, "hydra_plugins"}, tops  # hydra_plugins: fairseq-hydra-train's errors
     targets = [line.split("=", 1)[1].strip() for line in dist.entry_points["console_scripts"]]
     assert targets and all(t.startswith(PACKAGE + ".") for t in targets), targets
 

@@ -262,3 +262,58 @@ def test_quickstart_stops_on_corrupt_cached_wheel(tmp_path):
     assert proc.returncode != 0
     assert f"rm {cache / pb.WHEEL_NAME}" in proc.stderr and "re-run" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+QUICKSTART_KNOBS = {  # knob value -> what the one line says (checked before any work, never run as code)
+    "MAX_UPDATE=-1": "MAX_UPDATE=-1: give a whole number >= 1 (training updates)",
+    "MAX_UPDATE=0": "MAX_UPDATE=0: give a whole number >= 1",
+    "THREADS=0": "THREADS=0: give a whole number >= 1 (CPU threads, or auto)",
+    "BEAM=0": "BEAM=0: give a whole number >= 1 (beam size)",
+    "TRAIN_MINUTES=abc": "TRAIN_MINUTES=abc: give a number > 0 (minutes of training)",
+    "TRAIN_MINUTES=__import__('pathlib').Path('ran').touch() or 1": "give a number > 0",
+    "TRAIN_MINUTES=0": "TRAIN_MINUTES=0: give a number > 0",
+    "EMBED_DIM=7": "EMBED_DIM=7 is not divisible by HEADS=4",
+    "HEADS=0": "HEADS=0: give a whole number >= 1",
+    "LAYERS=two": "LAYERS=two: give a whole number >= 1",
+    "LR=0": "LR=0: give a number > 0",
+    "LR=1e-3;touch ran": "give a number > 0",
+    "DROPOUT=1": "DROPOUT=1: give a number >= 0 and < 1",
+    "WARMUP=-5": "WARMUP=-5: give a whole number >= 0",
+    "MAX_TOKENS=1e3": "MAX_TOKENS=1e3: give a whole number >= 1",
+    "ARCH=twt;rm": "ARCH=twt;rm: give a name of letters, digits and _",
+    "SKIP_SETUP=yes": "SKIP_SETUP=yes: give 0 or 1",
+    "EXPORT=no": "EXPORT=no: give 0 or 1",
+    "MAX_LEN=0": "MAX_LEN=0: give a whole number >= 1",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knob", list(QUICKSTART_KNOBS))
+def test_quickstart_checks_every_knob_before_any_work(tmp_path, knob):
+    name, value = knob.split("=", 1)
+    env = {**os.environ, "WORK_DIR": str(tmp_path / "work"), name: value}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "quickstart.sh")], cwd=tmp_path, capture_output=True, text=True, env=env,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr  # nothing ran: no step
+    assert proc.stderr.startswith("error: ") and QUICKSTART_KNOBS[knob] in proc.stderr, proc.stderr
+    assert not (tmp_path / "work").exists() and not (tmp_path / "ran").exists() and not (REPO / "ran").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_parses_the_training_options_before_the_corpus(tmp_path):
+    """ARCH and EXTRA_TRAIN_ARGS as fairseq-train parses them (with the plugin's checks), right after set-up."""
+    for knobs, message in (
+        ({"ARCH": "nosuch_arch"}, "argument --arch/-a: invalid choice: 'nosuch_arch' (fairseq-train --help lists"),
+        ({"EXTRA_TRAIN_ARGS": "--encoder-attention-heads 3"}, "--encoder-embed-dim 128 is not divisible by"),
+    ):
+        env = {**os.environ, "SKIP_SETUP": "1", "THREADS": "1", "WORK_DIR": str(tmp_path / "work"), **knobs}
+        proc = subprocess.run(
+            ["bash", str(REPO / "scripts" / "quickstart.sh")], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: the training options") and message in lines[0], lines
+        assert "corpus" not in proc.stdout and not (tmp_path / "work").exists()

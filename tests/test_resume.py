@@ -359,7 +359,10 @@ def test_random_kills_during_saves_always_resume(synthetic_bin, tmp_path):
             assert n >= (loaded[-1] if loaded else 0)
             loaded.append(n)
         states.append(kill_state(save))
-    log = train(synthetic_bin, save, (loaded[-1] if loaded else 0) + 2, *wide).stdout
+    # past the newest checkpoint (the last killed run may have saved beyond what it loaded): a run whose
+    # checkpoint already holds --max-update updates is finished and loads nothing (checkpoints/run_lock.py)
+    newest = max(integrity.inspect_checkpoint(p).num_updates or 0 for p in integrity.checkpoint_candidates(save))
+    log = train(synthetic_bin, save, newest + 2, *wide).stdout
     assert loaded_updates(log) is not None and atomic.stale_temporaries(save) == []
     counts = {s: states.count(s) for s in sorted(set(states))}
     print(f"{kills} kills, where they landed: {counts}; updates loaded by the resumes: {loaded}")

@@ -76,21 +76,32 @@ def _run_until(cmd: List[str], log_path: Path, env: dict, deadline: float | None
                 _procs.pop(proc.pid, None)
 
 
-def _decode(o: Options, out: Path) -> dict:
-    """Greedy dev probe and beam test2016/test2017 sacreBLEU of the cell's best checkpoint
-    (:class:`DecodeDeadline` at ``o.deadline``; the translations finished before it are kept)."""
+EMPTY_DECODED = {"probe": None, "test2016_bleu": None, "test2017_bleu": None, "bleu_signature": None}
+
+
+def decode_best(o: Options, out: Path, found: dict, tests_first: bool = False) -> dict:
+    """Greedy dev probe and beam test2016/test2017 sacreBLEU of the cell's best checkpoint, filled into
+    ``found`` (the keys of :data:`EMPTY_DECODED`) as each translation finishes, the probe first unless
+    ``tests_first``. At ``o.deadline`` :class:`DecodeDeadline` is raised; ``found`` keeps what finished."""
     bin_dir = o.data / "bin"
-    gen = translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device, deadline=o.deadline)
-    hyps = prepare_bible.read_hypotheses(gen)
-    dev = prepare_bible.score(gen, o.data / "raw" / "valid.en")
-    found: dict = {"probe": {"distinct": len(set(hyps)), "sentences": len(hyps), "bleu": _bleu(dev)}}
-    for subset, label in TEST_SETS.items():
+
+    def probe() -> None:
+        gen = translate(bin_dir, out, "valid", "dev-greedy", 1, o.threads, device=o.device, deadline=o.deadline)
+        hyps = prepare_bible.read_hypotheses(gen)
+        dev = prepare_bible.score(gen, o.data / "raw" / "valid.en")
+        found["probe"] = {"distinct": len(set(hyps)), "sentences": len(hyps), "bleu": _bleu(dev)}
+
+    def test(subset: str, label: str) -> None:
         line = prepare_bible.score(
             translate(bin_dir, out, subset, label, o.beam, o.threads, device=o.device, deadline=o.deadline),
             o.data / "raw" / f"{subset}.en",
         )
         found[f"{label}_bleu"] = _bleu(line)
         found["bleu_signature"] = line.split("signature: ")[-1].rstrip(")") if "signature: " in line else None
+
+    tests = [lambda s=s, label=label: test(s, label) for s, label in TEST_SETS.items()]
+    for step in [*tests, probe] if tests_first else [probe, *tests]:
+        step()
     return found
 
 
@@ -136,14 +147,40 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
         done_path.write_text(json.dumps({"returncode": rc}))
     rc = json.loads(done_path.read_text())["returncode"]
     text = (out / "train.log").read_text(encoding="utf-8")
-    curve = valid_curve(text)
-    decoded: dict = {"probe": None, "test2016_bleu": None, "test2017_bleu": None, "bleu_signature": None}
+    decoded = dict(EMPTY_DECODED)
     if (out / "checkpoint_best.pt").exists():
         try:
-            decoded = _decode(o, out)
+            decode_best(o, out, decoded)
         except DecodeDeadline as e:
             log(f"{cell.name}: decoding ({e}) stopped at the deadline; decodes again next time")
             return None
+    record = result_record(cell, o, device, stall_bits, text, rc, decoded, attempts, cmd)
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(result_path)
+    for ckpt in out.glob("*.pt"):
+        ckpt.unlink()
+    log(
+        f"{cell.name}: {record['status']} ({record['stop']}), {record['epochs']} epochs, dev nll {record['dev_nll']}, "
+        f"BLEU {record['test2016_bleu']} / {record['test2017_bleu']}, {record['wall_s']:.0f}s"
+    )
+    return record
+
+
+def result_record(
+    cell: rg.Cell,
+    o: Options,
+    device: str,
+    stall_bits: float,
+    text: str,
+    rc: int,
+    decoded: dict,
+    attempts: Sequence[dict],
+    cmd: Sequence[str],
+) -> dict:
+    """The ``result.json`` record of a trained cell: its status (:func:`matrix.logs.classify`), dev
+    curve, decoding results (``decoded``: probe, test BLEU, signature), settings and command."""
+    curve = valid_curve(text)
     status, stop = classify(curve, text, rc, o.patience, stall_bits, decoded["probe"], o.blind_fraction)
     finite = [c for c in curve if math.isfinite(c[1])]
     best = min(finite, key=lambda c: c[1]) if finite else None
@@ -151,7 +188,7 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
     batch = o.max_tokens or regime.max_tokens
     per_forward, freq = est.update_freq(batch, o.max_tokens_per_job)
     error = parse_log(text)["error"] or (None if rc == 0 else last_line(text))
-    record = {
+    return {
         "cell": cell.name,
         "method": cell.method,
         "layers": cell.depth,
@@ -195,16 +232,6 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
         "error": error,
         "command": printable(cmd),
     }
-    tmp = result_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(result_path)
-    for ckpt in out.glob("*.pt"):
-        ckpt.unlink()
-    log(
-        f"{cell.name}: {status} ({stop}), {record['epochs']} epochs, dev nll {record['dev_nll']}, "
-        f"BLEU {record['test2016_bleu']} / {record['test2017_bleu']}, {record['wall_s']:.0f}s"
-    )
-    return record
 
 
 def pack(runs: Path, cells: Sequence[rg.Cell], path: Path) -> int:

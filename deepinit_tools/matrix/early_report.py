@@ -140,11 +140,11 @@ def report(work: Path, rules: Rules) -> str:
 BEGIN, END = "<!-- multi30k_matrix report: begin -->", "<!-- multi30k_matrix report: end -->"
 
 
-def write_between_markers(path: Path, text: str) -> None:
-    """Replace the generated block of ``path`` (between ``BEGIN`` and ``END``), keeping the prose around it."""
-    doc = path.read_text(encoding="utf-8") if path.exists() else f"{BEGIN}\n{END}\n"
-    if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
-        raise MatrixError(f"{path} needs exactly one {BEGIN} ... {END} block to write the report into")
-    head, rest = doc.split(BEGIN)
-    tail = rest.split(END)[1]
-    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}", encoding="utf-8")
+def write_between_markers(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the generated block of ``path`` (between ``begin`` and ``end``), keeping the prose around it."""
+    doc = path.read_text(encoding="utf-8") if path.exists() else f"{begin}\n{end}\n"
+    if doc.count(begin) != 1 or doc.count(end) != 1 or doc.index(begin) > doc.index(end):
+        raise MatrixError(f"{path} needs exactly one {begin} ... {end} block to write the report into")
+    head, rest = doc.split(begin)
+    tail = rest.split(end)[1]
+    path.write_text(f"{head}{begin}\n{text}{end}{tail}", encoding="utf-8")

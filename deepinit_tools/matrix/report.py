@@ -51,13 +51,16 @@ def read_pack(path: Path) -> List[dict]:
 
 
 def merge(store: Dict[str, dict], cells: Sequence[dict]) -> Dict[str, dict]:
-    """Add ``cells`` to ``store`` (by cell name); a newer date replaces an older result."""
+    """Add ``cells`` to ``store`` (by cell name); a newer date replaces an older result, except that a
+    cell cut at a GPU session's deadline (status ``cut``) never replaces one that ended by itself."""
     for c in cells:
         missing = [k for k in REQUIRED if k not in c]
         if missing:
             raise ReportError(f"result of {c.get('cell', '?')} lacks {', '.join(missing)}: not a converge result")
         old = store.get(c["cell"])
-        if old is None or c["date"] >= old["date"]:
+        # a run cut at a session's deadline never replaces one that ended by itself
+        shorter = c["status"] == "cut" and old is not None and old["status"] != "cut"
+        if old is None or (c["date"] >= old["date"] and not shorter):
             store[c["cell"]] = c
     return store
 
@@ -207,7 +210,8 @@ def render(cells: Dict[str, dict], dim: int, jobs: int) -> str:
     parts += [
         f"{len(cells)} cells, devices: {', '.join(devices)}. Cell: status, test2016 / test2017 sacreBLEU of the best "
         "checkpoint (beam 5), (best epoch / epochs trained). *ok* = converged (dev loss stopped improving for "
-        "`patience` epochs); *capped* = still improving at the epoch cap.",
+        "`patience` epochs); *capped* = still improving at the epoch cap; *cut* = stopped at a GPU session's "
+        "deadline (its `label`: N epochs in M minutes, packed K at a time).",
         "",
         "Each method in its paper's regime:",
         "",

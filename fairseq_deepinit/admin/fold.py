@@ -132,9 +132,10 @@ def fold_state_dict(
                 first[stack] = w
             else:
                 prev_prefix, prev_sub = subs[k - 1]
-                for p in ("weight", "bias"):
+                for p in ("weight", "bias"):  # an RMS norm has no bias
                     key = f"{prev_prefix}.{SUBLAYER_NORMS[prev_sub]}.{p}"
-                    sd[key] = sd[key] * w
+                    if key in sd:
+                        sd[key] = sd[key] * w
 
     # the embeddings carry the first sub-layer's omega
     ln_emb = bool(getattr(args, "layernorm_embedding", False))
@@ -147,7 +148,8 @@ def fold_state_dict(
         if ln_emb:
             for p in ("weight", "bias"):
                 key = f"{stack}.layernorm_embedding.{p}"
-                sd[key] = sd[key] * w
+                if key in sd:
+                    sd[key] = sd[key] * w
             continue
         if bool((w == 1).all()):
             continue
@@ -169,7 +171,8 @@ def fold_state_dict(
             last_prefix, last_sub = groups["decoder"][-1]
             for p in ("weight", "bias"):
                 key = f"{last_prefix}.{SUBLAYER_NORMS[last_sub]}.{p}"
-                sd[key] = sd[key] / w
+                if key in sd:
+                    sd[key] = sd[key] / w
     if shared and not unshare:
         # one embedding for both stacks, scaled by the same omega_1 (or not at all)
         sd["decoder.embed_tokens.weight"] = sd["encoder.embed_tokens.weight"]

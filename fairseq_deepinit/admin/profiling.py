@@ -1,6 +1,11 @@
 """Profiling Admin's omega on the first batch(es): the variances of every residual branch and skip
-path, summed over ranks, turned into omega by the ``code`` or ``paper`` formula (see :mod:`.residual`);
-and refreshing fp16 master weights after omega changed.
+path, turned into omega by the ``code`` or ``paper`` formula (see :mod:`.residual`); and refreshing
+fp16 master weights after omega changed.
+
+With several ranks every rank profiles the same batch, all ranks' batches merged (:mod:`.gather`), and
+takes the moments of the group's first rank (a broadcast per sub-layer for ``code``, once for
+``paper``): every rank sets the omega one process sets on that batch, bit for bit, whatever kernels
+each rank's device runs.
 
 The recurrence runs on the device (omega is filled from device scalars as the forward goes); the
 profile's numbers (variances, element counts, omegas, for the log and the profile file) are read to
@@ -44,7 +49,8 @@ def paper_omegas(var_branches: List) -> List:
     return out
 
 
-def _dist_group():
+def data_parallel_group():
+    """fairseq's data-parallel process group, or None when torch.distributed is not initialised."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     from fairseq.distributed import utils as dist_utils
@@ -52,7 +58,7 @@ def _dist_group():
     return dist_utils.get_data_parallel_group()
 
 
-def _world_size(group) -> int:
+def world_size(group) -> int:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return 1
     from fairseq.distributed import utils as dist_utils
@@ -60,17 +66,24 @@ def _world_size(group) -> int:
     return dist_utils.get_world_size(group)
 
 
+def _from_first_rank(tensor: torch.Tensor, group) -> None:
+    """Overwrite ``tensor`` with the group's first rank's (a broadcast; every rank calls it)."""
+    src = torch.distributed.get_process_group_ranks(group)[0] if group is not None else 0
+    torch.distributed.broadcast(tensor, src=src, group=group)
+
+
 class _ProgressiveOmega:
     """Forward pre-hooks that set omega_i just before sub-layer i runs (released-code recurrence).
 
     The pre-hook of sub-layer i reads the moments the statistics hook recorded for sub-layer i-1 of
-    the same stack, sums them over the ranks (once), and fills omega_i with the new ratio.
+    the same stack, takes the first rank's (once; every rank profiled the same batch), and fills
+    omega_i with the new ratio.
     """
 
     def __init__(self, stats: ResidualStatistics, residuals: OrderedDict[str, AdminResidual], group) -> None:
         self.stats = stats
         self.group = group
-        self.reduce = _world_size(group) > 1
+        self.reduce = world_size(group) > 1
         self.reduced: set = set()
         self.ratios: Dict[str, torch.Tensor | float] = {}
         self.previous: Dict[str, str | None] = {}
@@ -82,9 +95,7 @@ class _ProgressiveOmega:
     def reduce_moments(self, name: str) -> torch.Tensor:
         moments = self.stats.moments[name]
         if self.reduce and name not in self.reduced:
-            from fairseq.distributed import utils as dist_utils
-
-            dist_utils.all_reduce(moments, group=self.group)
+            _from_first_rank(moments, self.group)
         self.reduced.add(name)
         return moments
 
@@ -117,8 +128,9 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
     ``torch.no_grad``; only the encoder and the decoder's features run (no output projection). A
     decoder-only language model (no ``encoder``) runs its decoder on ``net_input["src_tokens"]``, fairseq's
     language-modeling batch; the recurrence then covers its one stack.
-    ``group``: the process group to reduce over (default: fairseq's data-parallel group when
-    torch.distributed is initialised). Every rank must call this at the same time.
+    ``group``: the process group whose first rank's moments every rank takes (default: fairseq's
+    data-parallel group when torch.distributed is initialised). Every rank must call this at the same
+    time, on the same batch (:func:`.gather.gather_net_inputs`).
     """
     if formula not in FORMULAS:
         raise AdminConfigError(f"unknown Admin formula {formula!r}; choose from {', '.join(FORMULAS)}")
@@ -129,7 +141,7 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
             "--residual-scale admin)"
         )
     if group is None:
-        group = _dist_group()
+        group = data_parallel_group()
     start = time.perf_counter()
     stats = ResidualStatistics(model)
     progressive = _ProgressiveOmega(stats, residuals, group) if formula == "code" else None
@@ -167,8 +179,9 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
     if progressive is not None:
         for name in residuals:
             progressive.reduce_moments(name)
-    elif _world_size(group) > 1:
-        stats.all_reduce(group)
+    elif world_size(group) > 1:
+        for name in residuals:
+            _from_first_rank(stats.moments[name], group)
 
     variances = {name: residual_variance_tensors(stats.moments[name]) for name in residuals}
     omegas: Dict[str, torch.Tensor | float] = {}
@@ -202,8 +215,8 @@ def profile_model(model: nn.Module, net_input: dict, formula: str = "code", grou
         "format": PROFILE_FORMAT,
         "formula": formula,
         **model_shape(model),
-        "ranks": _world_size(group),
-        "sentences_per_rank": int(src.size(0)),
+        "ranks": world_size(group),
+        "sentences": int(src.size(0)),
         "source_shape": list(src.shape),
         "target_shape": list(net_input.get("prev_output_tokens", src).shape),
         "seconds": round(time.perf_counter() - start, 4),

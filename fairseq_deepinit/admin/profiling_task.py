@@ -3,9 +3,9 @@
 Admin (Liu et al. 2020, sec. 4.3) sets omega from the residual-branch variances on the first
 training batch. fairseq's trainer hands every batch, on every rank, to ``task.train_step`` before
 anything is updated, so the first call is where a profiling task profiles: one extra forward pass
-(no gradient) on that batch, cut to ``--admin-profile-max-tokens`` (optionally merged with the next
-``--admin-profile-batches - 1`` training batches of the rank), omega set on every rank from the
-statistics summed over all ranks, logged, and then the ordinary training step. Each residual
+(no gradient) on that batch (optionally merged with the next ``--admin-profile-batches - 1`` training
+batches of the rank, and with every other rank's, :mod:`.gather`), cut to ``--admin-profile-max-tokens``,
+the same omega set on every rank, logged, and then the ordinary training step. Each residual
 module's ``profiled`` buffer is in the checkpoint, so a resumed run, or one whose omega came from
 ``--admin-profile-path``, does not profile again.
 
@@ -28,8 +28,9 @@ import torch
 from fairseq import utils
 
 from ..errors import AdminConfigError
+from .gather import gather_net_inputs
 from .profile_file import apply_profile, check_profile_destination, load_profile, save_profile
-from .profiling import log_profile, profile_model, refresh_master_params
+from .profiling import data_parallel_group, log_profile, profile_model, refresh_master_params, world_size
 from .residual import admin_residuals, is_profiled, omega_parameters, unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -136,15 +137,21 @@ class AdminProfilingMixin:
         args = model.args
         net_inputs = [sample["net_input"]]
         if args.admin_profile_batches > 1:
-            net_inputs += self._following_batches(sample, args.admin_profile_batches - 1)
+            # the twin iterator's DataLoader draws its seed from torch's generator: the profiling pass's dropout
+            # and the training after it must see the generator as fairseq left it (as with one batch)
+            with torch.random.fork_rng(devices=[]):
+                net_inputs += self._following_batches(sample, args.admin_profile_batches - 1)
+        group = data_parallel_group()
+        per_rank = len(net_inputs)
+        net_inputs = gather_net_inputs(net_inputs, group, world_size(group))  # every rank: the same batches
         net_input, dropped = self.merge_profiling_inputs(net_inputs, args.admin_profile_max_tokens)
         if dropped:
             logger.info(
                 f"admin: profiling batch cut to {net_input['src_tokens'].size(0)} {self.row_word} "
                 f"(--admin-profile-max-tokens {args.admin_profile_max_tokens}; {dropped} dropped)"
             )
-        profile = profile_model(model, net_input, args.admin_formula)
-        log_profile(profile, f"profiling {len(net_inputs)} batch(es) per rank")
+        profile = profile_model(model, net_input, args.admin_formula, group=group)
+        log_profile(profile, f"profiling {len(net_inputs)} batch(es) ({per_rank} per rank)")
         refresh_master_params(optimizer, omega_parameters(model))
         if args.admin_profile_only:
             self._write_profile_and_stop(profile, args.admin_profile_path)

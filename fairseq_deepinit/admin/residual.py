@@ -23,8 +23,9 @@ from the variances of the residual branches on the first training batch ("profil
 
 Variances are population variances over every element of the tensors (padding included, dropout
 on: the model is in training mode), as in the released code. They are gathered by the forward hooks
-of :class:`~fairseq_deepinit.diagnostics.hooks.ResidualStatistics`; over several ranks the raw moments are summed
-before any variance is taken, so every rank sets the same omega. omega is an ``nn.Parameter`` (trainable
+of :class:`~fairseq_deepinit.diagnostics.hooks.ResidualStatistics`; over several ranks every rank profiles all
+ranks' batches merged into one (:mod:`.gather`), so omega is what one process sets on those batches,
+the same on every rank and independent of how the batches were split. omega is an ``nn.Parameter`` (trainable
 unless ``--admin-freeze-omega``) and each residual module carries a ``profiled`` buffer, so checkpoints
 hold everything: generation needs no profile file and a resumed run does not profile again.
 

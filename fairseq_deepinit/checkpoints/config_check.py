@@ -18,6 +18,7 @@ import copy
 import logging
 from typing import Any, List, Tuple
 
+import torch
 from omegaconf import OmegaConf
 
 from .. import model_config, options
@@ -109,28 +110,66 @@ def config_differences(saved: argparse.Namespace, current: argparse.Namespace) -
     for name in CHECKED_OPTIONS:
         if name != "arch" and not (hasattr(saved, name) and hasattr(current, name)):
             continue
-        a, b = _norm(getattr(saved, name, None)), _norm(getattr(current, name, None))
-        if a != b:
+        a, b = getattr(saved, name, None), getattr(current, name, None)
+        if _norm(a) != _norm(b):
             diffs.append((name, a, b))
     return diffs
 
 
+def _shown(value: Any) -> str:
+    """An option's value as the message prints it: an option not given (None) is "unset", not False."""
+    return "unset" if value is None else str(value)
+
+
 def _fmt_diffs(diffs: List[Tuple[str, Any, Any]]) -> str:
-    return ", ".join(f"--{n.replace('_', '-')} {a} -> {b}" for n, a, b in diffs)
+    return ", ".join(f"--{n.replace('_', '-')} {_shown(a)} -> {_shown(b)}" for n, a, b in diffs)
 
 
-def check_config(status: CheckpointStatus, current: Any, fine_tuning: bool) -> None:
+def check_parameters_fit(path: str, model: Any) -> None:
+    """After ``--allow-config-change``: stop (:class:`ConfigChangeError`) if the checkpoint's weights cannot
+    fill the new model (a parameter added, removed or of another shape), before fairseq's ``load_state_dict``
+    fails with "Cannot load model parameters from checkpoint ...; please ensure that the architectures match".
+
+    The saved tensors are memory-mapped, not read, and go through the model's own state-dict upgrade first
+    (what fairseq's loader does), so only a real mismatch is refused; if that cannot be done, fairseq decides.
+    """
+    try:
+        saved = dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model"])
+        model.upgrade_state_dict(saved)
+        wanted = model.state_dict()
+    except Exception:  # an unusual file or model: fairseq's own loader reports it
+        return
+    missing = [k for k in wanted if k not in saved]
+    unexpected = [k for k in saved if k not in wanted]
+    shapes = [
+        f"{k} {list(saved[k].shape)} -> {list(wanted[k].shape)}"
+        for k in wanted
+        if k in saved and saved[k].shape != wanted[k].shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    found = (("new", missing), ("gone", unexpected), ("reshaped", shapes))
+    parts = [f"{what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}" for what, items in found if items]
+    raise ConfigChangeError(
+        f"{ALLOW_FLAG} cannot continue from {path}: the new options change the model's parameters "
+        f"({'; '.join(parts)}), which the checkpoint cannot fill. Resume with the checkpoint's options, or start a "
+        "new run in another --save-dir"
+    )
+
+
+def check_config(status: CheckpointStatus, current: Any, fine_tuning: bool) -> bool:
     """Stop (:class:`ConfigChangeError`) if ``current`` (a deepinit model's args) differs from the checkpoint's.
 
     With ``--allow-config-change``, or when ``fine_tuning`` (any ``--reset-*`` flag: the run starts
-    anew from the weights), the differences are logged as a warning instead.
+    anew from the weights), the differences are logged as a warning instead, and True is returned (then
+    :func:`check_parameters_fit` decides whether the weights still fit).
     """
     saved, current = _namespace(status.model_args), _namespace(current)
     if current is None or not _is_deepinit(current) or saved is None:
-        return
+        return False
     diffs = config_differences(saved, current)
     if not diffs:
-        return
+        return False
     what = f"{status.path} was trained with different model options (checkpoint -> now): {_fmt_diffs(diffs)}"
     if getattr(current, "allow_config_change", False):
         logger.warning(f"{what}; continuing because of {ALLOW_FLAG}")
@@ -141,3 +180,4 @@ def check_config(status: CheckpointStatus, current: Any, fine_tuning: bool) -> N
             f"{what}. Resume with the checkpoint's options, use another --save-dir for a new run, or add "
             f"{ALLOW_FLAG} to continue with the new ones on purpose"
         )
+    return True

@@ -119,6 +119,10 @@ def inspect_checkpoint(path: PathLike, deep: bool = False) -> CheckpointStatus:
     """
     path = os.fspath(path)
     st = CheckpointStatus(path)
+    if os.path.isdir(path):
+        inside = os.path.join(path, "checkpoint_best.pt")
+        st.reason = f"is a folder, not a checkpoint file (give a checkpoint file in it: {inside}, ...)"
+        return st
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:

@@ -40,8 +40,15 @@ Installed when the plugin is imported (``--user-dir``); it extends fairseq 0.12.
    model loading into ``Exception("Cannot load model parameters ...")``; :func:`trainer_load_checkpoint`
    lets a plugin error through instead.
 
-The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4); this module
-holds the wrappers and :func:`install`.
+5. **One run per save dir; a finished run stays finished.** Before anything in the save dir is read,
+   removed or written, :func:`load_checkpoint` takes the save dir's lock on the global rank 0
+   (:mod:`.run_lock`), and a run whose checkpoint already holds ``--max-update`` updates ends with
+   status 0 before anything changes. ``load_model_ensemble_and_task`` (line 419, ``--path`` of
+   fairseq-generate/-interactive/-eval-lm) gives one line for a missing file, a folder, and a
+   checkpoint with neither ``args`` nor ``cfg`` (:func:`load_model_ensemble_and_task`).
+
+The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4), :mod:`.run_lock`
+(5); this module holds the wrappers and :func:`install`.
 """
 
 from __future__ import annotations
@@ -51,13 +58,16 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterator
 
+import torch
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 from fairseq.trainer import Trainer
 
 from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
+from . import run_lock
 from .atomic import AtomicCopyPathManager, atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
-from .config_check import check_config
+from .config_check import check_config as check_config_change
+from .config_check import check_parameters_fit
 from .integrity import (
     CheckpointStatus,
     checkpoint_candidates,
@@ -79,6 +89,42 @@ def load_checkpoint_to_cpu(path: str, arg_overrides: dict | None = None, load_on
     except Exception:
         raise_if_unreadable(path)  # damaged or refused: the plugin's error; else fairseq's own
         raise
+
+
+def load_model_ensemble_and_task(
+    filenames: list, arg_overrides: dict | None = None, task: Any = None, strict: bool = True, suffix: str = "",
+    num_shards: int = 1, state: dict | None = None,
+) -> Any:  # fmt: skip
+    """fairseq's ``checkpoint_utils.load_model_ensemble_and_task`` (line 419), through which fairseq-generate,
+    -interactive and -eval-lm (``--path``) and deepinit-diagnose load models, with one line for a file that does
+    not exist or is a folder (fairseq: ``OSError: Model file not found`` or ``IsADirectoryError``) and for a
+    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``).
+    Only these errors change, for any model's checkpoint; what loads, loads as in fairseq."""
+    for name in filenames if state is None else []:
+        path = checkpoint_utils.get_maybe_sharded_checkpoint_filename(name, suffix, 0, num_shards)
+        if PathManager.path_requires_pathmanager(path):
+            continue
+        if os.path.isdir(path):
+            raise CheckpointFileError(
+                f"checkpoint {path} is a folder: give a checkpoint file in it ({path}/checkpoint_best.pt, ...)"
+            )
+        if not os.path.exists(path):
+            raise CheckpointFileError(
+                f"checkpoint {path} does not exist; give a checkpoint written by fairseq-train "
+                "(<save-dir>/checkpoint_best.pt, ...)"
+            )
+    try:
+        return _ORIGINAL["load_model_ensemble_and_task"](
+            filenames, arg_overrides, task, strict, suffix, num_shards, state
+        )
+    except RuntimeError as e:
+        if "Neither args nor cfg exist in state" not in str(e):
+            raise
+        which = filenames[0] if len(filenames) == 1 else "one of " + ", ".join(map(str, filenames))
+        raise CheckpointFileError(
+            f"checkpoint {which} holds neither 'args' nor 'cfg' (the options fairseq-train saves with the weights): it "
+            "was not written by fairseq-train (a bare state dict?). Use a checkpoint written by fairseq-train"
+        ) from None
 
 
 def trainer_load_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> Any:
@@ -193,6 +239,12 @@ def _first_launch(cfg: Any) -> None:
             return  # fairseq uses --continue-once first
 
 
+def _global_rank() -> int:
+    return (
+        torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    )
+
+
 def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     """fairseq's ``checkpoint_utils.load_checkpoint`` (line 208) that resumes from the newest intact checkpoint.
 
@@ -216,10 +268,27 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     save_dir = cfg.save_dir
     if PathManager.path_requires_pathmanager(save_dir):
         return original(cfg, trainer, **passthrough_args)
+    if _global_rank() == 0 and not getattr(cfg, "no_save", False):
+        run_lock.acquire(save_dir)  # before anything in the save dir is read, removed or written
     if getattr(trainer, "data_parallel_rank", 0) == 0:
         remove_stale_temporaries(save_dir)
     current = getattr(getattr(trainer, "cfg", None), "model", None)
     fine_tuning = _fine_tuning(cfg)
+    max_update = getattr(getattr(getattr(trainer, "cfg", None), "optimization", None), "max_update", 0)
+
+    # a run that trains; --admin-profile-only stops before the first update, and Admin's own check says why a
+    # profile-only run cannot use a save dir whose checkpoint is profiled
+    trains = not getattr(current, "admin_profile_only", False)
+
+    def check_finished(st: CheckpointStatus) -> None:
+        if trains:
+            run_lock.check_not_finished(
+                st.path, st.num_updates, max_update, bool(getattr(cfg, "reset_optimizer", False))
+            )
+
+    def check_config(st: CheckpointStatus, current: Any, fine_tuning: bool) -> None:
+        if check_config_change(st, current, fine_tuning) and hasattr(trainer, "get_model"):
+            check_parameters_fit(st.path, trainer.get_model())
 
     if cfg.restore_file != "checkpoint_last.pt":
         path = cfg.restore_file.replace(".pt", suffix + ".pt") if suffix else cfg.restore_file
@@ -232,6 +301,7 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
             )
             logger.info(f"loading {path} ({st.num_updates} updates), given by --restore-file")
             check_config(st, current, fine_tuning)
+            check_finished(st)
         return original(cfg, trainer, **passthrough_args)
 
     last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
@@ -264,6 +334,7 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
     if _same(chosen.path, last):
         logger.info(f"resuming from {last} ({chosen.num_updates} updates), the newest intact checkpoint{skipped}")
         check_config(chosen, current, fine_tuning)
+        check_finished(chosen)
         return original(cfg, trainer, **passthrough_args)
     if last_st.ok:
         why = (
@@ -277,6 +348,7 @@ def load_checkpoint(cfg: Any, trainer: Any, **passthrough_args: Any) -> Any:
         f"{skipped}"
     )
     check_config(chosen, current, fine_tuning)
+    check_finished(chosen)
     with _restore_from(cfg, chosen.path, suffix):
         return original(cfg, trainer, **passthrough_args)
 
@@ -287,6 +359,7 @@ _WRAPPERS = {
     "torch_persistent_save": torch_persistent_save,
     "save_checkpoint": save_checkpoint,
     "verify_checkpoint_directory": verify_checkpoint_directory,
+    "load_model_ensemble_and_task": load_model_ensemble_and_task,
 }
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .. import admin, errors, options
+from ..checkpoints.integrity import inspect_checkpoint
 from ..errors import DeepInitConfigError
 from . import plots
 from .hooks import NormInputStatistics
@@ -55,16 +56,28 @@ class Setup:
             raise DeepInitConfigError(f"data folder {opts.data!r} not found (give the output of fairseq-preprocess)")
         self.opts = opts
         if opts.checkpoint:
+            if os.path.isdir(opts.checkpoint):
+                inside = os.path.join(opts.checkpoint, "checkpoint_best.pt")
+                raise DeepInitConfigError(
+                    f"--checkpoint {opts.checkpoint} is a folder: give a checkpoint file in it ({inside}, ...)"
+                )
             if not os.path.isfile(opts.checkpoint):
-                raise DeepInitConfigError(f"checkpoint {opts.checkpoint!r} not found")
+                raise DeepInitConfigError(f"--checkpoint {opts.checkpoint} does not exist")
             if [a for a in fairseq_argv if a.startswith("--")]:
                 raise DeepInitConfigError(
                     "with --checkpoint the model comes from the checkpoint; drop the model "
                     f"options {' '.join(a for a in fairseq_argv if a.startswith('--'))}"
                 )
-            models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-                [opts.checkpoint], arg_overrides={"data": opts.data}
-            )
+            try:
+                models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+                    [opts.checkpoint], arg_overrides={"data": opts.data}
+                )
+            except FileNotFoundError as e:  # the checkpoint's task reads files this data folder does not have
+                trained = getattr(inspect_checkpoint(opts.checkpoint).model_args, "task", None) or "its task"
+                raise DeepInitConfigError(
+                    f"--checkpoint {opts.checkpoint} was trained with --task {trained}, which cannot read {opts.data} "
+                    f"({errors.one_line(e)}); give the data folder the checkpoint was trained on"
+                ) from None
             self.args = cfg.model
             self.model = models[0]
             self.task = task

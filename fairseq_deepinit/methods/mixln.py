@@ -62,12 +62,27 @@ def _k_problem(value: int) -> str | None:
     return None if value >= 0 else f"--mixln-post-layers must be >= 0; got {value}"
 
 
+def _ratio_given(args) -> bool:
+    """Whether ``--mixln-ratio`` was given: a value other than the default the resolution fills in (an explicit
+    ``--mixln-ratio 0.25`` cannot be told from none; it means the same)."""
+    return getattr(args, "mixln_ratio", None) not in (None, POST_LN_RATIO)
+
+
 def validate_mixln_args(args) -> None:
     """Mix-LN's cross-option checks (one-line :class:`DeepInitConfigError`)."""
     if not args.mix_ln:
-        if args.mixln_post_layers is not None:
-            raise DeepInitConfigError("--mixln-post-layers needs --mix-ln; add it or drop the option")
+        for given, option in (
+            (args.mixln_post_layers is not None, "--mixln-post-layers"),
+            (_ratio_given(args), "--mixln-ratio"),
+        ):
+            if given:
+                raise DeepInitConfigError(f"{option} needs --mix-ln; add it or drop the option")
         return
+    if args.mixln_post_layers is not None and _ratio_given(args):
+        raise DeepInitConfigError(
+            f"--mixln-post-layers {args.mixln_post_layers} sets k itself and --mixln-ratio {args.mixln_ratio:g} "
+            "would compute it from the depth; give one of them"
+        )
     if args.norm_type == "none":
         raise DeepInitConfigError("--mix-ln places norms and --norm-type none removes them; drop one")
     flags = missing_pre_ln_flags(args)

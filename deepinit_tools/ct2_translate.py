@@ -1,0 +1,232 @@
+"""Raw text through an exported CTranslate2 model, as the quickstart translates with fairseq.
+
+``deepinit-export CHECKPOINT OUT --to ctranslate2`` writes the model; this translates raw sentences with it:
+the quickstart's tokenisation (:func:`deepinit_tools.prepare_bible.tokenize`), its BPE (subword-nmt's
+``apply-bpe`` with the codes and the vocabulary filter the corpus was prepared with), CTranslate2's beam
+search with fairseq-generate's options (:mod:`fairseq_deepinit.export.decoding`), BPE removed as
+``--remove-bpe`` does, :func:`~deepinit_tools.prepare_bible.detokenize`. Optionally scored (sacreBLEU against
+raw references) and compared with a fairseq-generate output of the same sentences (identical hypotheses,
+speed from fairseq-generate's own timing line).
+
+    python scripts/translate_ct2.py MODEL_DIR --codes BPE/codes --vocabulary BPE/vocab.de < in.de > out.en
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence, TextIO
+
+from deepinit_tools.prepare_bible import detokenize, read_hypotheses, tokenize
+from fairseq_deepinit.export.decoding import FairseqDecoding, fairseq_batches, translate_tokens
+from fairseq_deepinit.export.run import METADATA
+
+FAIRSEQ_DEFAULTS = FairseqDecoding()
+
+
+class Bpe:
+    """subword-nmt's ``apply-bpe`` in-process: ``codes``, and the vocabulary filter when ``vocabulary`` is given."""
+
+    def __init__(self, codes: Path, vocabulary: Path | None = None, threshold: int = 50) -> None:
+        from subword_nmt.apply_bpe import BPE, read_vocabulary
+
+        vocab = None
+        if vocabulary is not None:
+            with open(vocabulary, encoding="utf-8") as f:
+                vocab = read_vocabulary(f, threshold)
+        with open(codes, encoding="utf-8") as f:
+            self._bpe = BPE(f, vocab=vocab)
+
+    def __call__(self, line: str) -> str:
+        return self._bpe.process_line(line)
+
+
+def remove_bpe(tokens: Sequence[str]) -> str:
+    """fairseq's ``--remove-bpe`` (``@@ `` joins a word's pieces)."""
+    return (" ".join(tokens) + " ").replace("@@ ", "").rstrip()
+
+
+@dataclass
+class Translation:
+    """Detokenised hypotheses, the BPE tokens generated (``</s>`` counted, as fairseq-generate counts), the seconds
+    CTranslate2's decoding took (tokenising and BPE not included, as fairseq-generate's timing), the sentences
+    decoded again with ``<blank>`` suppressed and those whose hypothesis reached the length limit."""
+
+    hypotheses: List[str]
+    tokens: int
+    seconds: float
+    redone: int
+    at_limit: List[int]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def load_translator(model_dir: str, threads: int = 1, compute_type: str = "default"):
+    """The exported model on the CPU, ``threads`` threads for one translation at a time."""
+    import ctranslate2
+
+    return ctranslate2.Translator(
+        model_dir, device="cpu", compute_type=compute_type, inter_threads=1, intra_threads=threads
+    )
+
+
+def translate_bpe(
+    translator,
+    sources: Sequence[str],
+    decoding: FairseqDecoding,
+    batch_size: int = 64,
+    target_lengths: Sequence[int] | None = None,
+) -> Translation:
+    """BPE'd sentences -> detokenised hypotheses, timed. ``target_lengths`` (the BPE'd references' token counts):
+    decode in fairseq-generate's batches (:func:`fairseq_deepinit.export.decoding.fairseq_batches`), whose longest
+    source sets ``--max-len-a``'s limit there."""
+    tokens = [s.split() for s in sources]
+    batches = None
+    if target_lengths is not None:
+        batches = fairseq_batches([len(t) for t in tokens], target_lengths, batch_size)
+    start = time.perf_counter()
+    decoded = translate_tokens(translator, tokens, decoding, batch_size=batch_size, batches=batches)
+    seconds = time.perf_counter() - start
+    best = [h[0] for h in decoded.hypotheses]
+    hyps = [detokenize(remove_bpe(h)) for h in best]
+    return Translation(hyps, sum(len(h) + 1 for h in best), seconds, decoded.redone, decoded.at_limit)
+
+
+def translate_lines(
+    translator,
+    lines: Sequence[str],
+    bpe: Bpe,
+    decoding: FairseqDecoding = FAIRSEQ_DEFAULTS,
+    batch_size: int = 64,
+    target_lengths: Sequence[int] | None = None,
+) -> Translation:
+    """Raw sentences -> detokenised hypotheses (the module docstring's pipeline)."""
+    return translate_bpe(translator, [bpe(tokenize(line)) for line in lines], decoding, batch_size, target_lengths)
+
+
+_FAIRSEQ_SPEED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+
+
+def fairseq_speed(log: Path) -> float | None:
+    """fairseq-generate's tokens per second (generation time only) from its log, or None."""
+    found = _FAIRSEQ_SPEED.findall(Path(log).read_text(encoding="utf-8", errors="replace"))
+    if not found:
+        return None
+    _sentences, tokens, seconds = found[-1]
+    return int(tokens.replace(",", "")) / float(seconds)
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> str:
+    import sacrebleu
+
+    metric = sacrebleu.metrics.BLEU()
+    return (
+        f"{metric.corpus_score(list(hypotheses), [list(references)])} (sacrebleu signature: {metric.get_signature()})"
+    )
+
+
+def compare(result: Translation, args, out: TextIO = sys.stdout) -> None:
+    """BLEU, speed and identical hypotheses beside fairseq-generate's (those of ``args`` that are given)."""
+    if args.reference:
+        refs = Path(args.reference).read_text(encoding="utf-8").splitlines()
+        print(f"CTranslate2: {bleu(result.hypotheses, refs)}", file=out)
+    fairseq = fairseq_speed(args.fairseq_log) if args.fairseq_log else None
+    speed = f"CTranslate2: {result.tokens} tokens in {result.seconds:.1f}s, {result.tokens_per_second:.1f} tokens/s"
+    if fairseq:
+        speed += f"; fairseq-generate {fairseq:.1f} tokens/s: {result.tokens_per_second / fairseq:.2f}x"
+    print(speed, file=out)
+    if args.fairseq_output:
+        theirs = read_hypotheses(Path(args.fairseq_output))
+        differ = [i for i, (a, b) in enumerate(zip(result.hypotheses, theirs, strict=False)) if a != b]
+        cut = len(set(differ) & set(result.at_limit))
+        n = len(result.hypotheses)
+        line = f"identical to fairseq-generate's hypotheses: {n - len(differ)}/{n}"
+        if differ:
+            line += (
+                f" ({cut} of the {len(differ)} others reach the length limit, where fairseq forces </s> and "
+                "CTranslate2 cuts: docs/export.md)"
+            )
+        print(line, file=out)
+    if result.redone:
+        print(f"({result.redone} sentences decoded again with <blank> suppressed)", file=out)
+
+
+def max_target_positions(model_dir: str) -> int:
+    """The exported model's ``--max-target-positions`` (fairseq caps ``max_len`` below it), as the export recorded."""
+    meta = Path(model_dir) / METADATA
+    return json.loads(meta.read_text())["max_target_positions"] if meta.exists() else FairseqDecoding.max_positions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="translate_ct2.py",
+        description="Translate raw sentences with a CTranslate2 model written by deepinit-export (tokenise, BPE, "
+        "beam search as fairseq-generate, detokenise).",
+    )
+    p.add_argument("model", help="the folder deepinit-export --to ctranslate2 wrote")
+    p.add_argument("--codes", required=True, help="the BPE codes the corpus was prepared with (subword-nmt)")
+    p.add_argument("--vocabulary", help="subword-nmt's source vocabulary for its filter (default: no filter)")
+    p.add_argument("--vocabulary-threshold", type=int, default=50, help="the filter's threshold (default: 50)")
+    p.add_argument("--input", help="raw source sentences, one per line (default: standard input)")
+    p.add_argument("--output", help="where to write the translations (default: standard output)")
+    p.add_argument("--beam", type=int, default=5, help="fairseq-generate's --beam (default: 5)")
+    p.add_argument("--lenpen", type=float, default=1.0, help="fairseq-generate's --lenpen (default: 1.0)")
+    p.add_argument("--max-len-a", type=float, default=0.0, help="fairseq-generate's --max-len-a (default: 0)")
+    p.add_argument("--max-len-b", type=int, default=200, help="fairseq-generate's --max-len-b (default: 200)")
+    p.add_argument("--min-len", type=int, default=1, help="fairseq-generate's --min-len (default: 1)")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences per CTranslate2 call (default: 64)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    p.add_argument(
+        "--compute-type", default="default", help="CTranslate2's compute type (default: default, the model's)"
+    )
+    p.add_argument("--reference", help="raw reference translations: print sacreBLEU (default: no score)")
+    p.add_argument(
+        "--target-bpe",
+        help="the BPE'd references, to decode in fairseq-generate's batches (sorted by length, --batch-size at a "
+        "time), whose longest source sets --max-len-a's limit as there (default: sources of one length together)",
+    )
+    p.add_argument(
+        "--fairseq-output", help="a fairseq-generate output of the same sentences to compare with (default: none)"
+    )
+    p.add_argument("--fairseq-log", help="that run's log (stderr), for its tokens/s (default: no speed comparison)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    with source:
+        lines = [line.rstrip("\n") for line in source]
+    decoding = FairseqDecoding(
+        beam=args.beam,
+        lenpen=args.lenpen,
+        max_len_a=args.max_len_a,
+        max_len_b=args.max_len_b,
+        min_len=args.min_len,
+        max_positions=max_target_positions(args.model),
+    )
+    translator = load_translator(args.model, args.threads, args.compute_type)
+    bpe = Bpe(Path(args.codes), args.vocabulary and Path(args.vocabulary), args.vocabulary_threshold)
+    targets = None
+    if args.target_bpe:
+        targets = [len(line.split()) for line in Path(args.target_bpe).read_text(encoding="utf-8").splitlines()]
+    result = translate_lines(translator, lines, bpe, decoding, args.batch_size, targets)
+    text = "".join(h + "\n" for h in result.hypotheses)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        compare(result, args)
+    else:
+        sys.stdout.write(text)
+        compare(result, args, sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

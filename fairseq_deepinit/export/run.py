@@ -1,0 +1,151 @@
+"""One export, start to end: read the checkpoint, classify it, refuse it or fold it, write, check, rename.
+
+The order is the guarantee: everything that can refuse (the output path, the checkpoint, the route of the
+target, Admin's profiling flag, the dictionaries, the ``ctranslate2`` package) is checked before anything
+is written; the model is then written beside the output, reloaded and compared with the plugin model,
+and only then renamed into place (:func:`.source.save_atomically`), so the output is either untouched or
+a checked export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable, List
+
+import torch
+
+from ..errors import ExportError
+from . import route as routes
+from . import scoring, source, to_ct2, to_fairseq
+from .fold import plain_state_dict
+
+logger = logging.getLogger(__name__)
+
+#: the quantizations CTranslate2's converters accept (ctranslate2/specs/model_spec.py ACCEPTED_MODEL_TYPES)
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
+CT2_PIN = "ctranslate2==4.8.5"
+METADATA = "deepinit_export.json"
+
+
+def _require_ctranslate2() -> None:
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError as e:
+        raise ExportError(
+            f"--to ctranslate2 needs the ctranslate2 package: pip install {CT2_PIN} (requirements/ctranslate2.txt)"
+        ) from e
+
+
+def prepare(src: str, dst: str, target: str, stacks: str | None = None, require: Callable | None = None):
+    """``(state, args, route)`` of ``src`` once every check before the model is read has passed.
+
+    ``stacks``: ``"lm"`` / ``"translation"`` to refuse the other kind, ``require(args)``: a check of its own
+    (both for the single-family Admin commands, :mod:`fairseq_deepinit.admin.export`).
+    """
+    source.check_destination(src, dst, folder=target == routes.CTRANSLATE2)
+    if target == routes.CTRANSLATE2:
+        _require_ctranslate2()
+    state, args = source.load_checkpoint(src)
+    lm = source.is_language_model(args)
+    if stacks == "translation" and lm:
+        raise ExportError(f"{src} is a deepinit language model; use deepinit-export-admin-lm for it")
+    if stacks == "lm" and not lm:
+        raise ExportError(f"{src} is not a deepinit language model; use deepinit-export-admin for translation")
+    if require is not None:
+        require(args)
+    route = routes.classify(args)
+    route.check(target)
+    if route.residual == "admin":
+        source.check_profiled(state, src, "decoder" if lm else "encoder")
+    return state, args, route
+
+
+def export_fairseq(
+    src: str, dst: str, check: bool = True, tolerance: float = 1e-4, stacks: str | None = None, require=None
+) -> dict:
+    """``--to fairseq``: a stock ``transformer`` / ``transformer_lm`` checkpoint; returns a summary."""
+    state, args, route = prepare(src, dst, routes.FAIRSEQ, stacks, require)
+    model = source.build_plugin_model(state["model"], args, torch.float64)
+    plain, changes = plain_state_dict(model, args, route)
+    summary = {"route": route, "changes": changes, "arch": to_fairseq.stock_args(args, changes)["_name"]}
+
+    def write(tmp: str) -> None:
+        to_fairseq.write_stock(state, src, tmp, plain, args, changes, route.fairseq)
+        if check:
+            summary["max_abs_diff"] = to_fairseq.check_stock_file(tmp, model, tolerance)
+
+    source.save_atomically(write, dst)
+    return summary
+
+
+def export_ct2(
+    src: str,
+    dst: str,
+    quantization: str | None = None,
+    data: str | None = None,
+    check: bool = True,
+    tolerance: float = 1e-4,
+) -> dict:
+    """``--to ctranslate2``: a CTranslate2 model folder (vocabularies included); returns a summary.
+
+    The check scores random sentences with the written float32 model and the plugin model in float64
+    (:func:`.scoring.check_ct2_dir`); a quantized model is written after that check from the same spec and
+    its difference is reported, not checked (quantization is an approximation the user asked for).
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ExportError(f"unknown --quantization {quantization}; choose from {', '.join(QUANTIZATIONS)}")
+    state, args, route = prepare(src, dst, routes.CTRANSLATE2)
+    dicts = source.load_dictionaries(state, args, data)
+    vocabularies: List[List[str]] = [to_ct2.vocabulary(d) for d in dicts[: 1 if route.lm else 2]]
+    model = source.build_plugin_model(state["model"], args, torch.float64)
+    plain, _changes = plain_state_dict(model, args, route)
+    facts = to_ct2.stack_facts(model, args, route)
+    summary = {"route": route, "quantization": quantization or "float32"}
+
+    def save(folder: str, q: str | None) -> None:
+        spec = to_ct2.build_spec(plain, route, facts, vocabularies)
+        spec.validate()
+        spec.optimize(quantization=q)
+        os.makedirs(folder, exist_ok=True)
+        spec.save(folder)
+
+    def write(tmp: str) -> None:
+        save(tmp, None)
+        if check:
+            summary["max_abs_diff"] = scoring.check_ct2_dir(tmp, model, vocabularies, tolerance)
+        if quantization not in (None, "float32"):
+            for name in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, name))
+            save(tmp, quantization)
+            if check:
+                summary["quantized_max_abs_diff"] = scoring.check_ct2_dir(
+                    tmp, model, vocabularies, float("inf"), compute_type="default"
+                )
+        meta = {
+            "source": os.path.abspath(src),
+            "model": "language model" if route.lm else "translation",
+            "route": route.describe(),
+            "quantization": quantization or "float32",
+            "ctranslate2_layer_norm_epsilon": route.ct2_eps,
+            "max_target_positions": int(getattr(args, "max_target_positions", 1024) or 1024),
+            "decoding": "docs/export.md, 'Decoding as fairseq-generate'",
+        }
+        with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+
+    source.save_atomically(write, dst)
+    return summary
+
+
+def export(src: str, dst: str, to: str, **kwargs) -> dict:
+    """``deepinit-export``'s work: :func:`export_fairseq` or :func:`export_ct2`."""
+    if to == routes.FAIRSEQ:
+        for name in ("quantization", "data"):
+            if kwargs.pop(name, None) is not None:
+                raise ExportError(f"--{name} applies to --to ctranslate2 only; drop it for --to fairseq")
+        return export_fairseq(src, dst, **kwargs)
+    if to == routes.CTRANSLATE2:
+        return export_ct2(src, dst, **kwargs)
+    raise ExportError(f"unknown --to {to}; choose from {', '.join(routes.TARGETS)}")

@@ -1,0 +1,228 @@
+"""The export's input and output files: the checkpoint, its model arguments and dictionaries, the
+plugin model rebuilt from them, and writes that leave either the old file or the whole new one.
+
+- :func:`load_checkpoint`: the checkpoint (torch's ``weights_only`` loader with the plugin's allow-list,
+  :func:`fairseq_deepinit.checkpoints.integrity.torch_load_checked`) and its resolved model arguments, from
+  fairseq-train's ``argparse.Namespace`` or fairseq-hydra-train's ``model`` node;
+- :func:`build_plugin_model`: the ``deepinit`` / ``deepinit_lm`` model of those arguments holding the
+  checkpoint's weights, in float64 (the folds' arithmetic) or float32 (the comparisons with CTranslate2);
+- :func:`load_dictionaries`: the fairseq dictionaries the model was trained with (CTranslate2's vocabularies);
+- :func:`check_destination`, :func:`save_atomically`: the output's checks and the write by rename.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import shutil
+from types import SimpleNamespace
+from typing import Callable, Tuple
+
+import torch
+
+from .. import errors, model_config, options
+from ..checkpoints import config_check
+from ..checkpoints.integrity import torch_load_checked
+from ..errors import ExportError
+
+
+def _hydra_model_args(node: dict) -> argparse.Namespace | None:
+    """A hydra checkpoint's model node as the resolved Namespace a fairseq-train checkpoint stores: the model's
+    ``build_model`` resolves a copy (model_config.py), the YAML's values are what the checkpoint keeps."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    try:
+        args = model_config.as_namespace(node)
+        if ARCH_MODEL_NAME_REGISTRY.get(args.arch) == config_check.LM_MODEL:
+            args.encoder_layers = 0  # what the language model's build stores (lm/model.py, resolve_lm_args)
+        options.resolve_and_validate(args)
+    except Exception:  # not a model this plugin can build: "no model arguments" below
+        return None
+    return args
+
+
+def model_args(state: dict) -> argparse.Namespace:
+    """The resolved model arguments stored in a checkpoint of the plugin (fairseq-train or fairseq-hydra-train)."""
+    cfg = state.get("cfg") or {}
+    args = cfg.get("model") if isinstance(cfg, dict) else None
+    if isinstance(args, dict) and args.get("_name"):  # fairseq-hydra-train's YAML node
+        args = _hydra_model_args(args)
+    if not isinstance(args, argparse.Namespace):
+        args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise ExportError("the checkpoint has no model arguments of the deepinit model (was it written by it?)")
+    return args
+
+
+def is_language_model(args) -> bool:
+    """A ``deepinit_lm`` checkpoint (its build stores ``encoder_layers = 0``, lm/model.py)."""
+    return getattr(args, "encoder_layers", None) == 0
+
+
+def load_checkpoint(path: str) -> Tuple[dict, argparse.Namespace]:
+    """``(state, a copy of its model arguments)``; a damaged or refused file is one-line error."""
+    state = torch_load_checked(path, map_location="cpu")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise ExportError(f"{path} holds no model state dict; give a checkpoint written by fairseq-train")
+    args = copy.deepcopy(model_args(state))
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    arch = getattr(args, "arch", None)
+    model = ARCH_MODEL_NAME_REGISTRY.get(arch)
+    if arch is not None and model not in (config_check.TRANSLATION_MODEL, config_check.LM_MODEL):
+        raise ExportError(
+            f"{path} is a checkpoint of fairseq's {model or arch}, not of a deepinit model: a stock fairseq "
+            "checkpoint needs no export (CTranslate2's own ct2-fairseq-converter reads it)"
+        )
+    return state, args
+
+
+def check_profiled(state: dict, src: str, stack: str) -> None:
+    """An Admin checkpoint whose first ``stack`` layer was never profiled is not a trained Admin model."""
+    flag = state["model"].get(f"{stack}.layers.0.residuals.self_attn.profiled")
+    if flag is not None and not bool(flag):
+        raise ExportError(f"{src}: omega was never profiled; this is not a trained Admin model")
+
+
+def dictionary_of_size(size: int):
+    """A fairseq Dictionary of ``size`` symbols (special symbols first), for a model whose words do not matter."""
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    i = 0
+    while len(d) < size:
+        d.add_symbol(f"w{i}")
+        i += 1
+    return d
+
+
+def build_plugin_model(sd: dict, args, dtype: torch.dtype, src_dict=None, tgt_dict=None) -> torch.nn.Module:
+    """The plugin model of ``args`` holding ``sd`` (strict), in ``dtype``, in eval mode.
+
+    Built in ``dtype`` before the weights are loaded, so that float64 holds the checkpoint's values unrounded.
+    Dictionaries default to stand-ins of the embedding's size (only their size and special symbols matter).
+    """
+    from ..lm.model import DeepInitLanguageModel
+    from ..model import DeepInitTransformerModel
+
+    lm = is_language_model(args)
+    rows = sd["decoder.embed_tokens.weight"].size(0)
+    tgt_dict = tgt_dict or dictionary_of_size(rows)
+    if src_dict is None:
+        src_dict = tgt_dict if lm else dictionary_of_size(sd["encoder.embed_tokens.weight"].size(0))
+    task = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
+    a = copy.deepcopy(args)
+    a.task = None  # only evaluated: no profiling-task checks
+    a.checkpoint_activations = a.offload_activations = False  # the layers themselves, not their training wrappers
+    cls = DeepInitLanguageModel if lm else DeepInitTransformerModel
+    model = cls.build_model(a, task).to(dtype)
+    model.load_state_dict(sd, strict=True, model_cfg=a)
+    return model.eval()
+
+
+def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, object]:
+    """``(source, target)`` fairseq dictionaries of the model (the same one twice for a language model).
+
+    From ``data`` (a fairseq-preprocess folder), else the training's ``task.data`` stored in the checkpoint;
+    each must have as many symbols as the model's embedding has rows.
+    """
+    from fairseq.data import Dictionary, data_utils
+
+    task = (state.get("cfg") or {}).get("task") if isinstance(state.get("cfg"), dict) else None
+    task = (
+        task
+        if isinstance(task, dict)
+        else vars(state["args"])
+        if isinstance(state.get("args"), argparse.Namespace)
+        else {}
+    )
+    folder = data or str(task.get("data") or "").split(os.pathsep)[0]
+    if not folder or not os.path.isdir(folder):
+        raise ExportError(
+            f"the dictionaries are needed for CTranslate2's vocabularies and the training data folder "
+            f"{folder or '(none stored)'} is not there; give --data DIR, the fairseq-preprocess folder of the model"
+        )
+    if is_language_model(args):
+        files = [os.path.join(folder, "dict.txt")]
+    else:
+        src, tgt = task.get("source_lang"), task.get("target_lang")
+        if not src or not tgt:
+            src, tgt = data_utils.infer_language_pair(folder)
+        files = [os.path.join(folder, f"dict.{src}.txt"), os.path.join(folder, f"dict.{tgt}.txt")]
+    dicts = []
+    for path in files:
+        if not os.path.isfile(path):
+            raise ExportError(f"no dictionary {path}; give --data DIR, the fairseq-preprocess folder of the model")
+        dicts.append(Dictionary.load(path))
+    stacks = ["decoder"] if len(dicts) == 1 else ["encoder", "decoder"]
+    for d, stack, path in zip(dicts, stacks, files, strict=True):
+        rows = state["model"][f"{stack}.embed_tokens.weight"].size(0)
+        if len(d) != rows:
+            raise ExportError(
+                f"{path} has {len(d)} symbols and the model's {stack} embedding {rows} rows: give --data the folder "
+                "the model was trained on"
+            )
+    return (dicts[0], dicts[-1])
+
+
+def check_destination(src: str, dst: str, folder: bool = False) -> None:
+    """Refuse, before the checkpoint is read, an output the export cannot or must not write.
+
+    The output must not be the input (the export would replace the training checkpoint), nor (for a
+    checkpoint file) a folder, nor under a path whose existing part is a file. A missing parent folder is
+    created when the export is written, as fairseq-train creates its ``--save-dir``.
+    """
+    if os.path.realpath(dst) == os.path.realpath(src) or (
+        os.path.exists(dst) and os.path.exists(src) and os.path.samefile(dst, src)
+    ):
+        raise ExportError(
+            f"the output {dst} is the input checkpoint; the export would replace it. Give another file name, e.g. "
+            f"{os.path.splitext(dst)[0]}.exported.pt"
+        )
+    if folder:
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise ExportError(f"the output {dst} is a file; CTranslate2's model is a folder: give a folder name")
+        if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, "model.bin")):
+            raise ExportError(f"the output folder {dst} is not empty and holds no CTranslate2 model; give a new folder")
+    elif os.path.isdir(dst):
+        raise ExportError(
+            f"the output {dst} is a folder; give the exported checkpoint's file name, e.g. "
+            f"{os.path.join(dst, 'checkpoint.exported.pt')}"
+        )
+    existing = os.path.dirname(os.path.abspath(dst))
+    while not os.path.exists(existing):  # the deepest folder that exists (the root always does)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ExportError(f"the output {dst} cannot be written: {existing} is a file, not a folder")
+
+
+def save_atomically(write: Callable[[str], None], dst: str) -> None:
+    """``write(tmp)`` to a temporary path beside ``dst``, then a rename: ``dst`` is either what it was or the whole
+    export (a folder replaces the old folder), and a failed write (disk full, no permission) is one
+    :class:`~fairseq_deepinit.errors.ExportError`."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.normpath(dst))}.{os.getpid()}.tmp")
+    old = tmp + ".old"
+    moved = False
+    try:
+        os.makedirs(parent, exist_ok=True)
+        write(tmp)
+        if os.path.isdir(dst):
+            os.replace(dst, old)
+            moved = True
+        os.replace(tmp, dst)
+        moved = False
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        if moved:
+            with contextlib.suppress(OSError):
+                os.replace(old, dst)  # the previous export back in place
+        raise ExportError(f"cannot write {dst}: {errors.one_line(e)}") from e
+    finally:
+        for path in (tmp, old):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
