@@ -316,6 +316,7 @@ SLOW_MODULES = {
     "test_converge",
     "test_distributed",
     "test_gpu_readiness",
+    "test_gpu_session",
     "test_gpu_smoke",
     "test_hydra",
     "test_lm_study",

@@ -86,8 +86,13 @@ def drop_metrics(ckpt: Path) -> None:
 
     numpy_globals = [np.empty(0).__reduce__()[0], np.float64(0).__reduce__()[0], np.ndarray, np.dtype]
     numpy_globals += sorted({type(np.dtype(t)) for t in ("int64", "int32", "float64", "float32")}, key=str)
-    with _SAFE_GLOBALS, torch.serialization.safe_globals([*numpy_globals, argparse.Namespace]):
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    # only what the process does not allow yet: leaving the block takes its globals off the list again, and
+    # argparse.Namespace (the plugin's) must stay on it
+    with _SAFE_GLOBALS:
+        allowed = set(torch.serialization.get_safe_globals())
+        extra = [g for g in [*numpy_globals, argparse.Namespace] if g not in allowed]
+        with torch.serialization.safe_globals(extra):
+            state = torch.load(ckpt, map_location="cpu", weights_only=True)
     if state.get("extra_state", {}).pop("metrics", None) is None:
         return
     tmp = ckpt.with_name(ckpt.name + ".tmp")
