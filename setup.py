@@ -12,8 +12,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.13",
-    # the plugin, and the tools its scripts and benchmarks run (docs/architecture.md, "The tools")
-    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*", "deepinit_tools", "deepinit_tools.*"])
+    # the plugin only: the research tools (deepinit_tools/: benchmarks, Multi30k matrix, readiness, GPU
+    # session) run from a checkout with PYTHONPATH=$PWD (README, "Research tools")
+    packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*"])
     # fairseq-hydra-train's config-key errors in one line: Hydra imports this namespace at start-up
     + find_namespace_packages(include=["hydra_plugins"]),
     install_requires=[
@@ -25,7 +26,7 @@ setup(
         "matplotlib==3.11.2",  # deepinit-diagnose plots
         "tensorboardX==2.6.5",  # --tensorboard-logdir (fairseq falls back to it without `tensorboard`)
     ],
-    extras_require={"test": ["pytest==9.0.3", "ruff==0.17.6"]},
+    extras_require={"test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "ruff==0.17.6"]},
     entry_points={
         "console_scripts": [
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What holds the GPU idle in a fairseq training step (issue #13): phases and torch.profiler.
+"""What holds the GPU idle in a fairseq training step: phases and torch.profiler.
 
 The command line only; the code is :mod:`deepinit_tools.bench.gpu_profile`.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What a GPU will see, measured without one (issue 22): a table over every architecture family.
+"""What a GPU will see, measured without one: a table over every architecture family.
 
 The command line only; the code is :mod:`deepinit_tools.bench.gpu_readiness`.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Merge the files a GPU session brought back into ``docs/benchmarks/gpu.json`` (issue #25).
+"""Merge the files a GPU session brought back into ``docs/benchmarks/gpu.json`` .
 
 The command line only; the code is :mod:`deepinit_tools.bench.gpu_results`.
 """

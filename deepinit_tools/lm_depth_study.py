@@ -50,7 +50,7 @@ SCHEMES: Dict[str, List[str]] = {
     "tfixup": ["--arch", "tfixup_lm_tiny"],
     "rezero": ["--arch", "rezero_lm_tiny"],
     "twt": ["--arch", "twt_lm_tiny"],
-    # issue 24
+    # the methods adopted since: QK-Norm, placement, LNS, Mix-LN, ResiDual, DyT, Derf, depth-muP
     "qknorm": ["--arch", "qknorm_lm_tiny"],
     "periln": ["--arch", "periln_lm_tiny"],
     "reordered": ["--arch", "reordered_lm_tiny"],

@@ -32,7 +32,7 @@ Subcommands (all resumable: a finished cell keeps its ``result.json`` and is ski
 - ``bleu``: translate test2016 and test2017 with each given cell's best checkpoint (``--cells select``:
   the 6-layer and deepest converging cell of each method); sacreBLEU;
 - ``report``: the Markdown tables of ``docs/results.md`` from the results found;
-- ``converge`` and ``report --converged``: the converged matrix of issue #17 (each method trained to
+- ``converge`` and ``report --converged``: the converged matrix (each method trained to
   convergence in its paper's regime and a common one, on CPU or CUDA, in resumable chunks), in the
   package ``deepinit_tools/matrix/`` (``regimes.py``, ``run.py``, ``report.py``).
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["converge"]:  # the converged matrix (issue #17): deepinit_tools/matrix/
+    if argv[:1] == ["converge"]:  # the converged matrix: deepinit_tools/matrix/
         from deepinit_tools.matrix import run as converge_run
 
         return converge_run.main(argv[1:])

@@ -1,9 +1,9 @@
 """Where the tools find the plugin, the data and their default output folders.
 
-The tools are imported as a package, never through ``sys.path`` bootstraps: from a checkout with its
-root on the path (``PYTHONPATH=$PWD``, as the device commands of docs/benchmarks.md and the tests do),
-or installed next to the plugin by ``scripts/setup.sh``. Either way the plugin they use is the one next
-to them (:data:`PLUGIN_DIR`), so a tool never mixes an installed copy with a checkout's.
+The tools are not installed with the plugin (``pip install .`` installs ``fairseq_deepinit`` only): they
+run from a checkout with its root first on the path (``PYTHONPATH=$PWD``, as the quickstart, the device
+commands of docs/benchmarks.md and the tests do), never through ``sys.path`` bootstraps. The plugin they
+use is the one next to them (:data:`PLUGIN_DIR`), so a tool never mixes an installed copy with a checkout's.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ import os
 from pathlib import Path
 
 HOME = Path(__file__).resolve().parents[1]
-"""The folder holding ``deepinit_tools`` and ``fairseq_deepinit``: the checkout, or site-packages."""
+"""The folder holding ``deepinit_tools`` and ``fairseq_deepinit``: the checkout."""
 
 PLUGIN_DIR = HOME / "fairseq_deepinit"
 USER_DIR = str(PLUGIN_DIR)
 """``fairseq-train --user-dir``: the plugin next to the tools."""
 
-REPO = HOME if (HOME / "setup.py").is_file() else Path.cwd()
-"""The checkout: default work folders (``work-data/``) and the docs the reports write into. An installed
-copy has none, and uses the working directory (the docs run every command from the checkout's root)."""
+REPO = HOME
+"""The checkout: default work folders (``work-data/``) and the docs the reports write into."""
 
 
 def tools_env(env: dict | None = None) -> dict:
@@ -39,5 +38,5 @@ def import_plugin() -> None:
     if found != PLUGIN_DIR:
         raise SystemExit(
             f"imported {found}, not the plugin next to these tools ({PLUGIN_DIR}); "
-            f"run from the checkout with PYTHONPATH={HOME}, or reinstall with scripts/setup.sh"
+            f"run the tools from the checkout's root with PYTHONPATH={HOME}"
         )

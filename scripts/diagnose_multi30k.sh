@@ -23,6 +23,7 @@ OUT=${OUT_DIR:-docs/diagnostics}
 SCHEMES=${SCHEMES:-postln preln admin tfixup dsinit}
 TWT_UPDATES=${TWT_UPDATES:-1500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/multi30k_data.py: the tools run from the checkout
 DIMS=(--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512
       --encoder-attention-heads 4 --decoder-attention-heads 4)
 LOSS=(--criterion label_smoothed_cross_entropy --label-smoothing 0.1)
@@ -65,7 +66,7 @@ for scheme in $SCHEMES; do
     [ -f "$run/diagnostics.json" ] && { echo "done: $run"; continue; }
     measure=grad,flow,norm
     [ "$layers" = 6 ] && measure=$measure,change
-    "$PY" -m fairseq_deepinit.diagnose "$WORK/bin" --arch "${scheme}_iwslt_de_en" "${DIMS[@]}" \
+    "$PY" -m fairseq_deepinit.diagnostics.diagnose "$WORK/bin" --arch "${scheme}_iwslt_de_en" "${DIMS[@]}" \
       --encoder-layers "$layers" --decoder-layers "$layers" "${LOSS[@]}" --max-tokens 3000 \
       --measure "$measure" --depths 2,4,8,16 --repeats 3 --output-dir "$run" --label "$(label "$scheme") ${layers}L"
   done
@@ -87,19 +88,19 @@ if [ ! -f "$ckpt" ]; then
     | tee "$WORK/twt6_long.log"
 fi
 [ -f "$WORK/runs/twt6_trained/diagnostics.json" ] ||
-  "$PY" -m fairseq_deepinit.diagnose "$WORK/bin" --checkpoint "$ckpt" --max-tokens 2000 \
+  "$PY" -m fairseq_deepinit.diagnostics.diagnose "$WORK/bin" --checkpoint "$ckpt" --max-tokens 2000 \
     --measure scalenorm,grad --output-dir "$WORK/runs/twt6_trained" --label "TwT 6L d=64, $TWT_UPDATES updates"
 
 # 4. the figures of docs/diagnostics.md
 runs=()
 for scheme in $SCHEMES; do [ -f "$WORK/runs/${scheme}6/diagnostics.json" ] && runs+=("$WORK/runs/${scheme}6"); done
-"$PY" -m fairseq_deepinit.diagnose --compare "${runs[@]}" --output-dir "$WORK/cmp_change"
+"$PY" -m fairseq_deepinit.diagnostics.diagnose --compare "${runs[@]}" --output-dir "$WORK/cmp_change"
 cp "$WORK/cmp_change/output_change.png" "$OUT/output_change.png"
-"$PY" -m fairseq_deepinit.diagnose --compare "$WORK"/runs/{postln,dsinit}{6,18} --output-dir "$WORK/cmp_dsinit"
+"$PY" -m fairseq_deepinit.diagnostics.diagnose --compare "$WORK"/runs/{postln,dsinit}{6,18} --output-dir "$WORK/cmp_dsinit"
 cp "$WORK/cmp_dsinit/grad_norm.png" "$OUT/grad_norm_postln_dsinit.png"
 runs18=()
 for scheme in $SCHEMES; do [ -f "$WORK/runs/${scheme}18/diagnostics.json" ] && runs18+=("$WORK/runs/${scheme}18"); done
-"$PY" -m fairseq_deepinit.diagnose --compare "${runs18[@]}" --output-dir "$WORK/cmp_18"
+"$PY" -m fairseq_deepinit.diagnostics.diagnose --compare "${runs18[@]}" --output-dir "$WORK/cmp_18"
 cp "$WORK/cmp_18/grad_norm.png" "$OUT/grad_norm_18l.png"
 cp "$WORK/runs/postln18/gradient_flow.png" "$OUT/gradient_flow_postln18.png"
 cp "$WORK/runs/dsinit18/gradient_flow.png" "$OUT/gradient_flow_dsinit18.png"

@@ -12,6 +12,7 @@
 #   EXTRA_TRAIN_ARGS [] (appended to fairseq-train, e.g. "--init-scheme lipschitz")
 #   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
 #   SKIP_SETUP [0]  THREADS [auto: the cores the load average leaves idle, at least 1]
+#   PRECISION [auto: bf16 autocast on a CPU with native bf16 and AMX, else fp32] (or bf16, fp32)
 #   EXPORT [1] (0: skip the last step, the model exported to CTranslate2 and compared with fairseq-generate)
 # Every knob is checked before any work (one line, exit status 1) and none is ever run as code; the
 # training options are parsed by fairseq-train right after set-up, before the corpus is fetched.
@@ -46,6 +47,7 @@ WORK_DIR=${WORK_DIR:-work-data}
 THREADS=${THREADS:-auto}
 SKIP_SETUP=${SKIP_SETUP:-0}
 EXPORT=${EXPORT:-1}
+PRECISION=${PRECISION:-auto}
 
 # Every knob is checked here, before any work, and none is ever run as code: one line and exit 1.
 die() { echo "error: $*" >&2; exit 1; }
@@ -83,6 +85,7 @@ need_int MAX_LEN 1 "longest sentence kept, in tokens"
 [ -n "$WORK_DIR" ] || die "WORK_DIR is empty: give a folder"
 [[ $SKIP_SETUP =~ ^[01]$ ]] || die "SKIP_SETUP=$SKIP_SETUP: give 0 or 1"
 [[ $EXPORT =~ ^[01]$ ]] || die "EXPORT=$EXPORT: give 0 or 1"
+[[ $PRECISION =~ ^(auto|bf16|fp32)$ ]] || die "PRECISION=$PRECISION: choose auto, bf16 or fp32"
 [ "$THREADS" = auto ] || need_int THREADS 1 "CPU threads, or auto"
 NCPU=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
 if [ "$THREADS" = auto ]; then
@@ -97,6 +100,8 @@ else
 fi
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export PYTHONUNBUFFERED=1
+# the corpus and progress tools (deepinit_tools/) run from this checkout: pip installs the plugin only
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 PY=$ROOT/.venv/bin/python
 USER_DIR=$ROOT/fairseq_deepinit
@@ -132,10 +137,27 @@ CORPUS=$WORK_DIR/bible-$SRC_BIBLE-$TGT_BIBLE
 BPE=$CORPUS/bpe$BPE_MERGES-len$MAX_LEN
 BIN=$BPE/bin
 
+step set-up "set-up (.venv with the pinned stack)"
+if [ "$SKIP_SETUP" = 1 ] && [ -x "$PY" ]; then
+  echo "SKIP_SETUP=1: using the existing .venv"
+else
+  bash scripts/setup.sh
+fi
+# bf16 autocast (the plugin's task; fairseq's --bf16 is for TPUs) where it pays off: native bf16 on AMX
+# (without AMX it trained this model slower than fp32; same BLEU either way: docs/quickstart.md, "Precision")
+if [ "$PRECISION" = auto ]; then
+  out=$("$PY" "$USER_DIR/training/cpu_bf16.py") || die "the bf16 check failed; set PRECISION=fp32"
+  PRECISION=${out%% *} PRECISION_WHY="auto: ${out#* }"
+else
+  PRECISION_WHY="PRECISION=$PRECISION"
+fi
+PRECISION_ARGS=(--task translation)
+[ "$PRECISION" = bf16 ] && PRECISION_ARGS=(--task translation_deepinit --autocast-bf16)
+
 # Every option that changes the model or its training goes into the run's name, so that a
 # different configuration never resumes (or skips to) another one's checkpoint.
 TRAIN_ARGS=(
-  "$BIN" --user-dir "$USER_DIR" --task translation -s de -t en --arch "$ARCH"
+  "$BIN" --user-dir "$USER_DIR" "${PRECISION_ARGS[@]}" -s de -t en --arch "$ARCH"
   --encoder-embed-dim "$EMBED_DIM" --decoder-embed-dim "$EMBED_DIM"
   --encoder-ffn-embed-dim "$FFN_DIM" --decoder-ffn-embed-dim "$FFN_DIM"
   --encoder-attention-heads "$HEADS" --decoder-attention-heads "$HEADS"
@@ -149,13 +171,6 @@ TRAIN_ARGS=(
 TRAIN_ARGS+=($EXTRA_TRAIN_ARGS)
 RUN_ID=$(printf '%s\n' "${TRAIN_ARGS[@]}" | sha256sum | cut -c1-8)
 RUN=$CORPUS/runs/$ARCH-$RUN_ID
-
-step set-up "set-up (.venv with the pinned stack)"
-if [ "$SKIP_SETUP" = 1 ] && [ -x "$PY" ]; then
-  echo "SKIP_SETUP=1: using the existing .venv"
-else
-  bash scripts/setup.sh
-fi
 # ARCH, the dimensions and EXTRA_TRAIN_ARGS as fairseq-train parses them (the plugin checks the architecture,
 # the task and the dimensions right after parsing), before the corpus is fetched: its last line if refused
 if ! PARSED=$("$PY" -c 'import sys; sys.argv[0] = "fairseq-train"; from fairseq import options
@@ -186,11 +201,12 @@ mkdir -p "$RUN"
 printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
 
 step train "train $ARCH (d=$EMBED_DIM, ffn=$FFN_DIM, $LAYERS+$LAYERS layers) for $MAX_UPDATE updates or $TRAIN_MINUTES min on $THREADS CPU thread(s) ($THREADS_WHY)"
+echo "precision: $PRECISION ($PRECISION_WHY)"
 echo "run folder: $RUN"
 if [ -f "$RUN/train.done" ] && grep -q "cumulative_training_time" "$RUN/train.done" \
   && awk -v old="$(sed -n 's/^minutes=//p' "$RUN/train.done")" -v new="$TRAIN_MINUTES" 'BEGIN { exit !(new > old) }'; then
-  # the last session stopped at its time limit: a larger TRAIN_MINUTES continues the same model
-  echo "continuing: the last session stopped at TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done"), now $TRAIN_MINUTES"
+  # the last run stopped at its time limit: a larger TRAIN_MINUTES continues the same model
+  echo "continuing: the last run stopped at TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done"), now $TRAIN_MINUTES"
   rm "$RUN/train.done"
 fi
 if [ -f "$RUN/train.done" ]; then
@@ -206,7 +222,7 @@ else
     || { echo "error: fairseq-train failed (log: $RUN/train.log)"; exit 1; }
   [ -f "$RUN/checkpoint_last.pt" ] || { echo "error: training wrote no checkpoint (log: $RUN/train.log)"; exit 1; }
   reason=$(grep -o "Stopping training due to.*" "$RUN/train.log" | tail -1 || true)
-  printf '%s; last session took %ss\nminutes=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
+  printf '%s; last run took %ss\nminutes=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
     "$TRAIN_MINUTES" > "$RUN/train.done"
 fi
 

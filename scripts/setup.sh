@@ -19,5 +19,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # Non-editable on purpose: fairseq resolves `--user-dir fairseq_deepinit` next to its own
-# site-packages folder, so the plain name works from any directory.
+# site-packages folder, so the plain name works from any directory. The plugin only: the research
+# tools (deepinit_tools/) run from the checkout. setuptools' build/ is cleared first, or a module
+# (or package) removed from the checkout would still be installed from its stale copy there.
+rm -rf build
 "${PIP[@]}" --no-deps --no-build-isolation --force-reinstall . >/dev/null

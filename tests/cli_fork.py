@@ -21,6 +21,7 @@ from pathlib import Path
 # fairseq_cli.train first: it configures logging (format, stdout) before fairseq is imported, as the CLI does
 PRELOAD = ["fairseq_cli.train", "fairseq_cli.generate"]
 _context = None
+REFUSAL: str | None = None  # set (by conftest) while a fast-tier test runs: no fairseq process then
 
 
 def _context_with_preload():
@@ -49,6 +50,8 @@ def run_forked(tool: str, *args, log: str | os.PathLike, timeout: int = 600) -> 
 
     Raises ``AssertionError`` with the command and the tail of the log when the tool fails.
     """
+    if REFUSAL:
+        raise AssertionError(f"{REFUSAL}: fairseq-{tool}")
     argv = [str(a) for a in args]
     ctx = _context_with_preload()
     proc = ctx.Process(target=_child, args=(tool, argv, str(log), int(os.environ.get("OMP_NUM_THREADS", "1"))))

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cli_fork
 import pytest
 from cli_fork import run_forked
 
@@ -302,8 +303,58 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
     return log, model
 
 
+# The slow tier (CI; left out by ``pytest -m "not slow"``): every test of these modules (fairseq's CLI
+# pipelines, distributed runs, the tools, scripts, benchmarks and recipes, GPU readiness through the
+# tools' counters and torch.compile), every test that uses a
+# binarised corpus (``CLI_FIXTURES``: fairseq-preprocess, then fairseq's CLI), and tests marked
+# ``@pytest.mark.slow``. A test outside it that starts Python, a shell script or fairseq fails and says so
+# (``_fast_tests_start_no_process``), so a new test cannot slip into the fast tier by mistake.
+SLOW_MODULES = {
+    "test_admin_distributed",
+    "test_benchmarks",
+    "test_cli",
+    "test_converge",
+    "test_distributed",
+    "test_gpu_readiness",
+    "test_gpu_session",
+    "test_gpu_smoke",
+    "test_hydra",
+    "test_lm_study",
+    "test_multi30k_matrix",
+    "test_quickstart",
+    "test_recipes",
+    "test_tensorboard",
+    "test_tools",
+}
+CLI_FIXTURES = {"synthetic_bin", "multi30k_bin", "lm_bin"}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        numeric_module = item.module.__name__.rsplit(".", 1)[-1] in NUMERIC_MODULES
-        if numeric_module and item.get_closest_marker("kernel_independent") is None:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in NUMERIC_MODULES and item.get_closest_marker("kernel_independent") is None:
             item.add_marker(pytest.mark.numerics)
+        if module in SLOW_MODULES or CLI_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+_STARTERS = ("python", "bash", "sh", "torchrun", "fairseq-", "deepinit-")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request, monkeypatch) -> None:
+    """Outside the slow tier, starting Python, a shell or fairseq (``subprocess``, the fork server) fails."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    refusal = f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow (or its module in SLOW_MODULES)"
+    real = subprocess.Popen
+
+    class Refusing(real):
+        def __init__(self, args, *rest, **kwargs):
+            program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else args).split()[0])
+            if program.startswith(_STARTERS) or program.endswith(".sh"):
+                raise AssertionError(f"{refusal}: {program}")
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Refusing)
+    monkeypatch.setattr(cli_fork, "REFUSAL", refusal)

@@ -111,6 +111,17 @@ def test_valid_and_inference_steps_run_under_autocast():
     assert not torch.is_autocast_enabled("cpu")
 
 
+def test_the_task_logs_once_whether_the_cpus_bf16_is_native(caplog):
+    from fairseq_deepinit.training.cpu_bf16 import native_bf16
+
+    task, model, criterion, _ = build()
+    with caplog.at_level("INFO", logger="fairseq_deepinit.training.autocast"):
+        task.valid_step(sample(), model, criterion)
+        task.valid_step(sample(), model, criterion)
+    lines = [r.getMessage() for r in caplog.records if "--autocast-bf16 on the CPU" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(native_bf16()[1]), lines
+
+
 def test_criterion_wrapper_is_transparent():
     _, _, criterion, _ = build()
     wrapped = AutocastCriterion(criterion, "cpu")

@@ -3,7 +3,7 @@
 For each family in :data:`fairseq_deepinit.architectures.FAMILIES` (and fairseq's stock
 ``transformer`` as a control): ``fairseq-train`` at tiny dims on the synthetic reverse-and-shift
 task, a second ``fairseq-train`` in the same save dir that must *resume* (not restart), then
-``fairseq-generate --scoring sacrebleu`` on the test split. The families of issue 24
+``fairseq-generate --scoring sacrebleu`` on the test split. The methods adopted since
 (:data:`TRAIN_ONLY`) run the first ``fairseq-train`` only: their own test files run the CLI end to end.
 The pipelines are subprocesses run ``min(4, max(2, os.cpu_count()))`` at a time (``DEEPINIT_TEST_JOBS``
 overrides) so that their start-up costs overlap; the per-family tests below read their logs. Checkpoints
@@ -64,8 +64,9 @@ RECIPES: dict[str, tuple[tuple, tuple]] = {
 }
 CONTROL = "transformer"  # fairseq's own model, same recipe: tells plugin failures from harness failures
 CASES = [*architectures.FAMILIES, CONTROL]
-# Issue 24's families: the train stage here (the loss falls, the lr follows its closed form, the checkpoints
-# pickle only the allow-list). Their own files run fairseq-train at 2-3 updates and reload the checkpoint
+# The methods adopted since (QK-Norm ... CompleteP): the train stage here (the loss falls, the lr follows its
+# closed form, the checkpoints pickle only the allow-list). Their own files run fairseq-train at 2-3 updates and
+# reload the checkpoint
 # (test_qk_norm.py, test_norm_placement.py: periln, reordered as a language model; test_lnscale.py,
 # test_mixln.py, test_resi_dual.py, test_dyt_model.py: dyt, derf as a language model; test_depth_mup_wiring.py:
 # completep), fairseq-generate from it (qknorm, periln, resi_dual, dyt) and resume (completep's optimizer

@@ -75,6 +75,7 @@ def test_matt_checkpoint_keeps_its_own_value_projection():
     assert any(k.endswith("self_branch.v_proj.weight") for k in state["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["admin", "dsinit_matt", "twt"])
 def test_generate_gives_0_1_0_hypotheses(fixtures, case):
     out = run_cli(

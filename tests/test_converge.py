@@ -1,4 +1,4 @@
-"""The converged Multi30k matrix (``multi30k_matrix.py converge`` / ``report --converged``, issue #17):
+"""The converged Multi30k matrix (``multi30k_matrix.py converge`` / ``report --converged``):
 patience and status rules, each paper's regime flags, the chunk budget estimate, CUDA command
 construction, and a 2-cell CUDA-free smoke run of the whole converge path (train to the epoch cap,
 decode, result file, resume, pack, report) on the first lines of the real Multi30k."""
@@ -290,7 +290,7 @@ def test_two_cell_smoke_run_resumes_packs_and_reports(tiny_multi30k, tmp_path):
     assert merged[newer["cell"]]["status"] == "converged" and merged[older["cell"]]["status"] == stored[1]["status"]
 
 
-# --- the GPU session: fast path, deadlines, a pack after every cell, the packing plan (issues #22, #25) ----
+# --- the GPU session: fast path, deadlines, a pack after every cell, the packing plan -------------------
 
 
 def test_cuda_cells_train_on_the_fast_path(tmp_path):

@@ -1,4 +1,4 @@
-"""Diagnostics over depth (issue 24): residual-stream size, angular distance between layers, maximum attention
+"""Diagnostics over depth: residual-stream size, angular distance between layers, maximum attention
 logit, loss with one layer removed, spike and loss-scale-drop counters.
 
 Each statistic is checked on a hand-computed case and against the independent port
@@ -360,7 +360,7 @@ def test_criterion_pools_micro_batches_and_logs_maxima_on_diagnostic_updates_onl
 
 
 def test_no_host_read_on_plain_updates_and_one_copy_with_every_new_statistic():
-    """Issue 22's rule with only the new statistics selected: a plain update reads nothing from the device,
+    """The no-host-read rule with only the new statistics selected: a plain update reads nothing from the device,
     a diagnostic one reads everything in one copy (meta device, as tests/test_gpu_readiness.py)."""
     from deepinit_tools.bench import gpu_readiness as gr
     from deepinit_tools.harness.fairseq_train import Shape

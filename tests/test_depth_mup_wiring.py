@@ -334,6 +334,7 @@ def test_fairseq_train_translation_saves_and_resumes_the_groups(synthetic_bin, t
     )
 
 
+@pytest.mark.slow
 @pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_language_model(tmp_path):
     root = tmp_path / "raw"

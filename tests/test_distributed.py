@@ -112,7 +112,7 @@ def test_diagnostics_are_pooled_over_ranks(synthetic_bin, tmp_path):
         "--diagnostics-stats", "var,norm,grad,stream,logit", "--label-smoothing", "0.1",
     )  # fmt: skip
     assert_trained_identically(proc, dumps)
-    # maxima over depth (issue 24) travel outside the summed logging outputs and are all-reduced with MAX, as
+    # maxima over depth travel outside the summed logging outputs and are all-reduced with MAX, as
     # Megatron does for its max logit: both ranks (different batches) log the same values
     maxima = [k for k in dumps[0]["logged"] if k.startswith(("diag_max_logit/", "diag_stream_max/"))]
     assert len(maxima) == 6 + 6 + 1  # 6 attentions, the stream at 6 depths, Megatron's overall value

@@ -3,7 +3,7 @@ no traceback, no "terminate called without an active exception" abort, nothing l
 
 Unit tests for the pieces (:mod:`fairseq_deepinit.errors`, the profile checks of
 :mod:`fairseq_deepinit.admin`), then the real CLI (``python -m fairseq_cli.train``, not the forked
-runner: the excepthook and the interpreter's exit are what is tested) on each probe of issue #12.
+runner: the excepthook and the interpreter's exit are what is tested) on each probe.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every family and option variant keeps its state-dict keys, parameter order and fixed-seed outputs.
 
 The fixture (``tests/fixtures/golden.json``, written by ``python -m tests.golden --write``; see
-``tests/golden.py``) was computed before the model code was reorganised (issue 23); the same
+``tests/golden.py``) was computed before the model code was reorganised; the same
 computations must give the same digests after. Keys and parameter order are checked on every machine;
 the output digests (bit-exact float32 logits and gradients) only on the kernel path the fixture was
 written on, since another CPU vector width rounds sums differently.

@@ -1,4 +1,4 @@
-"""Ready for a GPU without one (issue 22): the targets of ``benchmarks/gpu_readiness.py``, asserted.
+"""Ready for a GPU without one: the targets of ``benchmarks/gpu_readiness.py``, asserted.
 
 Every architecture family, translation and decoder-only, takes fairseq training updates (forward,
 backward, fairseq's update, ``reduce_metrics``) on a padded batch (sources left-padded, targets

@@ -1,4 +1,4 @@
-"""Issue 22's kernel-level fast paths against their reference paths, and what they would launch on a GPU.
+"""The kernel-level fast paths against their reference paths, and what they would launch on a GPU.
 
 - Decoder self-attention with right-padded targets passes ``is_causal`` and no ``(B, 1, T, T)`` mask;
   left-padded (or unknown) targets keep the mask; real positions, losses and gradients equal the

@@ -271,3 +271,25 @@ def test_one_builder_of_fairseq_command_lines():
             elif isinstance(node, ast.Constant) and node.value == "--autocast-bf16":
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno} (--autocast-bf16)")
     assert not bad, "build fairseq commands with deepinit_tools.fairseq_argv: " + ", ".join(bad)
+
+
+def test_pip_install_brings_the_plugin_only(monkeypatch):
+    """``pip install .`` installs ``fairseq_deepinit`` and its console scripts, never the research tools (they
+    run from the checkout, ``PYTHONPATH=$PWD``)."""
+    pytest.importorskip("setuptools")  # setup.py's own requirement; it also provides distutils on Python 3.12
+    import distutils.core
+
+    monkeypatch.chdir(REPO)
+    dist = distutils.core.run_setup(str(REPO / "setup.py"), stop_after="init")
+    tops = {p.split(".")[0] for p in dist.packages}
+    assert PACKAGE in tops and tops <= {PACKAGE, "hydra_plugins"}, tops  # hydra_plugins: fairseq-hydra-train's errors
+    targets = [line.split("=", 1)[1].strip() for line in dist.entry_points["console_scripts"]]
+    assert targets and all(t.startswith(PACKAGE + ".") for t in targets), targets
+
+
+def test_the_test_tiers_name_existing_modules():
+    """conftest's module lists (the slow tier, the second kernel pass) name test modules that exist."""
+    from conftest import NUMERIC_MODULES, SLOW_MODULES
+
+    have = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    assert (SLOW_MODULES | NUMERIC_MODULES) <= have, sorted((SLOW_MODULES | NUMERIC_MODULES) - have)

@@ -1,4 +1,4 @@
-"""Decoder-only language models (``deepinit_lm``, issue #14): every axis, the decoder-only formulas
+"""Decoder-only language models (``deepinit_lm``): every axis, the decoder-only formulas
 by hand, Admin profiling and export, the bad-input rules, and train / resume / eval-lm / sampling.
 
 In-process tests build models as fairseq-train does; the CLI tests share one tiny corpus (a

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import TINY_DIMS, build_model, tiny_batch
 from fairseq_deepinit.modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
-from fairseq_deepinit.modules.norms import RMSNorm, ScaleNorm, build_norm, build_optional_norm, is_norm
+from fairseq_deepinit.modules.norms import RMSNorm, ScaleNorm, build_norm, is_norm
 from fairseq_deepinit.modules.residual import ConstantResidual, ReZeroResidual
 
 # ---------------------------------------------------------------------------------------------
@@ -83,7 +83,6 @@ def test_build_norm_registry():
     assert isinstance(build_norm("scalenorm", 8), ScaleNorm) and isinstance(build_norm("rmsnorm", 8), RMSNorm)
     ident = build_norm("none", 8)
     assert isinstance(ident, nn.Identity) and not list(ident.parameters())
-    assert build_optional_norm("none", 8) is None
     dyt = build_norm("dyt", 8, None, alpha_init=0.3, bias=False)
     assert type(dyt).__name__ == "DyT" and dyt.alpha.item() == pytest.approx(0.3) and dyt.bias is None
     assert type(build_norm("derf", 8, shift_init=0.1)).__name__ == "Derf"

@@ -271,6 +271,7 @@ def test_stored_args_rebuild_the_same_model():
 # through the real CLI (one subprocess: it is slow)
 
 
+@pytest.mark.slow
 def test_cli_stops_with_the_message(tmp_path):
     for lang in ("src", "tgt"):
         (tmp_path / f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(10)))

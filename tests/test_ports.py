@@ -1,4 +1,4 @@
-"""Self-tests of the independent ports in ``tests/ports`` (the references issue 24's methods are tested
+"""Self-tests of the independent ports in ``tests/ports`` (the references the newer methods are tested
 against): hand-computed values, closed forms, and torch's own ``nn.MultiheadAttention`` /
 ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` as independent implementations of the
 shared building blocks. All in float64: tolerances are a few ulps of float64 times the depth of the

@@ -1,4 +1,4 @@
-"""Every bad-input probe of issue 21 (checkpoint files aside: tests/test_resume.py) ends in one line and
+"""Every bad-input probe (checkpoint files aside: tests/test_resume.py) ends in one line and
 exit status 1, in argparse's exit 2 naming the flag, or works.
 
 - fairseq-train (real subprocesses, two at a time, as a user runs it: the plugin's excepthook and the

@@ -354,6 +354,7 @@ def test_translation_trains_generates_reloads_and_refuses_a_scope_change(synthet
     )
 
 
+@pytest.mark.slow
 @pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_language_model_trains(tmp_path):
     """fairseq-train of ``qknorm_lm_tiny`` (3 updates, LayerNorm q/k norms) on a small synthetic corpus."""

@@ -151,6 +151,7 @@ atomic_copy(sys.argv[1], sys.argv[2], overwrite=True)
 """
 
 
+@pytest.mark.slow
 def test_atomic_copy_killed_midway_keeps_the_old_file(tmp_path):
     """SIGKILL a process in the middle of atomic_copy: the target is untouched, the stale temporary is cleaned."""
     fifo, dst = tmp_path / "checkpoint_1_4.pt", tmp_path / "checkpoint_last.pt"

@@ -65,6 +65,7 @@ def test_released_at_exit_and_stale_after_a_kill(tmp_path, fresh_locks, caplog):
     assert f"taking over the lock left by a run that has ended (pid {proc.pid} on host" in caplog.text
 
 
+@pytest.mark.slow  # starts a Python process as the lock's recorded owner
 def test_without_flock_the_recorded_owner_decides(tmp_path, fresh_locks, monkeypatch):
     monkeypatch.setattr(run_lock, "fcntl", None)
     path = run_lock.lock_path(str(tmp_path))

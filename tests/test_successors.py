@@ -1,7 +1,7 @@
-"""The successor methods of issue #16, each against its authors' released code (re-implemented here
+"""The successor methods, each against its authors' released code (re-implemented here
 from the cited file and line, not imported): closed-form Admin (admin-torch), Sub-LN (torchscale),
 torchscale's DeepNorm constants, B2T connection (takase/b2t_connection), NormFormer on both stacks
-(fairseq's own decoder layer); the first three also decoder-only (issue 21: the layer's stack kind), and
+(fairseq's own decoder layer); the first three also decoder-only (the layer's stack kind), and
 NormFormer under deepcopy, state-dict round trips and fairseq's EMA; plus their bad-input rules (each arch's
 fairseq-train, resume and generate: tests/test_cli.py's pipelines)."""
 
@@ -234,7 +234,7 @@ def released_scaled(stack: str, name: str, method: str) -> bool:
 
 
 def test_the_released_ports_give_the_issues_hand_values():
-    """The ports against values computed by hand (issue 21: 6 layers)."""
+    """The ports against values computed by hand (6 layers)."""
     assert released_admin_omega("decoder", False, 0, 6) == pytest.approx(math.sqrt(13 / math.log(13) - 1))
     assert released_admin_omega("decoder", False, 0, 6) == pytest.approx(2.0170092, abs=1e-7)
     assert released_admin_omega("decoder", True, 6, 6) == pytest.approx(2.3351322, abs=1e-7)

@@ -108,6 +108,7 @@ def _train_losses(log: str) -> list[float]:
     return [float(m[1]) for m in re.finditer(r"\| train_inner \|.* loss=([-\d.e]+|nan|inf)", log)]
 
 
+@pytest.mark.slow
 def test_tfixup_200_layers_trains_with_checkpoint_activations(tmp_path):
     """T-Fixup Fig. 4b's 200+200-layer model, through the real CLI with --checkpoint-activations: one
     tiny batch seen three times, the loss finite and decreasing. (lr 1e-4: on one tiny batch, Adam's first,

@@ -2,7 +2,7 @@
 """What Admin's in-training profiling costs, as a share of one training epoch on Multi30k de-en.
 
 One ``fairseq-train --task translation_admin`` run on the real Multi30k de-en training set (read
-in place from ``../shared/data/multi30k``, gzip and all) trains exactly one epoch; the task logs
+in place from ``--multi30k``, gzip and all) trains exactly one epoch; the task logs
 how long profiling took (one extra forward pass without gradients on the first batch, cut to
 ``--admin-profile-max-tokens``, paper default 8192) and fairseq logs how long the epoch took. Both
 numbers come from the same process and are printed side by side with their ratio (goal: < 1%).

@@ -1,4 +1,4 @@
-"""``throughput.py --gpu-matrix``: stock fairseq against the plugin's fast paths, side by side (issue #13).
+"""``throughput.py --gpu-matrix``: stock fairseq against the plugin's fast paths, side by side.
 
 Identical dimensions and batches for every row: transformer base (d 512, FFN 2048, 8 heads) at 6,
 18 and 36 layers per stack. At 6 layers the full matrix:

@@ -21,7 +21,7 @@ from deepinit_tools.harness.fairseq_train import (
 
 
 def table_rows(results: Mapping[Row, dict], device_name: str) -> List[dict]:
-    """The rows of docs/benchmarks/gpu.json: exactly the schema of issue #13 (+ ``note``)."""
+    """The rows of docs/benchmarks/gpu.json: one row per configuration (+ ``note``)."""
     rows = []
     for row, rec in results.items():
         rates = rec.get("rates") or []

@@ -12,7 +12,7 @@ from deepinit_tools.harness.fairseq_train import (
 
 BASE = (512, 2048, 8)  # transformer base: d, FFN, heads
 LAYERS, QUICK_LAYERS, QUICK_DIMS = (6, 18, 36), (1, 2), (64, 128, 2)
-# the speed target of issue #25, stated once (docs/speed.md and docs/benchmarks.md refer here): the plugin's
+# the speed target, stated once (docs/speed.md and docs/benchmarks.md refer here): the plugin's
 # fastest transformer-base 6-layer path at least 2x stock fairseq fp16 target tokens/s at equal batch, with
 # the same loss curve (final training loss within LOSS_TOLERANCE of stock's)
 INIT_ONLY = ("postln", "lipschitz", "smallinit", "ds-init", "preln")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What holds the GPU idle in a fairseq training step (issue #13): phases and torch.profiler.
+"""What holds the GPU idle in a fairseq training step: phases and torch.profiler.
 
 For stock fairseq fp16 and the plugin's fast paths (fp16 SDPA; bf16 SDPA with fairseq's ``adam``
 and with ``adam_foreach``; that compiled) at transformer base, 6 layers, on the GPU matrix's fixed

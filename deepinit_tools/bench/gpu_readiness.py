@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What a GPU will see, measured without one (issue 22): a table over every architecture family.
+"""What a GPU will see, measured without one: a table over every architecture family.
 
 Rows: every translation family (``--arch <family>_iwslt_de_en``), every decoder-only family
 (``--arch <family>_lm_tiny``), then MAtt incremental decoding (beam search's calls), Admin profiling

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Merge the files a GPU session brought back into ``docs/benchmarks/gpu.json`` (issue #25).
+"""Merge the files a GPU session brought back into ``docs/benchmarks/gpu.json`` .
 
 Each file goes under a key of its kind, named by its file name: ``smoke.json`` (gpu_smoke.py) ->
 ``smoke``; ``gpu-<pass>.json`` (throughput.py --gpu-matrix --out-dir) -> ``matrix.gpu-<pass>``;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""CUDA smoke test of every architecture (issue #22): train 3 steps in fp16 and in bf16 autocast,
+"""CUDA smoke test of every architecture: train 3 steps in fp16 and in bf16 autocast,
 decode a batch with beam 4, count host syncs, name the SDPA backend of every attention kind.
 
 Every architecture is every family of ``fairseq_deepinit.architectures.FAMILIES`` (the papers'

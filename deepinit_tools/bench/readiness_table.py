@@ -8,7 +8,7 @@ from deepinit_tools import harness
 
 # families whose modules are stock fairseq's (only the initialisation differs): op target 1.02
 INIT_ONLY = ("postln", "preln", "lipschitz", "dsinit")
-# issue-24 methods that move or rescale stock's computation without adding to it (a norm moved, Post-LN
+# methods that move or rescale stock's computation without adding to it (a norm moved, Post-LN
 # in the first layers, the branch multiplier fused into the residual add): the same op target
 SAME_COMPUTE = ("reordered", "mixln", "depth_mup", "completep")
 OP_TARGETED = INIT_ONLY + SAME_COMPUTE

@@ -12,7 +12,7 @@ Peak memory: CPU, peak RSS growth in a forked child per configuration; CUDA, the
 
 ``--mode cli`` cross-checks with the real ``fairseq-train``: one process per configuration and
 round, tokens/s = median ``wps`` of its ``train_inner`` lines (the first dropped), its peak RSS.
-``--gpu-matrix`` runs the GPU matrix of issue #13 instead (deepinit_tools/bench/gpu_matrix.py).
+``--gpu-matrix`` runs the GPU matrix instead (deepinit_tools/bench/gpu_matrix.py).
 
 Usage (see benchmarks/README.md)::
 
@@ -202,7 +202,7 @@ def build_parser() -> harness.Parser:
     p = harness.Parser(prog="throughput.py", description=__doc__.split("\n\n")[0])
     # fmt: off
     p.add_argument("--quick", action="store_true", help="smoke run: tiny shapes, few configs and steps, 2000 sentences")
-    p.add_argument("--gpu-matrix", action="store_true", help="run the GPU matrix of issue #13 (stock vs plugin x "
+    p.add_argument("--gpu-matrix", action="store_true", help="run the GPU matrix (stock vs plugin x "
                    "precision x attention x compile, 6/18/36 layers, loss check; gpu_matrix.py), not the table")
     p.add_argument("--mode", choices=("inprocess", "cli"), default="inprocess", help="in-process, or fairseq-train")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")

@@ -1,5 +1,5 @@
 """The Multi30k stability matrix (``scripts/multi30k_matrix.py``): the early-training matrix on the CPU
-and the converged matrix (issue #17, ``converge`` and ``report --converged``).
+and the converged matrix (``converge`` and ``report --converged``).
 
 - early matrix: :mod:`~deepinit_tools.matrix.common` (methods, paths, thresholds), ``cells`` (a cell's
   command, log parsing, status rules), ``decode`` (translation and BLEU), ``early_report``;

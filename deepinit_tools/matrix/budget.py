@@ -11,7 +11,7 @@ from typing import Dict, Sequence, Tuple
 from deepinit_tools.matrix.regimes import M30K_TARGET_TOKENS, Cell
 
 # ---- GPU budget estimate -----------------------------------------------------------------------
-# Known H100 figures (issue #17 brief): stock fairseq transformer base (d=512) with --fp16, target tokens/s
+# Known H100 figures: stock fairseq transformer base (d=512) with --fp16, target tokens/s
 # of one process: 6+6 layers 155-191k (the midpoint is used), 18+18 layers 62k.
 H100_TPS_D512 = {6: 173_000.0, 18: 62_000.0}
 # Measured on this project's 2-core CPU (fairseq-train, Pre-LN, FFN 1024, 4,096 tokens, 1 thread, median

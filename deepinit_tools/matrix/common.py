@@ -22,13 +22,13 @@ METHODS: Dict[str, tuple] = {
     "dsinit_matt": ("DS-Init+MAtt", ["--arch", "dsinit_matt_iwslt_de_en"]),
     "twt": ("PreNorm+ScaleNorm+FixNorm", ["--arch", "twt_iwslt_de_en"]),
     "deepnorm": ("DeepNorm", ["--arch", "deepnorm_iwslt_de_en"]),
-    # successors (issue #16); their cells are not run yet (docs/results.md)
+    # successors; their cells are not run yet (docs/results.md)
     "admin_closed": ("Admin closed-form (admin-torch)", ["--arch", "admin_closed_iwslt_de_en"]),
     "subln": ("Sub-LN (Magneto)", ["--arch", "subln_iwslt_de_en"]),
     "b2t": ("B2T connection", ["--arch", "b2t_iwslt_de_en"]),
     "deepnorm_torchscale": ("DeepNorm (torchscale)", ["--arch", "deepnorm_torchscale_iwslt_de_en"]),
     "normformer": ("NormFormer", ["--arch", "normformer_iwslt_de_en"]),
-    # issue 24
+    # the methods adopted since
     "qknorm": ("QK-Norm (per head, RMSNorm)", ["--arch", "qknorm_iwslt_de_en"]),
     "periln": ("Peri-LN", ["--arch", "periln_iwslt_de_en"]),
     "reordered": ("OLMo 2 reordered norm", ["--arch", "reordered_iwslt_de_en"]),

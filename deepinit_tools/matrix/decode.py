@@ -55,7 +55,7 @@ def translate(
         if deadline is not None and time.time() >= deadline:
             raise DecodeDeadline(name)
         with open(tmp, "wb") as f, open(err, "wb") as e:
-            # its own process group (in this session), so that a stop at the deadline also ends its
+            # its own process group, so that a stop at the deadline also ends its
             # data-loader workers, which would hold the pipe open
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=e, env=env, process_group=0)
             stopped = threading.Event()

@@ -1,4 +1,4 @@
-"""Packing converged cells onto one GPU: ``converge --measure-jobs`` and ``converge --plan`` (issue #25).
+"""Packing converged cells onto one GPU: ``converge --measure-jobs`` and ``converge --plan``.
 
 Small models leave an H100 almost idle, so K cells train at once, each its own fairseq-train process.
 How many pay off is measured, not assumed:

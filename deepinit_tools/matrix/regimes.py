@@ -3,7 +3,7 @@
 
 **Paper regimes.** Each method trains in its paper's regime, taken from the recipe in
 ``examples/<paper>/`` that reproduces the paper's table (optimizer, peak lr, schedule, dropout,
-label smoothing, clipping, weight decay) and from ``../shared/reference/METHODS.md``. Two things are
+label smoothing, clipping, weight decay) and from the papers' stated recipes. Two things are
 adapted to Multi30k, by one rule for every method:
 
 - *batch*: 8,192 tokens per update (``--max-tokens 8192``) for every method. The IWSLT recipes use
@@ -241,7 +241,7 @@ PAPER_REGIMES: Dict[str, Dict[str, Regime]] = {
     "dsinit_matt": {"paper": DSINIT},
     "twt": {"paper": TWT, "paper-nowarmup": TWT_NOWARMUP},
     "deepnorm": {"paper": DEEPNORM},
-    # successors (issue #16): none of their papers has an IWSLT/Multi30k recipe, so "paper" is the
+    # successors: none of their papers has an IWSLT/Multi30k recipe, so "paper" is the
     # regime of the method each one is compared with (Admin's for the Post-LN ones and NormFormer,
     # DeepNet's for torchscale's two); not run yet (docs/results.md)
     "admin_closed": {"paper": ADMIN},
@@ -251,7 +251,7 @@ PAPER_REGIMES: Dict[str, Dict[str, Regime]] = {
     "normformer": {"paper": ADMIN},
 }
 METHODS: Tuple[str, ...] = tuple(PAPER_REGIMES)
-# the papers' methods (the matrix of issue #17) and the successors of issue #16, which get chunks of
+# the papers' methods and their successors, which get chunks of
 # their own so that the papers' chunks keep their size and GPU budget
 SUCCESSOR_METHODS: Tuple[str, ...] = ("admin_closed", "subln", "b2t", "deepnorm_torchscale", "normformer")
 MAIN_METHODS: Tuple[str, ...] = tuple(m for m in METHODS if m not in SUCCESSOR_METHODS)
@@ -372,7 +372,7 @@ CHUNKS: Dict[str, Chunk] = {
         "18 layers, the successors of #16, paper regime", tuple(cells_of(18, "paper", SUCCESSOR_METHODS))
     ),
 }
-# Issue #25: the paper matrix in one GPU session instead of one chunk per session, in the order the verdicts
+# the paper matrix in one GPU session instead of one chunk per session, in the order the verdicts
 # need it (every paper regime at 6, 18 and 36 layers, then the common regime at each depth). Not a chunk: it
 # spans the chunks above (which partition the matrix); `converge --chunk priority --jobs K` packs K cells at
 # a time, and a command cut by its time limit resumes where it stopped.

@@ -14,7 +14,7 @@ fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``dee
    - ``diag_scalenorm_g/<norm>``: ScaleNorm's learned g (Nguyen & Salazar 2019, Fig. 3);
    - ``diag_gnorm/<layer>``: the l2 norm of the gradient of each layer's parameters (DS-Init Fig. 1),
      taken before clipping, with fairseq's own ``gnorm`` as the total.
-   - over depth (issue 24; :mod:`.depth_stats` has the formulas, :mod:`.depth_hooks` the hooks):
+   - over depth (:mod:`.depth_stats` has the formulas, :mod:`.depth_hooks` the hooks):
      ``diag_stream_norm|var|max/<stack>.<layer>``, the residual stream after every layer;
      ``diag_angle/`` and ``diag_angle_last/``, the angular distance each layer moves it;
      ``diag_max_logit/<attention>`` and ``diag_max_logit/all``, the maximum attention logit;
@@ -128,7 +128,7 @@ class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
         self.guard = not no_divergence_guard
         self.inject = _parse_inject(diagnostics_inject_nan)
         self._run = RunState()
-        # statistics over depth and instability counters (issue 24)
+        # statistics over depth and instability counters
         self._depth = DepthDiagnostics(
             stats, self.interval, diagnostics_spike_window, diagnostics_spike_threshold, _KEY
         )

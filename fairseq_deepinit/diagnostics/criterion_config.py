@@ -8,7 +8,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 
 from . import depth_hooks, training_counters
 
-STATS = ("var", "norm", "residual", "scalenorm", "grad", *depth_hooks.STATS, "counters")  # depth_hooks: issue 24
+STATS = ("var", "norm", "residual", "scalenorm", "grad", *depth_hooks.STATS, "counters")
 DEFAULT_STATS = ",".join(STATS)
 
 

@@ -1,5 +1,5 @@
 """What the diagnostics criterion (:mod:`.criterion`) does for the statistics over depth (:mod:`.depth_hooks`)
-and the instability counters (:mod:`.training_counters`) at each point of a training update (issue 24).
+and the instability counters (:mod:`.training_counters`) at each point of a training update.
 
 - the forward of an update that measures: :meth:`DepthDiagnostics.collector` gives the hooks for the
   batch; :meth:`DepthDiagnostics.add` puts their summable moments into the logging output and keeps

@@ -48,7 +48,7 @@ from .measure import Setup, measure_gradients, measure_output_change, parse_dept
 
 logger = logging.getLogger(__name__)
 
-MEASURES = ("grad", "flow", "norm", "change", "scalenorm", *depth_diagnose.MEASURES)  # depth_diagnose: issue 24
+MEASURES = ("grad", "flow", "norm", "change", "scalenorm", *depth_diagnose.MEASURES)
 
 
 def _positive_int(text: str) -> int:

@@ -1,4 +1,4 @@
-"""Decoder-only language models: every axis of the plugin on fairseq's ``transformer_lm`` (issue #14).
+"""Decoder-only language models: every axis of the plugin on fairseq's ``transformer_lm``.
 
 - :mod:`.model`: the ``deepinit_lm`` model (``--task language_modeling``), LM-specific validation;
 - :mod:`.architectures`: ``<family>_lm<size>`` for every family, at fairseq's LM sizes plus deep ones;

@@ -1,56 +1,16 @@
 """Point-wise functions in place of a norm: DyT and Derf, and the learnable embedding scale that goes with them.
 
-- :class:`DyT`: Dynamic Tanh (Zhu, Chen, He, LeCun, Liu 2025, "Transformers without Normalization", eq. 1):
-  ``weight * tanh(alpha * x) + bias``, one learnable scalar ``alpha`` (init 0.5), per-channel ``weight``
-  (ones) and ``bias`` (zeros): jiachenzhu/DyT @ aab5dde ``dynamic_tanh.py:6-23``. ``bias=False`` is the
-  LLaMA variant ``LayerNormParameterized`` (``other_tasks/LLaMA/fms_fsdp/models/llama.py:32-46``:
-  ``weight * tanh(alpha * x)``), whose alpha is initialised per position (:data:`RELEASED_ALPHA_INIT`).
-- :class:`Derf`: Dynamic erf (Chen, Lu, Zhu, Sun, Liu 2025, "Stronger Normalization-Free Transformers"):
-  ``weight * erf(alpha * x + shift) + bias``, scalars ``alpha`` (init 0.5) and ``shift`` (init 0):
-  zlab-princeton/Derf @ 8dd9ea3 ``ViT/dynamic_erf.py:6-26``; the GPT-2 patch
-  (``language model/model_derf.patch``) adds the per-position alpha inits of the LLaMA code.
-- :func:`learnable_embed_scale`: the learnable scalar multiplying the token embedding
-  (``llama.py:208-209``, applied ``shared(x_in) * shared_scale`` at ``383``, init ``sqrt(emb_dim)`` at
-  ``275``/``451``); fairseq's ``embed_scale`` (sqrt(d), a float) is its value at init.
+- :class:`DyT`: Dynamic Tanh (Zhu, Chen, He, LeCun, Liu 2025, eq. 1): ``weight * tanh(alpha * x) + bias``,
+  scalar ``alpha`` (init 0.5): jiachenzhu/DyT @ aab5dde ``dynamic_tanh.py:6-23``; ``bias=False`` is the
+  LLaMA variant (``other_tasks/LLaMA/fms_fsdp/models/llama.py:32-46``), alpha per position
+  (:data:`RELEASED_ALPHA_INIT`).
+- :class:`Derf`: Dynamic erf (Chen, Lu, Zhu, Sun, Liu 2025): ``weight * erf(alpha * x + shift) + bias``:
+  zlab-princeton/Derf @ 8dd9ea3 ``ViT/dynamic_erf.py:6-26``.
+- :func:`learnable_embed_scale`: the learnable embedding multiplier (``llama.py:208-209,383``).
 
-Both norms take a norm builder's arguments ``(dim, eps)`` (``eps`` is accepted and unused: nothing is
-divided) and keep the released parameter names (``alpha``, ``shift``, ``weight``, ``bias``), so a state
-dict of the released modules loads. ``alpha`` and ``shift`` have shape ``(1,)`` as released: a
-one-element tensor takes part in type promotion (a 0-dim one would not), which is what makes the
-released code compute in fp32 under autocast (below).
-
-Precision: computed in ``torch.result_type`` of the input and the parameters, as the released code
-does, no casts. Under fairseq's ``--fp16`` (model in fp16) that is fp16, as in the released fairseq
-patch (``other_tasks/wav2vec2/dynamic-tanh.patch``, ``fp16: true``) and the LLaMA runs (FSDP
-``bfSixteen``: bf16 parameters, ``fms_fsdp/policies/mixed_precision.py``); under autocast with fp32
-parameters the one-element fp32 ``alpha`` promotes a 16-bit input to fp32 (tanh and erf are on no
-autocast list), as in the released ViT AMP runs and as LayerNorm under CUDA autocast (``layer_norm``
-is on its fp32 list). There is no reduction and no division in the forward: each of its three or four
-roundings adds at most one unit roundoff u relative to ``|weight| |t| + |bias|`` (tanh's relative
-condition number ``2z / sinh(2z)`` is at most 1; Derf's ``alpha x + shift`` errs by at most
-``2u (|alpha x| + |shift|)`` and erf's slope is at most 1.13), so a 16-bit output is within about 4u
-of the exact one (``tests/test_dyt.py`` derives the bound per element and checks it); computing in fp32
-instead would cost a cast each way and double the saved activations. One fp16 caveat, the released
-code's too: alpha's (and shift's) gradient sums over every element of the batch, ``d`` times more terms
-than a LayerNorm weight's per-channel sum, so under ``--fp16`` it can overflow at a loss scale where
-those still fit (fairseq's dynamic loss scaler then skips the update and lowers the scale).
-
-Kernels: an autograd function each, with the backward written out, so that a forward + backward is
-10 aten operators for DyT (9 without bias) and 14 for Derf, where autograd through the released
-formula runs 12 (10) and 18, and LayerNorm runs 2 (one fused kernel each way): forward ``mul``, ``tanh_``
-(in place), ``addcmul`` (``bias + t * weight`` in one kernel); backward ``dy * weight``, ``tanh_backward``,
-``* alpha``, one ``dot`` for alpha's gradient (``mul`` + ``sum`` when the operands are not both
-contiguous or differ in dtype) and one row ``sum`` each for ``weight`` and ``bias`` (counted on the
-``meta`` device by ``tests/test_dyt.py``). The first forward kernel writes into a contiguous buffer, so
-the output is contiguous like LayerNorm's even for fairseq's transposed ``(T, B, C)`` input, and the next
-Linear runs as one ``addmm`` rather than copy + mm + add. Every kernel is elementwise or a reduction, so
-on a GPU the cost is launches and memory traffic: about 20 reads or writes per element against about 7
-for a fused LayerNorm (an estimate from the kernels, not a measurement). DyT is not cheaper than a fused
-norm in eager mode: the released latency benchmark (``other_tasks/Efficiency/benchmark.py``) compares
-it with transformers' ``LlamaRMSNorm``, which runs unfused (in bf16 eight kernels forward: two casts, pow,
-mean, add, rsqrt, two multiplies); ``torch.compile`` fuses these functions (both trace without a graph
-break). On the CPU (``benchmarks/norm_speed.py``) torch's fp32 tanh alone takes about four LayerNorm
-forwards.
+Released parameter names and shapes (``alpha``, ``shift`` of shape ``(1,)``), computed in the dtype type
+promotion gives (as released), each an autograd function with its backward written out. Precision and
+kernel counts: docs/schemes.md, "DyT and Derf".
 """
 
 from __future__ import annotations
@@ -267,11 +227,6 @@ class Derf(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, alpha_init={self.alpha_init}, shift_init={self.shift_init}, bias={self.bias is not None}"
-
-
-def embed_scale_init(dim: int) -> float:
-    """``sqrt(dim)``: the LLaMA code's ``shared_scale`` init (``llama.py:209``) and fairseq's ``embed_scale``."""
-    return math.sqrt(dim)
 
 
 def learnable_embed_scale(init: float) -> nn.Parameter:

@@ -185,11 +185,6 @@ def build_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool 
     raise ValueError(f"unknown norm type {norm_type!r}; choose from {', '.join(NORM_TYPES)}")
 
 
-def build_optional_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool = False, **pointwise):
-    """A stack-level norm (final Pre-LN norm, embedding norm): ``None`` when there is no norm."""
-    return None if norm_type == "none" else build_norm(norm_type, dim, eps, export, **pointwise)
-
-
 def is_norm(module: nn.Module) -> bool:
     """A norm layer of the model, point-wise ones (DyT, Derf) included."""
     return isinstance(module, (nn.LayerNorm, ScaleNorm, RMSNorm, DyT, Derf))

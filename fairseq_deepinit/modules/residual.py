@@ -54,18 +54,11 @@ class Residual(nn.Module):
 
 
 class ConstantResidual(Residual):
-    """``alpha * skip + branch`` with a constant (not learned) ``alpha`` (DeepNorm).
+    """``alpha * skip + branch`` with a constant (not learned) ``alpha`` (DeepNorm, Wang et al. 2022, eq. 2).
 
-    One ``torch.add(branch, skip, alpha=alpha)``: one kernel forward and one backward (the ``alpha *``
-    of the skip's gradient), where ``branch + skip * alpha`` takes two forward (a separate ``mul``) and
-    one backward. Same value up to rounding: the fused add rounds ``branch + alpha * skip`` once (an
-    FMA on vectorised CPU paths; in fp32 opmath for fp16/bf16), the two-kernel form rounds the product
-    first; and a kernel may round ``alpha`` itself to a 16-bit operand's dtype (torch's CPU kernel does:
-    a relative change of the skip scale of at most ``u``; in fp32, and with an fp32 operand as under
-    autocast, ``alpha`` is an fp32 number either way). With ``u`` the unit round-off of the dtype, the
-    two forms differ by at most ``2u (|alpha * skip| + |branch + alpha * skip|)`` per element to
-    first order (``tests/test_kernels.py`` checks it on every CPU kernel path; the scalar fp32 path,
-    without FMA, is bit-identical).
+    One ``torch.add(branch, skip, alpha=alpha)``: one kernel each way, and one rounding where ``branch + skip *
+    alpha`` has two (the bound, checked by ``tests/test_kernels.py``: docs/speed.md, "Kernels per norm and per
+    residual").
     """
 
     def __init__(self, alpha: float) -> None:
@@ -100,9 +93,7 @@ class BranchScaleResidual(Residual):
     sum takes the layout of its first operand, here the skip; where the skip is still fairseq's transposed
     (T, B, C) view of the embedding (a stack's first sub-layer) it is made contiguous first (one copy per
     stack), so that the stream and every later Linear stay on the contiguous fast path (``Residual.forward``).
-    Same value as ``skip + m * branch`` up to one rounding: the fused add rounds once (an FMA on vectorised
-    CPU paths), the two-kernel form rounds the product first; a 16-bit kernel may round ``m`` to the
-    operand's dtype (:class:`ConstantResidual`'s note).
+    Same value as ``skip + m * branch`` up to one rounding, as :class:`ConstantResidual`.
     """
 
     def __init__(self, multiplier: float) -> None:

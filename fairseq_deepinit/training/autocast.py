@@ -22,6 +22,7 @@ Only the criterion call (model forward + loss) is wrapped: fairseq's ``train_ste
 ``torch.cuda.amp.autocast(enabled=<--amp>)``, which would switch an outer CUDA autocast off again.
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,9 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..errors import AutocastConfigError
+from .cpu_bf16 import native_bf16
 
+logger = logging.getLogger(__name__)
 TASK_NAME = "translation_deepinit"
 # fairseq precision flags that cast weights (fp16/bf16 wrappers) or add their own autocast (amp)
 _CONFLICTING_FLAGS = ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp")
@@ -128,6 +131,7 @@ class AutocastTaskMixin:
     cfg: Any
     _autocast_checked_optimizer: bool = False
     _autocast_checked_model: bool = False
+    _autocast_logged: bool = False
 
     @property
     def autocast_bf16(self) -> bool:
@@ -149,7 +153,13 @@ class AutocastTaskMixin:
         elif not self._autocast_checked_model:
             check_fp32_training(model, None)
             self._autocast_checked_model = True
-        return autocast_device_type(model)
+        device_type = autocast_device_type(model)
+        if device_type == "cpu" and not self._autocast_logged:
+            native, why = native_bf16()
+            how = "native bf16" if native else "bf16 is emulated (slower than fp32)"
+            (logger.info if native else logger.warning)(f"--autocast-bf16 on the CPU: {how}: {why}")
+            self._autocast_logged = True
+        return device_type
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
         if self.autocast_bf16:

@@ -1,58 +1,15 @@
-"""Depth-muP (Yang et al. 2023, "Tensor Programs VI: Feature Learning in Infinite-Depth Neural Networks",
-alpha = 1/2) and CompleteP (Dey et al. 2025, "Don't be lazy: CompleteP enables compute-efficient deep
-transformers", alpha = 1): the constants and the optimizer's parameter groups.
+"""Depth-muP (Yang et al. 2023, "Tensor Programs VI", alpha = 1/2) and CompleteP (Dey et al. 2025, Table 1,
+alpha = 1): the constants and the optimizer's parameter groups.
 
-With the depth multiplier ``m_L = L / L_base`` (``L`` layers in a stack, ``L_base`` the depth the
-hyperparameters were tuned at) and the width multiplier ``m_N = d / d_base`` (1 in this plugin, which
-scales depth only; kept so that the formulas can be checked against the sources' own width cases), every
-residual branch of a Pre-LN block is multiplied by ``m_L ** -alpha`` (:func:`branch_multiplier`) and
-Adam's learning rate, eps and weight decay are changed per parameter group (:func:`group_scales`), so that
-a learning rate tuned at ``L_base`` layers transfers to ``L``. The three released sources agree on the
-branch multiplier and on the learning rates wherever they are defined, and differ in Adam's eps (and
-nanoGPT's weight decay), so each is a named choice (:data:`SOURCES`):
-
-``"paper"`` (default): CompleteP Table 1 (shipped as ``assets/parameterization_summary.png`` on the
-    ``completep`` branch of EleutherAI/nanoGPT-mup, commit 6f8bc3b). Hidden weights (every matrix inside
-    the residual blocks) LR ``eta * m_N**-1 * m_L**(alpha-1)``, their biases and the blocks' norm gains LR
-    ``eta * m_L**(alpha-1)``; AdamW eps of **every residual-block parameter** ``eps * m_N**-1 * m_L**-alpha``;
-    embeddings, final norm and unembedding keep ``eta`` and ``eps``; hidden weight decay ``lambda * m_N``.
-``"nanogpt"``: the paper's minimal implementation, nanoGPT-mup ``completep`` ``model.py``. The same learning
-    rates (``configure_optimizers``, 305-363: groups at 336-362, ``depth_lr_scaling`` 331,
-    ``width_lr_scaling`` 332; ``train.py:299`` sets ``lr * lr_scale``), but **one** eps for every group,
-    ``adam_eps *= m_N**-1 * m_L**-alpha`` (335), and nanoGPT's weight decay: hidden weights
-    ``weight_decay / m_N**-1`` (349), embeddings ``weight_decay`` (339), block norms, biases and the final
-    norm 0 (344, 354, 359); the unembedding is tied to the embedding (162).
-``"megatron"``: NVIDIA/Megatron-LM PR #4999 (``scaling_recipe='depth_mup'``; read from the code index, no
-    repository path: ids in ``docs/reference/new_methods.md`` section 7). alpha is fixed to 1 (recipe
-    defaults ``residual_branch_depth_power = -1``, ``hidden_lr_depth_power = 0`` in
-    ``build_scaling_context``); hidden (matrix-like, non-embedding) LR ``eta / m_N``
-    (``ResolvedTrainingPolicy.hidden_lr_multiplier``) and eps ``eps / m_N * m_L**-1``
-    (``hidden_eps_multiplier``); "vector-like" parameters (biases, norms) and embedding/output keep the base
-    LR and eps (``vector_like_lr_multiplier``; its test ``test_mup_lr_override_has_correct_predicate``);
-    weight decay unchanged; Adam/AdamW only (``ResolvedTrainingPolicy.__post_init__``).
-
-Why ``paper`` is the default: it is the rule the paper's transfer results are stated for, the only one
-defined for both alphas with eps and learning rate together, and the one that follows from the
-parameterisation: the branch multiplier shrinks the gradient of *every* block parameter by ``m_L**-alpha``
-(weights, biases and norm gains alike), so Adam's eps must shrink with it to keep the same share of the
-update, while embedding, final-norm and unembedding gradients do not depend on ``m_L``. nanoGPT scales their
-eps too (an eps ``m_L**alpha`` times too small there: harmless while gradients are far above eps); Megatron
-leaves biases and norm gains at the base eps. At alpha = 1 the three agree on every learning rate.
-
-Groups (:data:`KINDS`): ``hidden_weight`` (every parameter with two or more dimensions inside a stack's
-``layers``), ``hidden_bias`` (a ``Linear``'s bias there), ``hidden_norm`` (every other parameter there:
-norm gains and biases, any vector-like scale), ``embedding`` (``embed_tokens``, learned
-``embed_positions``, ``project_in_dim``), ``final_norm`` (the norms outside the layers: the stacks'
-``layer_norm`` and ``layernorm_embedding``; nanoGPT's ``ln_f`` rule), ``output`` (``output_projection``,
-``project_out_dim``, ``adaptive_softmax``). A tied output projection is the embedding's parameter and
-stays in ``embedding`` (nanoGPT ties them too; every source gives the two the same multipliers).
-
-Encoder-decoder translation (this plugin's extension; Table 1 is for a Pre-LN decoder-only LM): each stack
-has its own ``m_L = L_stack / L_base_stack``, the block groups are per stack (``encoder.hidden_weight``,
-``decoder.hidden_weight``, ...), and a decoder layer's cross-attention is hidden like its self-attention.
-``"nanogpt"``'s single eps needs a single ``m_L``: it is refused when the stacks' ratios differ.
-
-The training side (the options check and the wrapped trainer): :mod:`.depth_mup_trainer`.
+Every residual branch of a Pre-LN block is multiplied by ``m_L ** -alpha``, ``m_L = L / L_base`` per stack
+(:func:`branch_multiplier`), and Adam's lr, eps and weight decay change per parameter group
+(:func:`group_scales`) as one of three released sources (:data:`SOURCES`): ``paper`` (CompleteP Table 1,
+the default), ``nanogpt`` (EleutherAI/nanoGPT-mup @ 6f8bc3b, branch ``completep``, ``model.py:305-363``),
+``megatron`` (NVIDIA/Megatron-LM PR 4999, alpha 1). Groups (:data:`KINDS`): ``hidden_weight`` (matrices in
+a stack's ``layers``), ``hidden_bias`` (a ``Linear``'s bias there), ``hidden_norm`` (every other parameter
+there), ``embedding`` (a tied output projection included), ``final_norm`` (norms outside the layers),
+``output``; one set per stack. The sources' differences and why ``paper`` is the default: docs/schemes.md,
+"Depth-muP and CompleteP"; the training side: :mod:`.depth_mup_trainer`.
 """
 
 from __future__ import annotations

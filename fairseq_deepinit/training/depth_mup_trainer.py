@@ -1,39 +1,8 @@
 """Depth-muP / CompleteP on fairseq's trainer: the training options that cannot carry per-group rates are
 refused, and every parameter is tagged with its group (:mod:`.depth_mup`) right before fairseq's
-``Trainer._build_optimizer`` hands the optimizer its flat parameter list
-(:func:`fairseq_deepinit.patches.build_optimizer`, the one wrapper of that method).
-
-Why fairseq's method is wrapped rather than the model's parameters tagged when the model is built and the
-optimizer left to read them (checked against fairseq 0.12.3 for the
-issue-24 follow-up, 2026-11-25). The reading half is already that design: each parameter carries its group
-and multipliers, which ``--optimizer adam_foreach`` turns into torch param groups
-(:class:`~.param_groups.ScaledParamGroups`, whose ``set_lr`` writes ``lr * lr_scale`` into each group where
-fairseq's writes one value into all, ``fairseq/optim/fairseq_optimizer.py:70-73``, so inverse_sqrt and every
-other scheduler keep the ratios; its ``load_state_dict`` resumes them). They sit in ``optim_overrides``, not
-in attributes of their own such as ``p.deepinit_lr_scale``: ``--fp16 --fp16-no-flatten-grads`` hands the
-optimizer fp32 copies that keep only ``param_group``, ``optim_overrides`` and the expert flags
-(``FP16Optimizer.build_fp32_params``, ``fp16_optimizer.py:62-78``). What needs the trainer:
-
-- the refusals of :func:`check_training_config`. Tagged at build time with nothing wrapped, ``--optimizer
-  adam`` or ``sgd`` train silently with one group at the base lr and eps (their optimizers never read the
-  tags), and so does ``--fp16`` with flattened gradients (one fp32 tensor); ``--optimizer composite`` stops
-  in an assertion of its own (it reads ``optim_overrides`` as its per-group config and finds them unequal
-  within its default group, ``fairseq/optim/composite.py:73-93``). The check needs the training options,
-  which ``build_model`` does not reliably have: under ``fairseq-hydra-train`` it gets the ``model`` section
-  only (:func:`fairseq_deepinit.model_config.as_namespace`), and it also builds models that fairseq's
-  trainer never trains: fairseq-generate's (``checkpoint_utils.load_model_ensemble``, with the training
-  run's options whatever the generation's precision), deepinit-diagnose's, the benchmarks' and the tests'
-  (``args.optimizer`` None). ``Trainer.cfg`` has them on every path;
-- :func:`~.param_groups.check_groups_reached`, which compares the tags with the optimizer fairseq actually
-  built inside its fp16 / AMP / BMUF wrappers: ``_build_optimizer`` (``fairseq/trainer.py:289-382``) calls
-  no model, task or criterion method between collecting the parameters and building the lr scheduler, so
-  there is no hook at that point.
-
-The wrapper only runs these around fairseq's method and changes nothing inside it. The data-parallel
-wrappers keep the parameter objects, so the groups reach the optimizer under them too (``--ddp-backend
-no_c10d`` and ``pytorch_ddp``, two CPU ranks of tests/dist_worker.py, run by hand on 2026-11-25: the groups
-logged, both ranks' parameters bit-identical after 3 updates). ``--optimizer adam_foreach`` wraps the same
-method, in the same wrapper, for the ``adam`` state it resumes (:func:`.adam_foreach.accept_adam_state`).
+``Trainer._build_optimizer`` (``fairseq/trainer.py:289-382``) hands the optimizer its flat parameter list
+(:func:`fairseq_deepinit.patches.build_optimizer`, the one wrapper of that method). Why the trainer and not the
+model build: docs/schemes.md, "Depth-muP and CompleteP".
 """
 
 from __future__ import annotations

@@ -1,47 +1,13 @@
 """Per-parameter-group learning-rate, Adam-eps and weight-decay multipliers that survive fairseq's optimizers.
 
-A method that trains parameter groups at different rates (depth-muP / CompleteP, :mod:`.depth_mup`)
-meets three facts of fairseq 0.12.3:
-
-- the trainer gives the optimizer **one flat list** of parameters (``Trainer._build_optimizer``,
-  ``fairseq/trainer.py:289-344``; ``fairseq.optim.build_optimizer`` even flattens dicts,
-  ``fairseq/optim/__init__.py:36-40``), so the groups cannot be handed over as torch param groups;
-- every lr scheduler sets the rate through ``FairseqOptimizer.set_lr``, which writes **one** value into
-  every group (``fairseq/optim/fairseq_optimizer.py:70-73``), and reads it back through ``get_lr``
-  (``manual_lr_scheduler.py:95``, ``polynomial_decay_schedule.py:65``, the trainer's log and
-  ``--stop-min-lr``);
-- under ``--fp16`` the optimizer does not see the model's parameters: ``FP16Optimizer`` flattens them
-  into one fp32 tensor (``fp16_optimizer.py:33-61``) or, with ``--fp16-no-flatten-grads``, makes
-  fp32 copies that keep only the ``param_group`` and ``optim_overrides`` attributes
-  (``fp16_optimizer.py:62-78``).
-
-So the group travels **on the parameter**: :func:`tag_parameter` stores the group's name and multipliers
-under :data:`TAG` in the parameter's ``optim_overrides`` dict (fairseq's per-parameter optimizer
-attribute, which ``FP16Optimizer`` copies to the fp32 master parameter). :class:`ScaledParamGroups`, a
-mixin for a :class:`~fairseq.optim.FairseqOptimizer`, splits the flat list by that tag into one torch
-param group per name, each carrying ``lr_scale``, ``eps_scale`` and ``weight_decay_scale``; its group
-holds the **effective** ``lr``, ``eps`` and ``weight_decay`` (base value times the scale), which is what
-the torch optimizer's ``step`` reads, so the update code (fairseq's ``Adam``, apex's ``FusedAdam``,
-:class:`~.adam_foreach.AdamForeach`) stays untouched. Its ``set_lr`` writes ``lr * lr_scale`` into each
-group and ``get_lr`` returns the base rate (that of a group with ``lr_scale == 1``), so every fairseq lr
-scheduler, the log and ``--stop-min-lr`` see the rate the user set. fairseq's wrappers
-(``FP16Optimizer``, ``MemoryEfficientFP16Optimizer``, ``AMPOptimizer``, ``FairseqBMUF``) all forward
-``set_lr``/``get_lr``/``state_dict``/``load_state_dict`` to the optimizer they wrap, so the mixin on the
-innermost optimizer serves all of them. Without tags the mixin is the optimizer it extends: one group,
-no extra keys, the same state dict.
-
-What cannot work, refused by the method's configuration check (:func:`.depth_mup_trainer.check_training_config`)
-and, whatever built the optimizer, by :func:`check_groups_reached`: ``--fp16`` with flattened
-gradients (one tensor, one rate), and ``--optimizer composite`` (one optimizer and scheduler per
-``param_group`` from its own YAML config, which reads ``optim_overrides`` as its own per-group config,
-``fairseq/optim/composite.py:73-100``).
-
-Checkpoints: the torch state dict saves every group's keys, scales included. On resume
-(:meth:`ScaledParamGroups.load_state_dict`) the saved group names must equal this run's (else a one-line
-error: resume with the checkpoint's options or ``--reset-optimizer``); where this run's scales differ
-from the saved ones (a config change the checkpoint's config check let through) the run's scales are
-applied to the saved rates and a warning says so; ``--optimizer-overrides`` values of ``lr``, ``eps`` and
-``weight_decay`` are read as base values and scaled per group.
+fairseq hands the optimizer one flat parameter list (``fairseq/trainer.py:289-344``), sets one lr in every
+group (``fairseq/optim/fairseq_optimizer.py:70-73``) and, under ``--fp16``, gives it fp32 copies that keep
+only ``optim_overrides`` (``fp16_optimizer.py:62-78``). So the group travels on the parameter
+(:func:`tag_parameter`, under :data:`TAG` in ``optim_overrides``), and :class:`ScaledParamGroups`, a mixin
+for a :class:`~fairseq.optim.FairseqOptimizer`, splits the list into one torch param group per tag holding
+the effective lr, eps and weight decay; ``set_lr`` writes ``lr * lr_scale`` into each group, ``get_lr``
+returns the base rate. Flattened ``--fp16`` and ``--optimizer composite`` are refused
+(:func:`check_groups_reached`). The full account, resume included: docs/schemes.md, "Depth-muP and CompleteP".
 """
 
 from __future__ import annotations
