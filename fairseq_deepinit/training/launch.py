@@ -111,7 +111,7 @@ def check_precision(cfg: Any) -> None:
     asks ``torch.cuda.current_device()`` for its flat fp32 copy (``fairseq/optim/fp16_optimizer.py``, line 38)
     and stops with ``AssertionError: Torch not compiled with CUDA enabled``."""
     common = cfg.common
-    if getattr(cfg.task, "autocast_bf16", False):
+    if getattr(getattr(cfg, "task", None), "autocast_bf16", False):
         return  # the task refuses --autocast-bf16 next to --fp16 in its own words (training/autocast.py)
     if common.fp16 and not common.memory_efficient_fp16 and not common.fp16_no_flatten_grads and not _uses_cuda(cfg):
         where = "--cpu" if common.cpu else "a machine without CUDA"
