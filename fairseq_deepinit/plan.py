@@ -6,7 +6,7 @@ build finds the spec on the config it is given (:func:`spec_of`) and asks here:
 
 - :func:`layer_plan`: for each layer, its placement (the spec's, per layer), norm builder, residual
   modules, attention implementation, and the set-ups of the methods that are on
-  (:class:`~fairseq_deepinit.modules.layers.LayerPlan`);
+  (:class:`~fairseq_deepinit.modules.layer_base.LayerPlan`);
 - :func:`norm_builder` / :func:`build_stack_norm`: the norms of the spec's norm type with the methods'
   norm arguments by position (DyT/Derf's alpha), in the layers and on the stacks;
 - :func:`decoder_layer_class`, :func:`setup_stack`, :func:`build_embedding`, :func:`build_output_projection`;
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch.nn as nn
 
 from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALINGS, declaring
-from .modules.layers import LayerPlan
+from .modules.layer_base import LayerPlan
 from .modules.norms import build_norm
 from .modules.stacks import StackKind
 from .resolve import resolve

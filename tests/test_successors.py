@@ -511,7 +511,7 @@ def test_ema_of_a_normformer_run_is_fairseqs_average(synthetic_bin, tmp_path):
             e, peak = expected.get(k, (w, w.abs().max().item()))
             expected[k] = (d * e + (1 - d) * w, max(peak, w.abs().max().item()))
         ema = state["extra_state"]["ema"]
-        assert set(weights) <= set(ema)  # the final Pre-LN norms included (model.py, _keep_version)
+        assert set(weights) <= set(ema)  # the final Pre-LN norms included (stack_build.keep_version)
         for k in ("encoder.version", "decoder.version"):  # not averaged, and not reset to fairseq's "version 1"
             assert torch.equal(ema[k], state["model"][k]), k
         for k, (e, peak) in expected.items():

@@ -3,7 +3,7 @@
 fairseq's :class:`~fairseq.models.transformer_lm.TransformerLanguageModel` (a decoder without
 cross-attention, ``--task language_modeling``) built with the ``deepinit`` translation model's pieces
 (:mod:`fairseq_deepinit.model`): ``build_embedding`` (FixNorm), the plugin's
-:class:`~fairseq_deepinit.model.DeepInitDecoder` (whose ``build_decoder_layer`` and
+:class:`~fairseq_deepinit.decoder.DeepInitDecoder` (whose ``build_decoder_layer`` and
 ``build_output_projection`` place the norm type, residual scaling and FixNorm), then the init scheme
 (:mod:`fairseq_deepinit.plan`). fairseq's ``build_model`` has no hook for its decoder: see
 :meth:`DeepInitLanguageModel.build_model`. The options are the translation model's
@@ -38,8 +38,8 @@ from fairseq.modules import AdaptiveInput, CharacterTokenEmbedder
 
 from .. import model_config, options, plan, resolve
 from ..checkpoints import config_check
+from ..decoder import DeepInitDecoder
 from ..errors import DeepInitConfigError
-from ..model import DeepInitDecoder
 from ..modules.padding import target_padding
 from ..training import distributed
 

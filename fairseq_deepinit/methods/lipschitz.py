@@ -6,7 +6,7 @@ independent of depth); embeddings ~ U(-sqrt(2/(V+d)), +sqrt(2/(V+d))) with a zer
 biases 0; norms at their identity start. ``--lipschitz-bias-free`` also drops the biases of the
 q/k/v/out projections and of fc2, as the released code does ("ease_optimization"): the layer set-up
 below, on every attention projection the layer lists
-(:meth:`~fairseq_deepinit.modules.layers.DeepInitLayer.attention_projections`).
+(:meth:`~fairseq_deepinit.modules.layer_base.DeepInitLayer.attention_projections`).
 """
 
 from __future__ import annotations

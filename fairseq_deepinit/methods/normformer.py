@@ -9,7 +9,7 @@ for ``transformer_lm`` (fairseq/models/transformer_lm.py:198-212) and builds onl
 - encoder: fairseq's encoder layer has none of them, so the layer set-up adds the same modules under the
   same names;
 - both: the layers' forwards apply them as fairseq's decoder layer does (its lines 460-466 and
-  508-514; :class:`~fairseq_deepinit.modules.layers.DeepInitLayer`): ``c_attn`` (one learned scale per
+  508-514; :class:`~fairseq_deepinit.modules.layer_base.DeepInitLayer`): ``c_attn`` (one learned scale per
   head) and ``attn_ln`` on the self-attention's output, ``ffn_layernorm`` before fc2, ``w_resid`` on the
   FFN's residual::
 
@@ -36,7 +36,7 @@ def setup_normformer_layer(layer: nn.Module, p, spec) -> None:
     """Layer set-up: NormFormer's modules on the encoder, ``--norm-type`` on both stacks' norms.
 
     Only builds parameters and modules, under fairseq's decoder-layer names; the layers' forwards
-    apply them (:class:`~fairseq_deepinit.modules.layers.DeepInitLayer`).
+    apply them (:class:`~fairseq_deepinit.modules.layer_base.DeepInitLayer`).
     """
     d = layer.embed_dim
     ffn_dim = layer.fc1.out_features

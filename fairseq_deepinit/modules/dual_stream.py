@@ -17,8 +17,9 @@ not the function: the released 18+18-layer fp16 configuration sets 0.05 (``hydra
 ``start="zero"`` starts ``raw`` from zeros instead (the alternative left in a comment at lines 107 and 252).
 
 The layers add to ``raw`` (:meth:`DualStream.add`, in the layer forwards of :mod:`.layers`); the stacks
-start and close it (:meth:`DualStream.begin`, :meth:`DualStream.close`, in ``fairseq_deepinit/model.py``):
-``raw`` is an argument and a result of every layer call, never state kept on a module.
+start and close it (:meth:`DualStream.begin`, :meth:`DualStream.close`, in the stack forwards of
+``fairseq_deepinit/encoder.py`` and ``decoder.py``): ``raw`` is an argument and a result of every layer
+call, never state kept on a module.
 """
 
 from __future__ import annotations

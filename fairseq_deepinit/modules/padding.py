@@ -6,7 +6,7 @@ its language-modeling task always pads on the right (``data/monolingual_dataset.
 inference datasets too, ``tasks/language_modeling.py:303,308``). With right padding, causal
 self-attention never lets a real position see a padded one, so the decoder needs no key padding
 mask there, and no host read of the tokens to find out whether there is padding
-(:meth:`fairseq_deepinit.model.DeepInitDecoder.self_attn_padding_mask`).
+(:meth:`fairseq_deepinit.decoder.DeepInitDecoder.self_attn_padding_mask`).
 """
 
 from __future__ import annotations
