@@ -7,7 +7,9 @@ fairseq's ``extract_features_scriptable`` reads ``prev_output_tokens.eq(pad).any
 padding side of the targets, a build-time property (:mod:`.modules.padding`). The values every real (non-pad)
 position gets, the loss and the gradients are fairseq's. A second stream (``dual_stream``, ResiDual:
 :mod:`.modules.dual_stream`) starts at the embedding output, goes through every layer call and the final
-``layer_norm``.
+``layer_norm``. Under hyper-connections (``streams``, :mod:`.modules.hyper`) the embedding output becomes ``n``
+streams ``(T, B, n, d)`` through the layers, contracted to one before the final norm (so ``encoder_out`` keeps
+fairseq's ``(S, B, d)``); the hidden states returned beside the output are contracted too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from . import plan
 from .modules.attention import declare_target_padding
 from .modules.dual_stream import DualStream
 from .modules.fixnorm import FixNormOutputProjection
+from .modules.hyper import Streams
 from .modules.masks import future_mask
 from .modules.stacks import decoder_kind
 from .stack_build import keep_version, replace_stack_norms, wrap_layer
@@ -38,6 +41,7 @@ class DeepInitDecoder(TransformerDecoderBase):
 
     target_padding = "unknown"
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
+    streams: Streams | None = None  # n residual streams (hyper-connections), set up by a method
 
     def set_target_padding(self, side: str) -> None:
         """Record where the task pads the decoder's input (a build-time fact: no forward reads the tokens)."""
@@ -165,6 +169,8 @@ class DeepInitDecoder(TransformerDecoderBase):
         attn: Tensor | None = None
         inner_states: List[Tensor | None] = [x]
         raw = None if self.dual_stream is None else self.dual_stream.begin(x)
+        if self.streams is not None:
+            x = self.streams.expand(x)
         for idx, layer in enumerate(self.layers):
             if incremental_state is None and not full_context_alignment:
                 self_attn_mask = self.buffered_future_mask(x)
@@ -176,7 +182,7 @@ class DeepInitDecoder(TransformerDecoderBase):
                 x, layer_attn, _, raw = layer(x, enc, padding_mask, incremental_state, **masks, **heads, raw=raw)
             else:
                 x, layer_attn, _ = layer(x, enc, padding_mask, incremental_state, **masks, **heads)
-            inner_states.append(x)
+            inner_states.append(x if self.streams is None else self.streams.contract(x))
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)
 
@@ -185,6 +191,8 @@ class DeepInitDecoder(TransformerDecoderBase):
                 attn = attn[:alignment_heads]
             # average probabilities over heads
             attn = attn.mean(dim=0)
+        if self.streams is not None:
+            x = self.streams.contract(x)
         if raw is not None:
             x = self.dual_stream.close(x, raw, self.layer_norm)
         elif self.layer_norm is not None:

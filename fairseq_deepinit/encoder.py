@@ -6,7 +6,9 @@ fairseq's ``forward_scriptable`` re-reads ``has_pads`` (a device tensor) once pe
 every layer the padding mask instead, as fairseq itself does on XLA for the same reason. The values every
 real (non-pad) position gets, the loss and the gradients are fairseq's. A second stream (``dual_stream``,
 ResiDual: :mod:`.modules.dual_stream`) starts at the embedding output, goes through every layer call and the
-final ``layer_norm``.
+final ``layer_norm``. Under hyper-connections (``streams``, :mod:`.modules.hyper`) the embedding output becomes
+``n`` streams ``(T, B, n, d)`` through the layers, contracted to one before the final norm; the hidden states
+returned beside the output are contracted too (fairseq's ``(T, B, d)``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from . import plan
 from .modules.dual_stream import DualStream
+from .modules.hyper import Streams
 from .modules.layers import DeepInitEncoderLayer
 from .modules.stacks import ENCODER
 from .stack_build import keep_version, replace_stack_norms, wrap_layer
@@ -26,6 +29,7 @@ from .stack_build import keep_version, replace_stack_norms, wrap_layer
 
 class DeepInitEncoder(TransformerEncoderBase):
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
+    streams: Streams | None = None  # n residual streams (hyper-connections), set up by a method
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc: bool = False) -> None:
         self._built_layers, self._spec = 0, plan.spec_of(cfg)
@@ -71,6 +75,8 @@ class DeepInitEncoder(TransformerEncoderBase):
         if return_all_hiddens:
             encoder_states.append(x)
         raw = None if self.dual_stream is None else self.dual_stream.begin(x)
+        if self.streams is not None:
+            x = self.streams.expand(x)
         for layer in self.layers:
             if raw is not None:
                 x, raw, fc_result = layer(x, encoder_padding_mask=encoder_padding_mask, raw=raw)
@@ -81,8 +87,10 @@ class DeepInitEncoder(TransformerEncoderBase):
                 else:
                     x, fc_result = lr, None
             if return_all_hiddens:
-                encoder_states.append(x)
+                encoder_states.append(x if self.streams is None else self.streams.contract(x))
                 fc_results.append(fc_result)
+        if self.streams is not None:
+            x = self.streams.contract(x)
         if raw is not None:
             x = self.dual_stream.close(x, raw, self.layer_norm)
         elif self.layer_norm is not None:

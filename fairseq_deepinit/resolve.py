@@ -77,6 +77,11 @@ def _method_options(args: Any, v: Dict[str, Any], methods: List[Method]) -> None
             raise method.error(f"{' '.join(given)} need{'s' * one} {enabler}; add it or drop {'it' if one else 'them'}")
 
 
+def _own_switch(method: Method) -> bool:
+    """A method switched on by values of an option of its own (``--hyper-connections hc``), not of an axis."""
+    return all(name in {o.name for o in method.options} for name, _value in method.switches)
+
+
 def _owned_by(selector: str) -> List[Method]:
     return [m for m in METHODS.values() if m.switches and all(name == selector for name, _v in m.switches)]
 
@@ -155,21 +160,25 @@ def _axes(args: Any, v: Dict[str, Any], notes: Notes) -> Dict[str, bool]:
 
 def _derive(v: Dict[str, Any], on: List[Method], layers: Dict[str, int], args: Any) -> None:
     """Step 2's second half: the values a method derives, the selector values it sets."""
+    setters: Dict[str, Method] = {}
     for method in on:
         if method.derive is not None:
             v.update(method.derive(_params(method, v), layers))
         for selector, value in method.sets.items():
             if v[selector] not in ("none", value):  # "none": nobody asked for a residual scaling
                 source = f"{flag(selector)} {v[selector]}"
-                if _get(args, selector) in (None, "auto"):
+                if selector in setters:
+                    source += f" (set by {who(setters[selector], v)})"
+                elif _get(args, selector) in (None, "auto"):
                     source += f" (needed by --init-scheme {v['init_scheme']})"
                 raise method.error(f"{who(method, v)} sets {flag(selector)} {value} and {source} is another; drop one")
-            v[selector] = value
+            v[selector], setters[selector] = value, method
     for method in (m for m in METHODS.values() if m not in on):
         for selector, value in method.sets.items():
             if v[selector] == value:
-                enabler = " ".join(flag(name) for name, _value in method.switches)
-                raise method.error(f"{flag(selector)} {value} is set by {enabler}; use {enabler} instead")
+                enabler = " or ".join(flag(n) if on_ is True else f"{flag(n)} {on_}" for n, on_ in method.switches)
+                raise method.error(f"{flag(selector)} {value} is set by {enabler}; use {enabler.split(' or ')[0]} "
+                                   "instead")  # fmt: skip
 
 
 def _params(method: Method, v: Dict[str, Any]) -> Params:
@@ -208,7 +217,7 @@ def resolve(args: Any) -> ModelSpec:
     v: Dict[str, Any] = {}
     notes: Notes = []
     before = _axes(args, v, notes)
-    _method_options(args, v, [m for m in METHODS.values() if m.switches and not m.selector_owned])
+    _method_options(args, v, [m for m in METHODS.values() if m.switches and (not m.selector_owned or _own_switch(m))])
     on = [m for m in METHODS.values() if m.switches and _is_on(m, v)]
     _derive(v, on, {"encoder": _get(args, "encoder_layers") or 0, "decoder": _get(args, "decoder_layers")}, args)
     features = {m.name: _params(m, v) for m in on}

@@ -21,6 +21,7 @@ from . import (
     derf,
     dsinit,
     dyt,
+    hyper_connections,
     lipschitz,
     lnscale,
     matt,
@@ -59,6 +60,7 @@ METHODS: Dict[str, Method] = {
         dyt.METHOD,
         derf.METHOD,
         depth_mup.METHOD,
+        hyper_connections.METHOD,
     )
 }
 

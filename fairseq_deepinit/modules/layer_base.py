@@ -122,8 +122,8 @@ class DeepInitLayer:
         ``(output, fc2's output before dropout, raw)``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
         ``w_resid`` on the skip path. ``raw``: the stack's second stream, which the dropped-out branch output
         is added to (:mod:`.dual_stream`), None without one."""
-        skip = x
-        h = sublayer_input(self.placement, x, self.final_layer_norm, self.input_scale)
+        h, skip = self.residuals["ffn"].enter(x)  # (x, x), or the split of n streams (.hyper)
+        h = sublayer_input(self.placement, h, self.final_layer_norm, self.input_scale)
         h = self.activation_fn(self.fc1(h))
         h = self.activation_dropout_module(h)
         if self.ffn_layernorm is not None:

@@ -88,8 +88,8 @@ class DeepInitEncoderLayer(DeepInitLayer, TransformerEncoderLayerBase):
             attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
         layer_input = x
 
-        skip = x
-        h = sublayer_input(self.placement, x, self.self_attn_layer_norm, self.input_scale)
+        h, skip = self.residuals["self_attn"].enter(x)  # (x, x), or the split of n streams (.hyper)
+        h = sublayer_input(self.placement, h, self.self_attn_layer_norm, self.input_scale)
         h, _ = self.self_attn(
             query=h, key=h, value=h, key_padding_mask=encoder_padding_mask, need_weights=False, attn_mask=attn_mask
         )
@@ -172,8 +172,8 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
         layer_input = x
 
         # self-attention (fairseq lines 407-473)
-        skip = x
-        h = sublayer_input(self.placement, x, self.self_attn_layer_norm, self.input_scale)
+        h, skip = self.residuals["self_attn"].enter(x)  # (x, x), or the split of n streams (.hyper)
+        h = sublayer_input(self.placement, h, self.self_attn_layer_norm, self.input_scale)
         if prev_self_attn_state is not None:
             self.self_attn._set_input_buffer(incremental_state, _saved_state(prev_self_attn_state))
         kv, self_attn_mask, self_attn_padding_mask = self._self_attention_keys(
@@ -199,8 +199,8 @@ class DeepInitDecoderLayer(DeepInitLayer, TransformerDecoderLayerBase):
 
         # cross-attention (fairseq lines 475-503), skipped without an encoder output
         if self.encoder_attn is not None and encoder_out is not None:
-            skip = x
-            h = sublayer_input(self.placement, x, self.encoder_attn_layer_norm, self.input_scale)
+            h, skip = self.residuals["encoder_attn"].enter(x)  # (x, x), or the split of n streams (.hyper)
+            h = sublayer_input(self.placement, h, self.encoder_attn_layer_norm, self.input_scale)
             if prev_attn_state is not None:
                 self.encoder_attn._set_input_buffer(incremental_state, _saved_state(prev_attn_state))
             h, attn = self.encoder_attn(

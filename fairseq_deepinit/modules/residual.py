@@ -42,6 +42,11 @@ class Residual(nn.Module):
 
     reads_layer_input = False
 
+    def enter(self, x: torch.Tensor):
+        """``(branch input, skip)`` of the sub-layer whose input is ``x``: ``(x, x)`` here; a residual on several
+        streams (:mod:`.hyper`) reads the branch input out of them and hands its skip to :meth:`forward`."""
+        return x, x
+
     def scaled_skip(self, skip: torch.Tensor) -> torch.Tensor:
         """The skip term as it enters the sum (``skip`` scaled as this module does)."""
         return skip
