@@ -261,6 +261,7 @@ NUMERIC_MODULES = {
     "test_dyt_model",
     "test_export",
     "test_hooks",
+    "test_hyper_connections",
     "test_kernels",
     "test_lm",
     "test_lnscale",

@@ -51,6 +51,7 @@ UNDERSTOOD = frozenset(
         *("admin_formula", "admin_output_change", "admin_freeze_omega", "admin_profile_batches"),
         *("admin_profile_max_tokens", "admin_profile_path", "admin_profile_only", "matt_self_branch", "matt_share_v"),
         *("b2t_init_rescale", "resi_dual_scale", "resi_dual_alpha", "resi_dual_start", "resi_dual_final_eps"),
+        *("hyper_connections", "hc_streams", "hc_dynamic", "mhc_sinkhorn_iters", "mhc_gating_init", "mhc_eps"),
         *("scale_attn", "scale_fc", "scale_heads", "scale_resids", "subln", "layernorm_scaling", "mix_ln"),
         *("mixln_ratio", "mixln_post_layers", "norm_placement", "qk_norm", "qk_norm_scope", "qk_norm_type"),
         *("qk_norm_eps", "qk_norm_cross", "dyt_alpha_init", "dyt_bias", "dyt_embed_scale", "derf_alpha_init"),
@@ -59,7 +60,7 @@ UNDERSTOOD = frozenset(
     }
 )
 #: the values of the selectors the route knows (folded, exact or refused with a reason)
-KNOWN_RESIDUALS = ("none", "admin", "deepnorm", "rezero", "depth-mup", "b2t", "resi-dual")
+KNOWN_RESIDUALS = ("none", "admin", "deepnorm", "rezero", "depth-mup", "b2t", "resi-dual", "hyper-connections")
 KNOWN_NORMS = ("layernorm", "rmsnorm", "scalenorm", "none", "dyt", "derf")
 
 
@@ -92,6 +93,13 @@ _NEVER = (
         lambda a: (
             "--residual-scale b2t adds each layer's input before its last norm, a third residual path neither "
             "target has"
+        ),
+    ),
+    (
+        lambda a: a.residual_scale == "hyper-connections",
+        lambda a: (
+            f"--hyper-connections {a.hyper_connections} carries {a.hc_streams} residual streams per token, mixed by "
+            "learned weights around every sub-layer; neither target has more than one residual stream"
         ),
     ),
     (
