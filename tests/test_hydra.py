@@ -105,6 +105,12 @@ TRANSLATION_CASES = {
         ["--b2t-init-rescale", "none", "--norm-type", "rmsnorm", "--encoder-layers", "3"],
         {"b2t_init_rescale": "none", "norm_type": "rmsnorm", "encoder_layers": 3},
     ),
+    "hyper_connections": (
+        "preln_iwslt_de_en",
+        ["--hyper-connections", "mhc", "--hc-streams", "2", "--mhc-sinkhorn-iters", "10"],
+        {"hyper_connections": "mhc", "hc_streams": 2, "mhc_sinkhorn_iters": 10},
+    ),
+    "static_hc": ("hc_iwslt_de_en", ["--no-hc-dynamic"], {"hc_dynamic": False}),
 }
 
 
@@ -119,7 +125,7 @@ def test_yaml_model_is_the_cli_model(case):
     _same_model(cli_model, yaml_model, "deepinit")
 
 
-@pytest.mark.parametrize("arch", ["deepnorm_lm_tiny", "deepinit_lm_tiny"])
+@pytest.mark.parametrize("arch", ["deepnorm_lm_tiny", "deepinit_lm_tiny", "mhc_lm_tiny"])
 def test_yaml_language_model_is_the_cli_model(arch):
     from fairseq import options
     from fairseq.tasks.language_modeling import LanguageModelingTask

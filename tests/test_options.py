@@ -317,5 +317,7 @@ def test_option_table_is_every_model_option_with_type_default_and_choices():
             assert isinstance(row["default"], row["type"]), row
         if row["choices"] is not None and row["default"] is not None:
             assert row["default"] in row["choices"], row
-        selectors = ("init_scheme", "residual_scale", "decoder_layer_type", "norm_type")
+        # an axis selects the owning method, or a choice option of the method itself (--hyper-connections hc)
+        own = {r["name"] for r in table if r["method"] == row["method"] and r["choices"]}
+        selectors = ("init_scheme", "residual_scale", "decoder_layer_type", "norm_type", *own)
         assert row["help"] and (row["owner"] is None or row["owner"][0] in selectors), row

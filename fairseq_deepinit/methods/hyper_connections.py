@@ -11,7 +11,7 @@ residual add ``x + F(LN(x))`` (the ``hyper-connections`` value of ``--residual-s
 Released code: lucidrains/hyper-connections @ 47751035 ``hyper_connections/hyper_connections.py:59-61,86-93,
 215-372`` (HC; ``--no-hc-dynamic`` is the paper's static SHC); NVIDIA/Megatron-LM @ d98e8a64
 ``megatron/core/transformer/hyper_connection.py:54-146,182-285,370-418,497-535,600-642`` (mHC: Sinkhorn 20
-iterations, gating factor 0.01, the mean of the streams at the end). The blocks: :mod:`..modules.hyper`.
+iterations, gating factor 0.01, the mean of the streams at the end). The blocks: :mod:`fairseq_deepinit.modules.hyper`.
 
 Encoder-decoder (no source has it; docs/schemes.md gives the reasoning): every sub-layer is a connection,
 encoder 2 per layer, decoder 3 (self-attention, cross-attention, FFN); each stack expands to ``n`` streams
