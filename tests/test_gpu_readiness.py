@@ -41,6 +41,7 @@ from deepinit_tools.harness.fairseq_train import Shape
 gr.plugin()
 from fairseq_deepinit.architectures import FAMILIES  # noqa: E402
 from fairseq_deepinit.lm.architectures import LM_FAMILIES  # noqa: E402
+from fairseq_deepinit.modules.hyper import ManifoldHyperConnection  # noqa: E402
 
 SHAPE = Shape(2, 16, 32, 2)
 CASES = [pytest.param("mt", f, id=f"mt-{f}") for f in FAMILIES] + [
@@ -123,13 +124,14 @@ def test_diagnostics_criterion_reads_nothing_on_plain_updates_and_once_on_diagno
 @pytest.mark.parametrize(
     "kind,family,impl",
     [("mt", "postln", "fairseq"), ("lm", "postln", "fairseq"), ("mt", "admin", "fairseq"), ("mt", "preln", "sdpa"),
-     ("lm", "subln", "sdpa")],
+     ("lm", "subln", "sdpa"), ("mt", "mhc", "sdpa"), ("lm", "hc", "fairseq")],
 )  # fmt: skip
 def test_one_graph_without_breaks(kind, family, impl):
     """The plugin's training-mode forward compiles as one graph (fairseq's: a break per padding read);
     Admin's after an update of fairseq's training step (its residuals check their profiled flag). Under
     --attention-impl sdpa (the fast path) too: the decoder's causal self-attention is declared at build
-    time, not found by reading the mask (a break per decoder layer), and Sub-LN reaches the same module."""
+    time, not found by reading the mask (a break per decoder layer), and Sub-LN reaches the same module. mHC's
+    Sinkhorn with its recomputing backward and HC's mixing trace whole too."""
     fam = gr.Family(kind, family)
     b = gr.build(kind, fam.arch, SHAPE, "--attention-impl", impl, task=fam.task)
     sample = gr.batch(kind)
@@ -162,8 +164,12 @@ def test_attention_on_sdpa_causal_and_every_matmul_bf16_with_checkpointing(kind,
     assert self_calls and all(c.path == "sdpa" for c in self_calls), self_calls
     want = 0 if family.endswith("matt") else 2 * SHAPE.layers  # forward and recompute; MAtt averages
     assert len(decoder) == want and all(c.is_causal and not c.square_mask for c in decoder), decoder
-    off = rt.model_products_off(audit)  # less DyT/Derf's fp32 alpha reduction, as the benchmark's column
+    # less DyT/Derf's fp32 alpha reduction and mHC's fp32 mapping (exactly its designed products), as the column
+    off = rt.model_products_off(audit, b.model, checkpoint=True)
     assert audit.total() > 0 and not off, off
+    mappings = sum(isinstance(m, ManifoldHyperConnection) for m in b.model.modules())
+    if mappings:  # and without the model, those products show: 2 forward (and recompute), 2 backward each
+        assert sum(rt.model_products_off(audit).values()) == 4 * mappings
 
 
 @functools.cache

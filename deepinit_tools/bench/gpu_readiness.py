@@ -190,7 +190,7 @@ class Measure:
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
-        return sum(model_products_off(audit).values())
+        return sum(model_products_off(audit, b.model, checkpoint).values())  # less mHC's fp32 mapping
 
     def breaks(self, fam: Family) -> dict:
         """Graph breaks of the training-mode forward, by origin: ``--attention-impl fairseq`` and ``sdpa``."""

@@ -232,7 +232,7 @@ def smoke_one(a: Arch, precision: str, data: Path, opts) -> dict:
                     hypos = decode(a, task, run.model, sample, opts, manual_autocast=autocast and not a.bf16_task)
             decode_syncs = n["n"]
         finite = [x for x in losses if x is not None]
-        off = model_products_off(audit)  # DyT/Derf's alpha-gradient reduction runs in fp32 by design
+        off = model_products_off(audit, run.model)  # DyT/Derf's alpha gradient, mHC's mapping: fp32 by design
         problems = [
             *(["no update applied (every step overflowed)"] if not finite else []),
             *(["non-finite training loss"] if not all(math.isfinite(x) for x in finite) else []),

@@ -23,9 +23,27 @@ ADMIN_PROFILING_READS = 2
 NORM_REDUCTIONS = ("(_full_dot)",)
 
 
-def model_products_off(audit) -> dict:
-    """``audit.off`` (origin -> count of products not in the audited dtype) less the norms' own reductions."""
-    return {origin: n for origin, n in audit.off.items() if not any(r in origin for r in NORM_REDUCTIONS)}
+# mHC's mapping (fairseq_deepinit/modules/hyper.py, ManifoldHyperConnection.mappings) runs in fp32 by design, as
+# every release keeps it: per connection one product forward (once more in the recompute of
+# --checkpoint-activations) and two backward (its input's and its weight's gradients)
+MAPPING_ORIGIN = "(mappings)"
+MAPPING_MODULE = "ManifoldHyperConnection"
+
+
+def model_products_off(audit, model=None, checkpoint: bool = False) -> dict:
+    """``audit.off`` (origin -> count of products not in the audited dtype) less the norms' own reductions and,
+    given the audited ``model``, less its mHC mappings' fp32 products when they are exactly the designed ones."""
+    off = {origin: n for origin, n in audit.off.items() if not any(r in origin for r in NORM_REDUCTIONS)}
+    n = 0 if model is None else sum(type(m).__name__ == MAPPING_MODULE for m in model.modules())
+    forward = [o for o in off if MAPPING_ORIGIN in o]
+    backward = [o for o in off if o.endswith("(backward)")]
+    if not n or sum(off[o] for o in forward) != n * (2 if checkpoint else 1) or len(backward) != 1:
+        return off
+    if off[backward[0]] < 2 * n:
+        return off
+    out = {o: v for o, v in off.items() if o not in forward}
+    out[backward[0]] -= 2 * n
+    return {o: v for o, v in out.items() if v}
 
 
 # --- the table ------------------------------------------------------------------------------------

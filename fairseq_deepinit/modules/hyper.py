@@ -134,19 +134,27 @@ class HyperConnection(StreamResidual):
         return f"{super().extra_repr()}, dynamic={self.dynamic}, index={self.index}"
 
 
-def _sinkhorn_loop(logits: Tensor, iters: int, eps: float) -> Tensor:
+def _sinkhorn_loop(logits: Tensor, iters: int, eps: float, steps: list | None = None) -> Tensor:
     """``M = exp(H - rowmax)``, then ``iters`` row-then-column normalisations, denominators clamped at ``eps``
-    (Megatron ``SinkhornKnopp.forward``, ``hyper_connection.py:67-115``: the columns end exactly at 1)."""
+    (Megatron ``SinkhornKnopp.forward``, ``hyper_connection.py:67-115``: the columns end exactly at 1).
+    ``steps`` collects ``(output, sum, clamped sum, dim)`` of every normalisation (for the backward)."""
     m = torch.exp(logits - logits.amax(dim=-1, keepdim=True).detach())  # the row shift changes nothing
     for _ in range(iters):
-        m = m / m.sum(dim=-1, keepdim=True).clamp(min=eps)
-        m = m / m.sum(dim=-2, keepdim=True).clamp(min=eps)
+        for dim in (-1, -2):
+            total = m.sum(dim=dim, keepdim=True)
+            denominator = total.clamp(min=eps)
+            m = m / denominator
+            if steps is not None:
+                steps.append((m, total, denominator, dim))
     return m
 
 
 class _RecomputedSinkhorn(torch.autograd.Function):
     """Sinkhorn whose backward recomputes the iterations from the saved logits (``n^2`` values per token)
-    instead of keeping every iterate (``2 iters n^2``): Megatron's custom backward (``hyper_connection.py:117-146``)."""
+    instead of keeping every iterate (``2 iters n^2``), as Megatron's custom backward
+    (``hyper_connection.py:117-146``), then runs them backwards by hand: for ``y = x / max(sum x, eps)``,
+    ``dx = (dy - [sum x >= eps] sum(dy y)) / max(sum x, eps)``; for ``M = exp(H - c)``, ``dH = dM M``
+    (the row shift ``c`` changes nothing). Plain tensor operations, so ``torch.compile`` traces it whole."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -157,10 +165,14 @@ class _RecomputedSinkhorn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (logits,) = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(_sinkhorn_loop(leaf, ctx.iters, ctx.eps), leaf, grad)
-        return g, None, None
+        with torch.no_grad():
+            steps: list = []
+            _sinkhorn_loop(logits, ctx.iters, ctx.eps, steps)
+            for out, total, denominator, dim in reversed(steps):
+                inner = (grad * out).sum(dim=dim, keepdim=True) * (total >= ctx.eps).to(grad.dtype)
+                grad = (grad - inner) / denominator
+            grad = grad * torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        return grad, None, None
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float, recompute: bool = True) -> Tensor:
