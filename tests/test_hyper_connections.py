@@ -449,3 +449,35 @@ def test_dropout_in_training_mode_draws_one_mask_per_branch():
     # static init: both streams are x + beta F with one F: the two streams are equal
     torch.testing.assert_close(out[..., 0, :], out[..., 1, :], **TOL)
     assert F.mse_loss(out[..., 0, :], x[..., 0, :]) > 0
+
+
+# ---- diagnostics -----------------------------------------------------------------------------------------------
+
+
+def test_mhc_diagnostics_log_h_res_norm_and_drift_of_every_connection():
+    """The depth statistics (what the diagnostics criterion logs on its updates) keep, per connection, the largest
+    spectral norm and row/column-sum drift of H_res over all tokens: the port's ``h_res_diagnostics`` of the same
+    H_res; under mHC the stream statistics measure a token's n streams as one vector."""
+    from fairseq_deepinit.diagnostics.depth_hooks import DepthStatistics
+
+    model, _ = mt("mhc")
+    src, prev = tokens(3, 7, 0, pad_first_row=2), tokens(3, 5, 1)
+    net = {"src_tokens": src, "src_lengths": src.ne(PAD).sum(1), "prev_output_tokens": prev}
+    with torch.no_grad(), DepthStatistics(model, net) as depth:
+        model(**net)
+    values = depth.values()
+    assert not any(c.observers for c in model.modules() if isinstance(c, ManifoldHyperConnection))  # detached
+    subs = {"encoder": ("self_attn", "ffn"), "decoder": ("self_attn", "encoder_attn", "ffn")}
+    names = [f"{s}.layers.{i}.{sub}" for s in subs for i in range(L) for sub in subs[s]]
+    for kind in ("h_res_norm", "h_res_row_drift", "h_res_col_drift"):
+        assert {k.split("/", 1)[1] for k in values if k.startswith(f"diag_{kind}/")} == set(names)
+    connection = model.encoder.layers[0].residuals["self_attn"]
+    with torch.no_grad():
+        x = hc_port.expand(encoder_input(model.encoder, src), 4)
+        want = mhc_port.h_res_diagnostics(connection.mappings(x)[2])
+    name = "encoder.layers.0.self_attn"
+    assert values[f"diag_h_res_norm/{name}"] == pytest.approx(float(want["spectral_norm_max"]), abs=1e-12)
+    assert values[f"diag_h_res_row_drift/{name}"] == pytest.approx(float(want["row_sum_drift"]), abs=1e-12)
+    assert values[f"diag_h_res_col_drift/{name}"] == pytest.approx(float(want["col_sum_drift"]), abs=1e-12)
+    assert values[f"diag_h_res_col_drift/{name}"] < 1e-12 < values[f"diag_h_res_row_drift/{name}"]
+    assert values["diag_stream_norm/encoder.layers.0"] > 0

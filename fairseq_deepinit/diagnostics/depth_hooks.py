@@ -1,6 +1,6 @@
 """Statistics over depth collected from a model's forward pass by observing hooks (:mod:`.depth_stats` has
 the formulas): the residual stream after every layer, the angular distance each layer moves it, the
-maximum attention logit of every attention module.
+maximum attention logit of every attention module, and mHC's ``H_res`` of every connection.
 
 Hooks only observe; none changes an output:
 
@@ -12,7 +12,11 @@ Hooks only observe; none changes an output:
   fairseq's fused path (``F.multi_head_attention_forward``) nor ``F.scaled_dot_product_attention`` exposes
   the scores, and recomputing them costs one extra ``q``/``k`` projection and one score product per head,
   on the updates that measure only. An attention class that forms ``q`` or ``k`` differently (QK-Norm)
-  provides ``project_qk(query, key) -> (q * scaling, k)`` itself, and the hook uses that.
+  provides ``project_qk(query, key) -> (q * scaling, k)`` itself, and the hook uses that;
+- an observer on every mHC connection (:class:`~fairseq_deepinit.modules.hyper.ManifoldHyperConnection`, with
+  the stream statistics) sees its ``H_res`` and keeps the largest spectral norm and row/column-sum drift
+  over all tokens (``diag_h_res_norm|row_drift|col_drift/<stack>.layers.<l>.<sub-layer>``);
+- under hyper-connections a layer's ``(T, B, n, C)`` streams are measured as one ``n C`` vector per token.
 
 Which positions are real comes from the batch (``src_tokens`` for the encoder, ``prev_output_tokens`` for
 the decoder, ``src_tokens`` for a decoder-only model), not from the masks the layers get: the plugin's
@@ -35,14 +39,17 @@ import torch.nn as nn
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
+from ..modules.hyper import ManifoldHyperConnection
 from . import depth_stats
 from .hooks import clean_name
 
 STATS = ("stream", "angle", "logit")
 # kinds of logging-output keys ("<kind>|<name>") this module turns into metrics (:func:`metrics`);
 # "stream"/"angle" moments sum over logging outputs, "stream_max"/"logit"/"logit_all" are maxima
-KINDS = ("stream", "stream_max", "angle", "logit", "logit_all", "scalar")
-MAX_KINDS = ("stream_max", "logit", "logit_all")
+# mHC's H_res per connection (with "stream"): the largest spectral norm, row-sum and column-sum drift from 1
+H_RES_KINDS = ("h_res_norm", "h_res_row_drift", "h_res_col_drift")
+KINDS = ("stream", "stream_max", "angle", "logit", "logit_all", "scalar", *H_RES_KINDS)
+MAX_KINDS = ("stream_max", "logit", "logit_all", *H_RES_KINDS)
 
 
 def stack_inputs(model: nn.Module, net_input: Mapping) -> List[Tuple[str, nn.ModuleList, Tensor]]:
@@ -65,6 +72,11 @@ def _all_layers(layers: nn.ModuleList):
     """``(index, layer)`` of every layer: fairseq's ``LayerDropModuleList`` leaves layers out of its iteration in
     training, and the hooks go on all of them."""
     return [(i, layers[i]) for i in range(len(layers))]
+
+
+def mhc_connections(layer: nn.Module) -> List[Tuple[str, ManifoldHyperConnection]]:
+    """``(sub-layer, connection)`` of every mHC connection of a layer (``self_attn``, ``encoder_attn``, ``ffn``)."""
+    return [(name.rsplit(".", 1)[-1], m) for name, m in layer.named_modules() if isinstance(m, ManifoldHyperConnection)]
 
 
 def attention_modules(layer: nn.Module) -> List[Tuple[str, MultiheadAttention]]:
@@ -121,6 +133,7 @@ class DepthStatistics:
         self._sums: Dict[str, Tensor] = OrderedDict()
         self._max: Dict[str, Tensor] = OrderedDict()
         self._handles: list = []
+        self._observed: list = []  # (mHC connection, its observer)
         # every key a full forward pass gives, in model order: a layer that did not run (LayerDrop) still
         # has its entry, so that every rank holds the same keys in the same order (fairseq all-reduces
         # logging outputs as one flat buffer; :func:`all_reduce_max` stacks the maxima)
@@ -134,6 +147,9 @@ class DepthStatistics:
                     self._expected_max[f"stream_max|{name}"] = real.device
                 if self.angle:
                     self._expected_sums[f"angle|{stack}.layers.{i}"] = real.device
+                for sub, _ in mhc_connections(layer) if self.stream else []:
+                    for kind in H_RES_KINDS:
+                        self._expected_max[f"{kind}|{stack}.layers.{i}.{sub}"] = real.device
                 for attn_name, _ in attention_modules(layer) if self.logit else []:
                     self._expected_max[f"logit|{stack}.layers.{i}.{attn_name}"] = real.device
                     self._expected_max["logit_all|"] = real.device
@@ -148,6 +164,9 @@ class DepthStatistics:
                 if self.stream or self.angle:
                     hook = self._layer_hook(f"{stack}.layers.{i}", f"{stack}.input" if i == 0 else None, real)
                     self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+                for sub, connection in mhc_connections(layer) if self.stream else []:
+                    self._observed.append((connection, self._h_res_observer(f"{stack}.layers.{i}.{sub}")))
+                    connection.observers.append(self._observed[-1][1])
                 if self.logit:
                     for name, attn in attention_modules(layer):
                         hook = self._attention_hook(f"{stack}.layers.{i}.{name}", real)
@@ -157,7 +176,9 @@ class DepthStatistics:
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles = []
+        for connection, observe in self._observed:
+            connection.observers.remove(observe)
+        self._handles, self._observed = [], []
 
     def __enter__(self) -> DepthStatistics:
         return self.attach()
@@ -172,6 +193,8 @@ class DepthStatistics:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
             x = args[0] if args else kwargs["x"]
             out = output[0] if isinstance(output, tuple) else output
+            if out.dim() == 4:  # hyper-connections' (T, B, n, C) streams: a token's n streams as one vector
+                x, out = x.flatten(2), out.flatten(2)
             if out.shape[:2] != real.shape:  # not this batch's stream (a caller's own call): not ours to measure
                 return
             with torch.no_grad():
@@ -185,6 +208,14 @@ class DepthStatistics:
                     self._add(f"angle|{name}", depth_stats.angle_moments(x, out, real))
 
         return hook
+
+    def _h_res_observer(self, name: str):
+        def observe(h_res: Tensor) -> None:
+            with torch.no_grad():
+                for kind, value in zip(H_RES_KINDS, depth_stats.h_res_maxima(h_res), strict=True):
+                    _merge_max(self._max, f"{kind}|{name}", value)
+
+        return observe
 
     def _attention_hook(self, name: str, real: Tensor):
         def hook(module: MultiheadAttention, args: tuple, kwargs: dict) -> None:
@@ -297,6 +328,8 @@ def metrics(kind: str, rest: str, total: Tensor) -> List[Tuple[str, float]]:
         return [("diag_max_logit/all", depth_stats.megatron_log_max([float(total.reshape(-1)[0])]))]
     if kind == "scalar":
         return [(rest, float(total.reshape(-1)[0]))]
+    if kind in H_RES_KINDS:
+        return [(f"diag_{kind}/{rest}", float(total.reshape(-1)[0]))]
     raise ValueError(f"not a depth statistic: {kind}")
 
 

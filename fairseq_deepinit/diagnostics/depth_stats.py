@@ -85,6 +85,14 @@ def stream_max_abs(h: Tensor, real: Tensor) -> Tensor:
     return h.detach().abs().masked_fill(~real.unsqueeze(-1), 0).amax().to(torch.float64)
 
 
+def h_res_maxima(h_res: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """mHC's ``H_res`` ``(..., n, n)`` over all tokens: the largest spectral norm (1 for a doubly stochastic
+    matrix) and the largest row-sum and column-sum drift from 1 (Sinkhorn's non-final axis drifts; float64)."""
+    h = h_res.detach().to(torch.float64)
+    spectral = torch.linalg.matrix_norm(h, ord=2).amax()
+    return spectral, (h.sum(-1) - 1).abs().amax(), (h.sum(-2) - 1).abs().amax()
+
+
 def stream_statistics(moments: Tensor) -> dict[str, float]:
     """``{"norm": mean per-token l2 norm, "var": mean per-sentence variance}`` from summed :func:`stream_moments`."""
     tokens, norm_sum, sentences, var_sum = (float(v) for v in moments)

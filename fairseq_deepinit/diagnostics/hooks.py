@@ -106,7 +106,7 @@ class ResidualStatistics(_ForwardHookStatistics):
             branch, skip = inputs[0], inputs[1]
             with torch.no_grad():
                 b = branch.detach().double()
-                s = module.scaled_skip(skip.detach()).double()
+                s = module.scaled_skip(skip).detach().double()  # a stream residual's skip is a tuple
                 # the count is filled on the device: a host tensor would be copied in on every call
                 row = torch.stack(
                     [torch.full((), float(b.numel()), dtype=torch.float64, device=b.device),

@@ -204,6 +204,7 @@ class ManifoldHyperConnection(StreamResidual):
         self.alpha_post = nn.Parameter(torch.full((1,), float(gating_init)))
         self.alpha_res = nn.Parameter(torch.full((1,), float(gating_init)))
         self.bias = nn.Parameter(torch.zeros(n * n + 2 * n))
+        self.observers: list = []  # fn(H_res) on each call: the diagnostics' (``diagnostics/depth_hooks.py``)
 
     def mappings(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """``(H_pre (..., n), H_post (..., n), H_res (..., n, n))`` from ``x`` ``(..., n, d)``, in at least float32."""
@@ -221,6 +222,8 @@ class ManifoldHyperConnection(StreamResidual):
 
     def enter(self, x: Tensor) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         h_pre, h_post, h_res = self.mappings(x)
+        for observe in self.observers:
+            observe(h_res)
         branch_in = (h_pre.to(x.dtype).unsqueeze(-1) * x).sum(-2)  # aggregate: sum_i H_pre_i x_i
         return branch_in, (torch.matmul(h_res.to(x.dtype), x), h_post.to(x.dtype))
 
