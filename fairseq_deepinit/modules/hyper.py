@@ -117,12 +117,19 @@ class HyperConnection(StreamResidual):
         self.static_alpha[:, 1:] = torch.eye(self.n)
 
     def mixing(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """``(alpha, beta)``: ``(..., n, 1 + n)`` and ``(..., n)`` per token (static: ``(n, 1 + n)``, ``(n,)``)."""
+        """``(alpha, beta)``: ``(..., n, 1 + n)`` and ``(..., n)`` per token (static: ``(n, 1 + n)``, ``(n,)``).
+
+        ``RMSNorm(x) W = (x (g + 1) W) sqrt(d) / max(||x||, 1e-12)`` (``F.normalize``'s eps): the gain goes
+        into the weights and both projections into one product, so that autograd keeps no normalised copy
+        of the ``n d`` streams (only ``x``, which the mixing keeps anyway)."""
         if not self.dynamic:
             return self.static_alpha, self.static_beta
-        hbar = F.normalize(x, dim=-1) * math.sqrt(self.dim) * (self.norm_gamma + 1)
-        alpha = self.static_alpha + torch.tanh(hbar @ self.dynamic_alpha_fn) * self.dynamic_alpha_scale
-        beta = self.static_beta + torch.tanh(hbar @ self.dynamic_beta_fn) * self.dynamic_beta_scale
+        n = self.n
+        weight = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn.unsqueeze(-1)], dim=-1)
+        scale = math.sqrt(self.dim) / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        proj = torch.tanh((x @ (weight * (self.norm_gamma + 1).unsqueeze(-1))) * scale)
+        alpha = torch.addcmul(self.static_alpha, proj[..., : n + 1], self.dynamic_alpha_scale)
+        beta = torch.addcmul(self.static_beta, proj[..., n + 1], self.dynamic_beta_scale)
         return alpha, beta
 
     def enter(self, x: Tensor) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
