@@ -134,8 +134,11 @@ class HyperConnection(StreamResidual):
 
     def enter(self, x: Tensor) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
         alpha, beta = self.mixing(x)
-        mix = torch.einsum("...su,...sd->...ud", alpha.to(x.dtype), x)  # mix_u = sum_s alpha[s, u] x_s
-        return mix[..., 0, :], (mix[..., 1:, :], beta.to(x.dtype))
+        alpha = alpha.to(x.dtype)
+        # two products, not one sliced: the branch's pre-norm keeps its input, and a slice would keep all n + 1
+        branch_in = torch.einsum("...s,...sd->...d", alpha[..., 0], x)  # sum_s alpha[s, 0] x_s
+        streams = torch.einsum("...st,...sd->...td", alpha[..., 1:], x)  # stream t: sum_s alpha[s, 1 + t] x_s
+        return branch_in, (streams, beta.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, dynamic={self.dynamic}, index={self.index}"
