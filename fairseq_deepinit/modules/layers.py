@@ -11,8 +11,9 @@ projections). Nothing here knows a method by name.
 The forwards replace fairseq's (``fairseq/modules/transformer_layer.py:163-227`` encoder,
 ``384-529`` decoder) with the same computation written out per sub-layer (:mod:`.sublayer`)::
 
-    h = branch(sublayer_input(placement, x, norm)); h = dropout(branch_output(placement, h, norm, out_norm))
-    x = sublayer_output(placement, h, x, norm, residuals[<sub-layer>], layer_input)
+    h, skip = residuals[<sub-layer>].enter(x)       # (x, x); hyper-connections: a mix of the streams, the rest
+    h = branch(sublayer_input(placement, h, norm)); h = dropout(branch_output(placement, h, norm, out_norm))
+    x = sublayer_output(placement, h, skip, norm, residuals[<sub-layer>], layer_input)
 
 so that the residual module of each sub-layer is called by name (fairseq calls one
 ``residual_connection`` per sum), the placement is a value per layer (``layer.placement``: ``"post"``,

@@ -2,7 +2,8 @@
 
 Every sub-layer of every layer (self-attention, cross-attention, FFN, MAtt's merged attention) is::
 
-    h   = branch(sublayer_input(placement, x, norm))      # the sub-layer's computation f
+    x_in, skip = residual.enter(x)                        # (x, x); on n streams (.hyper): their mix, the rest
+    h   = branch(sublayer_input(placement, x_in, norm))   # the sub-layer's computation f
     h   = dropout(h)
     out = sublayer_output(placement, h, skip, norm, residual, layer_input)
 
