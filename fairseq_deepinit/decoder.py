@@ -26,7 +26,7 @@ from .modules.fixnorm import FixNormOutputProjection
 from .modules.hyper import Streams
 from .modules.masks import future_mask
 from .modules.stacks import decoder_kind
-from .stack_build import keep_version, replace_stack_norms, wrap_layer
+from .stack_build import begin_streams, end_streams, hidden, keep_version, replace_stack_norms, wrap_layer
 
 
 class DeepInitDecoder(TransformerDecoderBase):
@@ -168,9 +168,7 @@ class DeepInitDecoder(TransformerDecoderBase):
         # decoder layers
         attn: Tensor | None = None
         inner_states: List[Tensor | None] = [x]
-        raw = None if self.dual_stream is None else self.dual_stream.begin(x)
-        if self.streams is not None:
-            x = self.streams.expand(x)
+        x, raw = begin_streams(self, x)
         for idx, layer in enumerate(self.layers):
             if incremental_state is None and not full_context_alignment:
                 self_attn_mask = self.buffered_future_mask(x)
@@ -182,7 +180,7 @@ class DeepInitDecoder(TransformerDecoderBase):
                 x, layer_attn, _, raw = layer(x, enc, padding_mask, incremental_state, **masks, **heads, raw=raw)
             else:
                 x, layer_attn, _ = layer(x, enc, padding_mask, incremental_state, **masks, **heads)
-            inner_states.append(x if self.streams is None else self.streams.contract(x))
+            inner_states.append(hidden(self, x))
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)
 
@@ -191,12 +189,7 @@ class DeepInitDecoder(TransformerDecoderBase):
                 attn = attn[:alignment_heads]
             # average probabilities over heads
             attn = attn.mean(dim=0)
-        if self.streams is not None:
-            x = self.streams.contract(x)
-        if raw is not None:
-            x = self.dual_stream.close(x, raw, self.layer_norm)
-        elif self.layer_norm is not None:
-            x = self.layer_norm(x)
+        x = end_streams(self, x, raw)
         x = x.transpose(0, 1)  # T x B x C -> B x T x C
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)

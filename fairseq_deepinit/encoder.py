@@ -24,7 +24,7 @@ from .modules.dual_stream import DualStream
 from .modules.hyper import Streams
 from .modules.layers import DeepInitEncoderLayer
 from .modules.stacks import ENCODER
-from .stack_build import keep_version, replace_stack_norms, wrap_layer
+from .stack_build import begin_streams, end_streams, hidden, keep_version, replace_stack_norms, wrap_layer
 
 
 class DeepInitEncoder(TransformerEncoderBase):
@@ -74,9 +74,7 @@ class DeepInitEncoder(TransformerEncoderBase):
         fc_results: List[Tensor | None] = []
         if return_all_hiddens:
             encoder_states.append(x)
-        raw = None if self.dual_stream is None else self.dual_stream.begin(x)
-        if self.streams is not None:
-            x = self.streams.expand(x)
+        x, raw = begin_streams(self, x)
         for layer in self.layers:
             if raw is not None:
                 x, raw, fc_result = layer(x, encoder_padding_mask=encoder_padding_mask, raw=raw)
@@ -87,14 +85,9 @@ class DeepInitEncoder(TransformerEncoderBase):
                 else:
                     x, fc_result = lr, None
             if return_all_hiddens:
-                encoder_states.append(x if self.streams is None else self.streams.contract(x))
+                encoder_states.append(hidden(self, x))
                 fc_results.append(fc_result)
-        if self.streams is not None:
-            x = self.streams.contract(x)
-        if raw is not None:
-            x = self.dual_stream.close(x, raw, self.layer_norm)
-        elif self.layer_norm is not None:
-            x = self.layer_norm(x)
+        x = end_streams(self, x, raw)
 
         src_lengths = src_tokens.ne(self.padding_idx).sum(dim=1, dtype=torch.int32).reshape(-1, 1).contiguous()
         return {

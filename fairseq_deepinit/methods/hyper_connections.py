@@ -27,12 +27,10 @@ model).
 
 from __future__ import annotations
 
-import math
-
 import torch.nn as nn
 
 from ..modules.hyper import HyperConnection, ManifoldHyperConnection, StreamResidual, Streams
-from .record import FLAG, TAG, Method, Option, ResidualScaling, Rule, a_norm, pre_ln, standard_layer
+from .record import FLAG, TAG, Method, Option, ResidualScaling, Rule, a_norm, positive, pre_ln, standard_layer
 
 NAME = "hyper-connections"  # the --residual-scale value the flag sets
 KINDS = ("none", "hc", "mhc")
@@ -43,15 +41,6 @@ HC_ONLY = ("hc_dynamic",)
 def _at_least_one(name: str):
     def check(value) -> str | None:
         return None if isinstance(value, int) and value >= 1 else f"--{name} must be an integer >= 1, got {value}"
-
-    return check
-
-
-def _positive(name: str):
-    def check(value) -> str | None:
-        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
-            return None
-        return f"--{name} must be a finite number greater than 0, got {value}"
 
     return check
 
@@ -155,7 +144,7 @@ METHOD = Method(
             "mhc: initial value of the three gating factors alpha_pre/post/res (default 0.01, Megatron-LM's "
             "mhc_init_gating_factor)",
             metavar="A",
-            check=_positive("mhc-gating-init"),
+            check=positive("mhc-gating-init"),
         ),
         Option(
             "mhc_eps",
@@ -163,7 +152,7 @@ METHOD = Method(
             1e-6,
             "mhc: the mapping norm's eps and Sinkhorn's denominator clamp (default 1e-6, as Megatron-LM)",
             metavar="EPS",
-            check=_positive("mhc-eps"),
+            check=positive("mhc-eps"),
         ),
     ),
     residual_scalings=(

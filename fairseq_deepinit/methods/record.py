@@ -18,6 +18,7 @@ flags (:func:`fairseq_deepinit.checks.check_rules`); ``validate`` is left for wh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Tuple
 
@@ -114,6 +115,17 @@ class Rule:
     values: Tuple[Any, ...] = ()
     why: str = ""
     when: Tuple[str, ...] = ()
+
+
+def positive(name: str) -> Callable[[Any], str | None]:
+    """An :class:`Option` ``check``: a finite number greater than 0 (``name``: the option's name)."""
+
+    def check(value) -> str | None:
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            return None
+        return f"{flag(name)} must be a finite number greater than 0, got {value}"
+
+    return check
 
 
 def pre_ln(why: str = "") -> Rule:

@@ -35,22 +35,13 @@ import torch.nn as nn
 from ..modules.dual_stream import STARTS, DualStream
 from ..modules.norms import build_norm
 from ..modules.residual import Residual
-from .record import Method, Option, ResidualScaling, a_norm, post_ln, standard_layer
+from .record import Method, Option, ResidualScaling, a_norm, positive, post_ln, standard_layer
 
 NAME = "resi-dual"
 FINAL_NORM_EPS = 1e-7  # resi_dual/resi_dual.py:24, 157
 OPUS_SCALE = 0.05  # hydra_config/opus.yaml:25-26 (18+18 layers, fp16)
 # norms with norm(s * d) = norm(d) up to their eps, which the scale relies on (a point-wise DyT is not one)
 SCALE_INVARIANT_NORMS = ("layernorm", "rmsnorm", "scalenorm")
-
-
-def _positive(name: str):
-    def check(value) -> str | None:
-        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
-            return None
-        return f"--{name} must be a finite number greater than 0, got {value}"
-
-    return check
 
 
 def _finite(value) -> str | None:
@@ -113,7 +104,7 @@ METHOD = Method(
             f"default 1.0; {OPUS_SCALE} for deep fp16 stacks as the released opus.yaml: the function is the same "
             "apart from the final norm's eps, the stream's range s times smaller)",
             metavar="S",
-            check=_positive("resi-dual-scale"),
+            check=positive("resi-dual-scale"),
         ),
         Option(
             "resi_dual_alpha",
@@ -139,7 +130,7 @@ METHOD = Method(
             "resi-dual: epsilon of the second stream's final norm (default 1e-7, as released; the layers' norms "
             "keep --norm-eps)",
             metavar="EPS",
-            check=_positive("resi-dual-final-eps"),
+            check=positive("resi-dual-final-eps"),
         ),
     ),
     residual_scalings=(
