@@ -21,6 +21,7 @@ from . import (
     derf,
     dsinit,
     dyt,
+    gated_attention,
     lipschitz,
     lnscale,
     matt,
@@ -30,9 +31,11 @@ from . import (
     qk_norm,
     resi_dual,
     rezero,
+    sinks,
     subln,
     tfixup,
     twt,
+    value_residual,
 )
 from .record import InitScheme, LayerType, Method, Option, ResidualScaling
 
@@ -56,6 +59,9 @@ METHODS: Dict[str, Method] = {
         mixln.METHOD,
         placement.METHOD,
         qk_norm.METHOD,
+        gated_attention.METHOD,
+        sinks.METHOD,
+        value_residual.METHOD,
         dyt.METHOD,
         derf.METHOD,
         depth_mup.METHOD,
