@@ -55,6 +55,7 @@ OPTIONS = (
     ),
 )
 
+
 def validate_gated_attention(p, spec, args) -> None:
     if not p.gated_attention_cross and not spec.decoder.kind.encoder_decoder:
         raise DeepInitConfigError(

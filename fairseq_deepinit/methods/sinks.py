@@ -31,8 +31,7 @@ OPTIONS = (
         "attention_sinks",
         bool,
         False,
-        "learned attention sinks: one learned logit per head in every softmax denominator (gpt-oss; "
-        "docs/schemes.md)",
+        "learned attention sinks: one learned logit per head in every softmax denominator (gpt-oss; docs/schemes.md)",
     ),
     Option(
         "attention_sinks_cross",
@@ -77,7 +76,7 @@ METHOD = Method(
     "x_transformers/attend.py:292-298,592-628",
     enabled_by="attention_sinks",
     options=OPTIONS,
-    requires=(standard_layer("puts a sink in each attention of the standard layer (MAtt's merged sub-layer has none)"),),
+    requires=(standard_layer("puts a sink in each attention of the standard layer (MAtt's merged one has none)"),),
     excludes=own_attention_forward("a sink"),
     validate=validate_sinks,
     describe=describe_sinks,

@@ -21,15 +21,15 @@ input, ``(T, B, C)``):
   (x-transformers ``x_transformers.py:2079-2085, 2296-2302``: ``v1.lerp(v, mix)``).
 
 The core (:meth:`FeatureAttention._attend`) is fairseq's explicit path under ``--attention-impl fairseq``
-(``fairseq/modules/multihead_attention.py:602-773``: ``q * scaling``, scores, ``attn_mask`` added, key
-padding ``-inf``, ``utils.softmax`` in float32, dropout, weighted sum; the sink column appended after the
-masks and dropped before dropout) and ``F.scaled_dot_product_attention`` under ``sdpa``. The sink
-through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink
-key ``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``; a boolean or float mask
-gets a kept column for it; a causal call keeps ``is_causal`` (no mask tensor) by prepending one query
-too, which only sees the sink key under the kernel's upper-left alignment and is dropped (each real
-query then sees the sink and its own prefix). Calls that return attention weights (fairseq's
-alignment) take the explicit core on either path.
+(``fairseq/modules/multihead_attention.py:602-773``: ``q * scaling``, scores, ``attn_mask`` added, key padding
+``-inf``, the softmax in float32 as ``utils.softmax`` (float64 kept), dropout, weighted sum; the sink column
+appended after the masks and dropped before dropout) and ``F.scaled_dot_product_attention`` under ``sdpa``.
+The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink
+key ``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``; a boolean or float mask gets
+a kept column for it; a causal call keeps ``is_causal`` (no mask tensor) by prepending one query too, which
+only sees the sink key under the kernel's upper-left alignment and is dropped (each real query then sees the
+sink and its own prefix). Calls that return attention weights (fairseq's alignment) take the explicit core on
+either path.
 
 A layer's attention becomes a :class:`FeatureAttention` by :func:`feature_attention` (same object,
 same parameters, buffers and hooks; the parts added as submodules after fairseq's, so the stock
@@ -45,7 +45,6 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fairseq import utils
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
@@ -136,7 +135,7 @@ class FeatureAttention(SDPAMultiheadAttention):
         if before_softmax:
             raise NotImplementedError("before_softmax with a gated / sink / value-residual attention")
         if self.encoder_decoder_attention and not static_kv:
-            raise NotImplementedError("an encoder-decoder attention with gates, sinks or value residual needs static_kv")
+            raise NotImplementedError("an encoder-decoder attention with gates or sinks needs static_kv")
         return self._sdpa_forward(
             query, key, key_padding_mask, incremental_state, static_kv, attn_mask, need_weights, need_head_weights
         )
@@ -171,7 +170,7 @@ class FeatureAttention(SDPAMultiheadAttention):
         if self.sinks is not None:
             col = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
             logits = torch.cat([logits, col], dim=-1)
-        probs_float = utils.softmax(logits, dim=-1)
+        probs_float = torch.softmax(_fp32_or_wider(logits), dim=-1)  # fairseq's utils.softmax, float64 kept
         if self.sinks is not None:
             probs_float = probs_float[..., :-1]
         probs = self.dropout_module(probs_float.type_as(logits))
@@ -201,7 +200,7 @@ class FeatureAttention(SDPAMultiheadAttention):
         if is_causal:  # one dropped query in front: with it, upper-left causal is the sink plus the own prefix
             q2 = torch.cat([q2.new_zeros(bsz, heads, 1, dh + 1), q2], dim=2)
         if mask is not None:
-            keep = torch.ones(1, dtype=torch.bool, device=mask.device) if mask.dtype == torch.bool else mask.new_zeros(1)
+            keep = mask.new_ones(1) if mask.dtype == torch.bool else mask.new_zeros(1)  # the sink's column: kept
             mask = torch.cat([keep.expand(*mask.shape[:-1], 1), mask], dim=-1)
         out = F.scaled_dot_product_attention(
             q2, k2, v2, attn_mask=mask, dropout_p=self._dropout_p(), is_causal=is_causal, scale=self.scaling
