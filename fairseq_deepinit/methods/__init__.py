@@ -14,6 +14,7 @@ from typing import Dict
 
 from . import (
     admin,
+    attention_sinks,
     b2t,
     baseline,
     deepnorm,
@@ -31,7 +32,6 @@ from . import (
     qk_norm,
     resi_dual,
     rezero,
-    sinks,
     subln,
     tfixup,
     twt,
@@ -60,7 +60,7 @@ METHODS: Dict[str, Method] = {
         placement.METHOD,
         qk_norm.METHOD,
         gated_attention.METHOD,
-        sinks.METHOD,
+        attention_sinks.METHOD,
         value_residual.METHOD,
         dyt.METHOD,
         derf.METHOD,
