@@ -108,8 +108,7 @@ def test_attention_equals_the_port(family, cli, kind, impl):
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_sinks_sdpa_form_equals_the_explicit_path_and_trains_the_sink(impl):
+def test_sinks_sdpa_form_equals_the_explicit_path_and_trains_the_sink():
     """The fused form (one more head dimension, a dropped leading query under ``is_causal``) and fairseq's
     explicit path give the same outputs and the same gradient to every sink, in float64."""
     m, _ = model("sinks", "--attention-impl", "sdpa")
