@@ -223,6 +223,28 @@ def test_beam_search_scores_equal_a_full_forward(family, impl):
     assert worst < U32 * (4 * biggest + math.log(vocab) + 8), (worst, biggest)
 
 
+ALL_THREE = ("--gated-attention", "--attention-sinks", "--value-residual")
+COMPOSED = ["postln_iwslt_de_en", "deepnorm_iwslt_de_en", "admin_closed_iwslt_de_en", "dsinit_iwslt_de_en",
+            "qknorm_iwslt_de_en", "subln_iwslt_de_en", "periln_iwslt_de_en", "dyt_iwslt_de_en"]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", COMPOSED, ids=[a.split("_iwslt")[0] for a in COMPOSED])
+def test_the_three_compose_with_the_other_axes_and_decode_as_the_full_forward(arch):
+    """The gate, the sink and the value mix together on another family's model (every axis but the attention's
+    own), on the SDPA path: built, trained one backward, and beam search equal to the full forward."""
+    m, _ = build_model(arch, *TINY_DIMS, *HEADS, *NO_DROPOUT, *ALL_THREE, "--attention-impl", "sdpa")
+    attn = m.decoder.layers[1].self_attn
+    assert attn.gate is not None and attn.sinks is not None and attn.value_mix is not None
+    from conftest import tiny_batch
+
+    m(**tiny_batch())[0].sum().backward()
+    assert attn.sinks.grad is not None and attn.gate.proj.weight.grad is not None
+    m = m.double().eval()
+    worst, biggest = _beam_hypotheses_scored_by_a_full_forward(m)
+    vocab = m.decoder.output_projection.out_features
+    assert worst < U32 * (4 * biggest + math.log(vocab) + 8), (worst, biggest)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_language_model_decodes_incrementally(family, impl):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import DeepInitConfigError
 from ..modules.attention_features import FirstValues, ValueMix, feature_attention
 from .record import FLAG, Method, Option, Rule, own_attention_forward, standard_layer
 
@@ -61,8 +62,6 @@ OPTIONS = (
 
 def validate_value_residual(p, spec, args) -> None:
     if p.value_residual_learned and p.value_residual_lambda != DEFAULT_LAMBDA:
-        from ..errors import DeepInitConfigError
-
         raise DeepInitConfigError(
             "--value-residual-lambda sets the fixed mix and --value-residual-learned learns it; drop one of them"
         )
