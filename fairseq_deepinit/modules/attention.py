@@ -36,6 +36,10 @@ skips fairseq's query-width assertion here as in fairseq's own forward: the fuse
 buffer, so state dicts (checkpoints) are identical and interchangeable between
 ``--attention-impl fairseq`` and ``sdpa``.
 
+The forward is three steps a subclass may change one by one: ``_values`` (the self-attention's projected
+values, before the head split and the cache), ``_attend`` (the per-head core on ``(B, H, T, d)``) and
+``_output`` (the heads before ``out_proj``); :mod:`.attention_features` changes all three.
+
 Numerics: with attention dropout 0 the two paths agree to float round-off (the tests check fp32
 outputs and gradients to 1e-5). Attention dropout (``--attention-dropout``) is the kernel's
 ``dropout_p``: same distribution as fairseq's, different random draws.
