@@ -344,11 +344,27 @@ TRAIN = [
 @pytest.mark.parametrize("family,says", [("gatedattn", "gated-attention=headwise"), ("sinks", "attention-sinks"),
                                          ("valueres", "value-residual=0.5")])  # fmt: skip
 def test_fairseq_train_translation_and_language_model(family, says, synthetic_bin, tmp_path):
-    """fairseq-train, 3 updates each: the translation family on the SDPA path and the LM family on fairseq's."""
+    """fairseq-train, 3 updates each: the translation family on the SDPA path (then fairseq-generate from its
+    checkpoint, and the checkpoint loaded strictly into a freshly built model) and the LM family on fairseq's."""
+    from fairseq import checkpoint_utils
+
+    from conftest import tiny_batch
+
     log = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
                   "--arch", f"{family}_iwslt_de_en", *TINY_DIMS, "--attention-impl", "sdpa", "--save-dir", tmp_path,
-                  *TRAIN, "--max-update", "3", forked=True).stdout  # fmt: skip
+                  *TRAIN[:-1], "--no-epoch-checkpoints", "--max-update", "3", forked=True).stdout  # fmt: skip
     assert says in log and re.search(r"num_updates 3\b", log), log[-2000:]
+    ckpt = tmp_path / "checkpoint_last.pt"
+    gen = run_cli("generate", synthetic_bin, "--user-dir", USER_DIR, "--path", ckpt, "--beam", "2", "--cpu",
+                  "--max-len-b", "5", "--batch-size", "16", "--required-batch-size-multiple", "1",
+                  forked=True).stdout  # fmt: skip
+    assert len(re.findall(r"^H-\d+\t", gen, re.M)) == 100, gen[-2000:]
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)])
+    rebuilt = task.build_model(cfg.model)
+    rebuilt.load_state_dict(torch.load(ckpt, weights_only=False)["model"])  # strict: the same parameters
+    b = tiny_batch(n_symbols=len(task.source_dictionary) - 4)
+    with torch.no_grad():
+        torch.testing.assert_close(models[0].eval()(**b)[0], rebuilt.eval()(**b)[0], rtol=0, atol=0)
     from test_lm import TRAIN as LM_TRAIN
 
     lines = [" ".join(f"w{(a + k * i) % 30}" for i in range(4 + a % 8)) for a in range(30) for k in (1, 2, 3)]
@@ -357,5 +373,5 @@ def test_fairseq_train_translation_and_language_model(family, says, synthetic_bi
             "--workers", "1", forked=True)  # fmt: skip
     out = run_cli("train", tmp_path / "bin", "--user-dir", USER_DIR, "--task", "language_modeling", "--arch",
                   f"{family}_lm_tiny", *LM_TRAIN, "--max-update", "3", "--no-save", "--disable-validation",
-                  "--save-dir", tmp_path, forked=True).stdout  # fmt: skip
+                  "--save-dir", tmp_path / "lm", forked=True).stdout  # fmt: skip
     assert says in out and re.search(r"num_updates 3\b", out), out[-2000:]
