@@ -279,6 +279,7 @@ NUMERIC_MODULES = {
     "test_sdpa",
     "test_successors",
     "test_very_deep",
+    "test_z_loss",
 }
 
 

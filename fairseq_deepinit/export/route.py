@@ -56,6 +56,7 @@ UNDERSTOOD = frozenset(
         *("qk_norm_eps", "qk_norm_cross", "dyt_alpha_init", "dyt_bias", "dyt_embed_scale", "derf_alpha_init"),
         *("derf_bias", "derf_embed_scale", "derf_shift_init", "depth_mup", "depth_mup_alpha", "depth_mup_base_layers"),
         "depth_mup_source",
+        *("z_loss", "z_loss_multiplier", "qk_clip", "qk_clip_threshold", "qk_clip_alpha", "qk_clip_cross"),
     }
 )
 #: the values of the selectors the route knows (folded, exact or refused with a reason)

@@ -27,12 +27,14 @@ from . import (
     mixln,
     normformer,
     placement,
+    qk_clip,
     qk_norm,
     resi_dual,
     rezero,
     subln,
     tfixup,
     twt,
+    z_loss,
 )
 from .record import InitScheme, LayerType, Method, Option, ResidualScaling
 
@@ -59,6 +61,8 @@ METHODS: Dict[str, Method] = {
         dyt.METHOD,
         derf.METHOD,
         depth_mup.METHOD,
+        z_loss.METHOD,
+        qk_clip.METHOD,
     )
 }
 
