@@ -271,6 +271,7 @@ NUMERIC_MODULES = {
     "test_ports",
     "test_ports_2025",
     "test_precision",
+    "test_qk_clip",
     "test_qk_norm",
     "test_radam",
     "test_resi_dual",

@@ -117,7 +117,8 @@ class QKClip:
         return torch.where(torch.isfinite(m) & (m > self.tau), self.tau / m, torch.ones_like(m))
 
     def clip(self, masters: Dict[int, Tensor]) -> Tensor:
-        """Rescale every clipped head's q/k rows (in ``masters``' fp32 copies where given); returns ``eta``."""
+        """Rescale every clipped head's q/k rows (in ``masters``' fp32 copies where given); returns ``eta``. The
+        maxima are kept until the next update's ``zero_grad`` (:func:`attach`)."""
         eta = self.factors()
         f_q, f_k = eta.pow(self.alpha), eta.pow(1.0 - self.alpha)
         with torch.no_grad():
@@ -128,7 +129,6 @@ class QKClip:
                             scale_rows(param, masters.get(id(param)), f)
         metrics.log_scalar("qk_clip_heads", (eta < 1).sum(), weight=1, round=2)
         metrics.log_scalar("qk_clip_max_logit", self.maxima.max(), weight=1, round=3)
-        self.reset()
         return eta
 
 
