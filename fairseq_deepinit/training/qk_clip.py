@@ -26,7 +26,7 @@ optimizer it built to :func:`attach`, which wraps that instance's ``step`` (the 
 ``zero_grad`` (the start of an update: the maxima start again; an update fairseq skips after an fp16 overflow
 clips nothing). Where the step continues from fp32 master weights other than the model's (``--fp16``'s
 ``FP16Optimizer``, flat or not), the clip scales the master rows and copies them into the model, as
-``_sync_fp32_params_to_fp16`` does (``fairseq/optim/fp16_optimizer.py:189-210``), or the next step would undo it;
+``_sync_fp32_params_to_fp16`` does (``fairseq/optim/fp16_optimizer.py:148-170``), or the next step would undo it;
 ``--memory-efficient-fp16``, ``--amp`` and fp32 update the model's weights in place. Adam's moments are left as
 they are (Kimi K2, Megatron). Refused: ``--zero-sharding os`` and ``--use-bmuf``, whose optimizers keep state of
 the weights outside the step this hook sees.
