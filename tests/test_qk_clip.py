@@ -319,3 +319,21 @@ def test_fairseq_train_logs_the_clip(synthetic_bin, tmp_path):
                   "--no-save", "--disable-validation", forked=True).stdout  # fmt: skip
     assert "qk-clip(tau=0.5,alpha=0.5)" in log
     assert "qk_clip_heads" in log and "qk_clip_max_logit" in log, log[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.kernel_independent
+def test_the_cost_benchmark_runs_every_case(capsys):
+    """benchmarks/stabiliser_cost.py on a tiny shape: every case's row; QK-Clip's update reads what plain Pre-LN's
+    does on the host, z-loss's adds fairseq's read of its two logged metrics."""
+    from deepinit_tools.bench import stabiliser_cost as script
+
+    script.main(["--shape", "2x16x32x2", "--batch", "2x4", "--rounds", "1", "--updates", "1"])
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    reads = {(r[1].strip(), r[2].strip()): int(r[7]) for r in rows}
+    assert set(reads) == {(m, c) for m in ("translation", "LM") for c in ("preln", "z-loss", "qk-clip")}
+    for model in ("translation", "LM"):
+        assert reads[model, "qk-clip"] == reads[model, "preln"]
+        assert reads[model, "z-loss"] == reads[model, "preln"] + 2
+    assert "Command: `" in out and "stabiliser_cost.py" in out
