@@ -337,3 +337,17 @@ def test_the_cost_benchmark_runs_every_case(capsys):
         assert reads[model, "qk-clip"] == reads[model, "preln"]
         assert reads[model, "z-loss"] == reads[model, "preln"] + 2
     assert "Command: `" in out and "stabiliser_cost.py" in out
+
+
+def test_the_tap_and_the_clip_run_on_the_meta_device_without_a_host_read():
+    """On ``meta`` (which, like CUDA, refuses a CPU operand and has no data to read): the readiness benchmark's
+    update with the tap attached, then the clip; nothing of QK-Clip reads the host."""
+    from deepinit_tools.bench import readiness_build as rb
+    from deepinit_tools.harness.fairseq_train import Shape
+
+    b = rb.build("mt", "preln_iwslt_de_en", Shape(2, 32, 64, 2), "--qk-clip", meta=True)
+    clip = qk_clip.QKClip(b.model, TAU, ALPHA, cross=True)
+    assert clip.maxima.device.type == "meta"
+    sample = rb.batch("mt", device="meta")
+    hr = rb.reads(lambda: (rb.update(b, sample, 0), clip.clip({})), meta=True)
+    assert [e for e in hr.events if "qk_clip" in e.where or "depth_" in e.where] == []
