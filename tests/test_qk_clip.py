@@ -3,9 +3,9 @@ Kimi K2's rule as Megatron-LM applies it (``tests/ports/qk_clip.py``; ``clip_wit
 projections): the per-head maxima the tap keeps against ``per_head_max_logit`` on the same inputs and weights,
 the clipped heads' weights and biases against the port given those maxima, unclipped heads and every other
 parameter bit for bit those of the same update without the clip, ``--update-freq 2``'s max over both
-micro-batches, fp32, ``--fp16`` with fairseq's flat fp32 master (``torch.cuda.current_device`` stood in for on
-the CPU) and without flattening, ``--memory-efficient-fp16``, both ``--attention-impl`` paths, a language model,
-no host read, the refusals, and two CPU ranks (gloo) ending equal.
+micro-batches, fp32, ``--amp``, ``--fp16`` with fairseq's flat fp32 master (``torch.cuda.current_device`` stood
+in for on the CPU) and without flattening, ``--memory-efficient-fp16``, both ``--attention-impl`` paths, a
+language model, no host read (CPU and ``meta``), the refusals, and two CPU ranks (gloo) ending equal.
 
 Each model has head 0 of every attention's ``q_proj`` multiplied by :data:`BOOST`, so that head 0's max logit
 (27-49) exceeds :data:`TAU` and head 1's (under 2) does not. Tolerances: the maxima are recomputed by the
@@ -231,6 +231,14 @@ def test_fp16_the_clip_reaches_the_weights_the_next_step_starts_from(cli, flat, 
         model = {n: p.detach().clone() for n, p in t._model.named_parameters()}
         t._optimizer._sync_fp32_params_to_fp16()
         assert all(torch.equal(p, model[n]) for n, p in t._model.named_parameters())
+
+
+def test_amp_optimizer_clips_the_models_weights_in_place():
+    """``--amp`` (fairseq's ``AMPOptimizer``: fp32 weights, a grad scaler, disabled on the CPU): in place."""
+    t, ref, clip, maxima, want = one_update("mt", "--amp")
+    assert type(t._optimizer).__name__ == "AMPOptimizer" and qk_clip.master_weights(t._optimizer) == {}
+    torch.testing.assert_close(maxima.double(), want, **MAX_TOL[torch.float32])
+    assert check_clip(t, ref, clip, maxima) == 6
 
 
 def test_fp16_flat_master_a_clip_of_the_model_only_would_be_undone(monkeypatch):
