@@ -80,9 +80,11 @@ def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: 
     training options checked, the parameters tagged with their groups: :mod:`.training.depth_mup_trainer`) and
     after it (the groups found in the optimizer fairseq built), and the ``adam`` <-> ``adam_foreach`` state
     resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check); ``--z-loss``
-    with a criterion that would leave the term out refused first (:func:`.training.z_loss.check_criterion`), and
-    QK-Clip's step attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
+    with a criterion that would leave the term out and ``--qk-clip`` with an optimizer it cannot follow refused
+    first (:func:`.training.z_loss.check_criterion`, :func:`.training.qk_clip.check`), and QK-Clip's step
+    attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
     z_loss.check_criterion(trainer)
+    qk_clip.check(trainer)
     tagged = depth_mup_trainer.tag_for_training(trainer)
     out = original(trainer, *args, **kwargs)
     adam_foreach.accept_adam_state(trainer)

@@ -181,15 +181,23 @@ def check_training(cfg: Any) -> None:
         )
 
 
+def _params(trainer: Any) -> Any:
+    spec = getattr(trainer._model, "spec", None)
+    return spec.features.get("qk_clip") if spec is not None else None
+
+
+def check(trainer: Any) -> None:
+    """Before fairseq's trainer builds its optimizer: under ``--qk-clip``, :func:`check_training`."""
+    if _params(trainer) is not None:
+        check_training(trainer.cfg)
+
+
 def attach(trainer: Any) -> QKClip | None:
     """Under ``--qk-clip`` (the model's spec): the tap on the model (once) and the clip after every ``step`` of the
     optimizer fairseq's trainer just built, the maxima reset by its ``zero_grad``. None without ``--qk-clip``."""
-    model = trainer._model
-    spec = getattr(model, "spec", None)
-    p = spec.features.get("qk_clip") if spec is not None else None
+    p, model = _params(trainer), trainer._model
     if p is None:
         return None
-    check_training(trainer.cfg)
     clip = model.__dict__.get(ATTR)
     if clip is None:
         clip = QKClip(model, p.qk_clip_threshold, p.qk_clip_alpha, p.qk_clip_cross)
