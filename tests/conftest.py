@@ -247,6 +247,7 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 # kernel path (skipped on any other) and its state-dict keys and parameter order depend on no kernel.
 NUMERIC_MODULES = {
     "test_adam_foreach",
+    "test_attention_features",
     "test_admin",
     "test_admin_distributed",
     "test_autocast",

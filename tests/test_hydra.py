@@ -100,6 +100,13 @@ TRANSLATION_CASES = {
         ["--init-scheme", "ds-init", "--ds-init-alpha", "0.5", "--attention-impl", "sdpa"],
         {"init_scheme": "ds-init", "ds_init_alpha": 0.5, "attention_impl": "sdpa"},
     ),
+    "gatedattn_elementwise": (
+        "gatedattn_iwslt_de_en",
+        ["--gated-attention-granularity", "elementwise", "--no-gated-attention-cross"],
+        {"gated_attention_granularity": "elementwise", "gated_attention_cross": False},
+    ),
+    "sinks_sdpa": ("sinks_iwslt_de_en", ["--attention-impl", "sdpa"], {"attention_impl": "sdpa"}),
+    "valueres_learned": ("valueres_iwslt_de_en", ["--value-residual-learned"], {"value_residual_learned": True}),
     "options_over_family": (
         "b2t_iwslt_de_en",
         ["--b2t-init-rescale", "none", "--norm-type", "rmsnorm", "--encoder-layers", "3"],
@@ -119,7 +126,7 @@ def test_yaml_model_is_the_cli_model(case):
     _same_model(cli_model, yaml_model, "deepinit")
 
 
-@pytest.mark.parametrize("arch", ["deepnorm_lm_tiny", "deepinit_lm_tiny"])
+@pytest.mark.parametrize("arch", ["deepnorm_lm_tiny", "deepinit_lm_tiny", "gatedattn_lm_tiny", "valueres_lm_tiny"])
 def test_yaml_language_model_is_the_cli_model(arch):
     from fairseq import options
     from fairseq.tasks.language_modeling import LanguageModelingTask

@@ -175,6 +175,16 @@ def test_fp32_update_clips_heads_over_tau_as_the_port(impl):
     assert (want[0::2] > TAU).all() and (want[1::2] < TAU).all()
 
 
+@pytest.mark.parametrize("cli", [("--gated-attention",), ("--attention-sinks",), ("--value-residual",)])
+def test_composes_with_the_attention_features(cli):
+    """Gates (after the scores), sinks (a logit that is no q.k, left out of the max) and value residuals leave
+    every q.k logit as it is: the same maxima and the same clip on both paths' feature attention."""
+    for impl in ("fairseq", "sdpa"):
+        t, ref, clip, maxima, want = one_update("mt", *cli, "--attention-impl", impl)
+        torch.testing.assert_close(maxima.double(), want, **MAX_TOL[torch.float32])
+        assert check_clip(t, ref, clip, maxima) == 6
+
+
 def test_language_model_and_the_logged_counts():
     with metrics.aggregate(new_root=True) as agg:
         t, ref, clip, maxima, want = one_update("lm")

@@ -27,7 +27,7 @@ Columns, each with its target (``ok`` / ``FAIL``; ``-`` where it does not apply)
 - ``sdpa``: under ``--attention-impl sdpa``, self-attention calls that reach
   ``F.scaled_dot_product_attention``, of all of them (MAtt's average branch has none);
 - ``fp32 mm``: matrix products (forward and backward) not in bf16 under
-  ``torch.autocast("cpu", torch.bfloat16)``, without / with ``--checkpoint-activations``. Target: 0;
+  ``torch.autocast("cpu", torch.bfloat16)``, without / with ``--checkpoint-activations``. Target: 0 (or refused);
 - ``breaks``: ``torch._dynamo.explain`` of the training-mode forward under ``--attention-impl
   fairseq`` (the default) and ``sdpa`` (the fast path): graph breaks by the origin of the line that
   caused them, plugin / fairseq. Target: no break from the plugin's code.
@@ -52,6 +52,7 @@ from deepinit_tools.bench.readiness_build import (
     Built,
     batch,
     build,
+    fp32_cell,
     one_line,
     plugin,
     reads,
@@ -168,8 +169,7 @@ class Measure:
         update(b, sample, 0)
         with counters.AttentionCalls(b.model) as calls:
             update(b, sample, 1)
-        self_calls = calls.self_attention()
-        decoder = calls.self_attention("decoder")
+        self_calls, decoder = calls.self_attention(), calls.self_attention("decoder")
         causal = [c for c in decoder if c.path == "sdpa" and c.is_causal and not c.square_mask]
         return {
             "sdpa": (sum(c.path == "sdpa" for c in self_calls), len(self_calls)),
@@ -189,7 +189,7 @@ class Measure:
             with counters.MatmulDtypeAudit(torch.bfloat16) as audit:
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
-            return one_line(e)
+            return fp32_cell(e, checkpoint)
         return sum(model_products_off(audit).values())
 
     def breaks(self, fam: Family) -> dict:

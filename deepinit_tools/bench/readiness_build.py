@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Callable, Iterator, List
 
 from deepinit_tools import fairseq_argv as fa
+from deepinit_tools.bench.readiness_table import REFUSED
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -156,6 +157,14 @@ def reads(fn: Callable[[], Any], meta: bool) -> counters.HostReads:
 
 def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+
+
+def fp32_cell(e: BaseException, checkpoint: bool) -> str:
+    """The fp32-matmul cell of a configuration that failed: :data:`REFUSED` where the plugin refused
+    ``--checkpoint-activations`` in its one line (a family that cannot be recomputed), else the error."""
+    if checkpoint and type(e).__name__ == "DeepInitConfigError" and "--checkpoint-activations" in str(e):
+        return REFUSED
+    return one_line(e)
 
 
 def update_ops(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = None) -> tuple:

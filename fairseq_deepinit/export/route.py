@@ -56,6 +56,8 @@ UNDERSTOOD = frozenset(
         *("qk_norm_eps", "qk_norm_cross", "dyt_alpha_init", "dyt_bias", "dyt_embed_scale", "derf_alpha_init"),
         *("derf_bias", "derf_embed_scale", "derf_shift_init", "depth_mup", "depth_mup_alpha", "depth_mup_base_layers"),
         "depth_mup_source",
+        *("gated_attention", "gated_attention_granularity", "gated_attention_cross", "attention_sinks"),
+        *("attention_sinks_cross", "value_residual", "value_residual_lambda", "value_residual_learned"),
         *("z_loss", "z_loss_multiplier", "qk_clip", "qk_clip_threshold", "qk_clip_alpha", "qk_clip_cross"),
     }
 )
@@ -121,6 +123,24 @@ _NEVER = (
         lambda a: getattr(a, "norm_placement", "auto") == "reordered",
         lambda a: (
             "--norm-placement reordered (OLMo 2) normalises each branch's output only, a placement neither target has"
+        ),
+    ),
+    (
+        lambda a: getattr(a, "gated_attention", False),
+        lambda a: (
+            "--gated-attention multiplies each head's attention output by a sigmoid gate before out_proj, which "
+            "neither target has"
+        ),
+    ),
+    (
+        lambda a: getattr(a, "attention_sinks", False),
+        lambda a: "--attention-sinks adds a learned logit to every softmax denominator, which neither target has",
+    ),
+    (
+        lambda a: getattr(a, "value_residual", False),
+        lambda a: (
+            "--value-residual mixes every later layer's attention values with the first layer's, a path neither "
+            "target has"
         ),
     ),
     (

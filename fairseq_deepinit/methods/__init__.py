@@ -14,6 +14,7 @@ from typing import Dict
 
 from . import (
     admin,
+    attention_sinks,
     b2t,
     baseline,
     deepnorm,
@@ -21,6 +22,7 @@ from . import (
     derf,
     dsinit,
     dyt,
+    gated_attention,
     lipschitz,
     lnscale,
     matt,
@@ -34,6 +36,7 @@ from . import (
     subln,
     tfixup,
     twt,
+    value_residual,
     z_loss,
 )
 from .record import InitScheme, LayerType, Method, Option, ResidualScaling
@@ -58,6 +61,9 @@ METHODS: Dict[str, Method] = {
         mixln.METHOD,
         placement.METHOD,
         qk_norm.METHOD,
+        gated_attention.METHOD,
+        attention_sinks.METHOD,
+        value_residual.METHOD,
         dyt.METHOD,
         derf.METHOD,
         depth_mup.METHOD,

@@ -136,6 +136,19 @@ def standard_layer(why: str) -> Rule:
     return Rule(LAYER_TYPE, ("standard",), why)
 
 
+def own_attention_forward(what: str) -> Tuple[Rule, ...]:
+    """``excludes`` of a method that computes the attention itself (``what`` it adds): fairseq's attention
+    variants the plugin's attention forward does not reproduce."""
+    return (
+        Rule(
+            FLAG,
+            ("encoder_xformers_att_config", "decoder_xformers_att_config"),
+            f"fairseq's xFormers attention has no place for {what}; --attention-impl sdpa is the fused path with it",
+        ),
+        Rule(FLAG, ("cross_self_attention",), f"the joint source-target self-attention has no {what}"),
+    )
+
+
 @dataclass(frozen=True)
 class InitScheme:
     """A value of ``--init-scheme``: ``apply(model, p, spec)`` re-initialises a freshly built model in place

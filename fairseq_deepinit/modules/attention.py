@@ -36,6 +36,10 @@ skips fairseq's query-width assertion here as in fairseq's own forward: the fuse
 buffer, so state dicts (checkpoints) are identical and interchangeable between
 ``--attention-impl fairseq`` and ``sdpa``.
 
+The forward is three steps a subclass may change one by one: ``_values`` (the self-attention's projected
+values, before the head split and the cache), ``_attend`` (the per-head core on ``(B, H, T, d)``) and
+``_output`` (the heads before ``out_proj``); :mod:`.attention_features` changes all three.
+
 Numerics: with attention dropout 0 the two paths agree to float round-off (the tests check fp32
 outputs and gradients to 1e-5). Attention dropout (``--attention-dropout``) is the kernel's
 ``dropout_p``: same distribution as fairseq's, different random draws.
@@ -119,7 +123,7 @@ class SDPAMultiheadAttention(MultiheadAttention):
                 before_softmax=before_softmax,
                 need_head_weights=need_head_weights,
             )
-        return self._sdpa_forward(query, key, key_padding_mask, incremental_state, static_kv, attn_mask), None
+        return self._sdpa_forward(query, key, key_padding_mask, incremental_state, static_kv, attn_mask)
 
     def _sdpa_applies(
         self, query: Tensor, incremental_state, need_weights: bool, static_kv: bool, before_softmax: bool
@@ -150,7 +154,11 @@ class SDPAMultiheadAttention(MultiheadAttention):
         incremental_state: Dict[str, Dict[str, Tensor | None]] | None,
         static_kv: bool,
         attn_mask: Tensor | None,
-    ) -> Tensor:
+        need_weights: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Tensor | None]:
+        """The projections, fairseq's key/value cache, :meth:`_attend` and :meth:`_output`; returns fairseq's
+        ``(output, attention weights or None)``, the weights only from a subclass whose ``_attend`` gives them."""
         tgt_len, bsz, embed_dim = query.shape
         if not self.skip_embed_dim_check:  # as fairseq's forward: Sub-LN and head pruning skip it
             assert embed_dim == self.embed_dim, f"query dim {embed_dim} != {self.embed_dim}"
@@ -164,7 +172,7 @@ class SDPAMultiheadAttention(MultiheadAttention):
         k = v = None
         if self.self_attention:
             k = self._split_heads(self.k_proj(query))
-            v = self._split_heads(self.v_proj(query))
+            v = self._split_heads(self._values(query))
         elif key is not None:
             if self.beam_size > 1 and bsz == key.size(1):
                 # fairseq's beamable encoder-decoder attention: the encoder output is repeated per
@@ -208,6 +216,36 @@ class SDPAMultiheadAttention(MultiheadAttention):
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None  # fairseq's TorchScript workaround for "no mask"
 
+        if kv_bsz != bsz:
+            # beam search with one cached copy of the encoder per sentence: the beam's queries of a
+            # sentence are one longer query block against that sentence's keys
+            beam = bsz // kv_bsz
+            qb = q.reshape(kv_bsz, beam, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
+            qb = qb.reshape(kv_bsz, self.num_heads, beam * tgt_len, self.head_dim)
+            out, weights = self._attend(qb, k, v, attn_mask, key_padding_mask, need_weights or need_head_weights)
+            out = out.view(kv_bsz, self.num_heads, beam, tgt_len, -1).transpose(1, 2)
+            out = out.reshape(bsz, self.num_heads, tgt_len, -1)
+            if weights is not None:
+                weights = weights.view(kv_bsz, self.num_heads, beam, tgt_len, src_len).transpose(1, 2)
+                weights = weights.reshape(bsz, self.num_heads, tgt_len, src_len)
+        else:
+            out, weights = self._attend(q, k, v, attn_mask, key_padding_mask, need_weights or need_head_weights)
+        if weights is not None:  # fairseq's returned weights: (H, B, T, S), or their mean over the heads
+            weights = weights.transpose(0, 1)
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+        return self._output(out, query), weights
+
+    def _values(self, x: Tensor) -> Tensor:
+        """The self-attention's projected values ``(T, B, C)``, before the head split and the cache."""
+        return self.v_proj(x)
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None, weights: bool
+    ) -> Tuple[Tensor, Tensor | None]:
+        """``softmax(scale q k^T + masks) v`` per head through the fused kernel: ``(B, H, T, d)`` in and out
+        (``k``, ``v`` and ``key_padding_mask`` may have fewer rows: the beamable encoder cache); no weights."""
+        tgt_len, src_len = q.size(2), k.size(2)
         mask, is_causal = kernel_mask(
             attn_mask,
             key_padding_mask,
@@ -217,26 +255,20 @@ class SDPAMultiheadAttention(MultiheadAttention):
             declared_future=self.causal_self_attention,
             right_padded=self.causal_right_padded,
         )
-        dropout_p = self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
+        if k.size(0) != q.size(0) and mask is not None and mask.size(-2) != 1:
+            raise NotImplementedError("an attention mask over query positions with a beamable encoder cache")
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self._dropout_p(), is_causal=is_causal, scale=self.scaling
+        )
+        return out, None
 
-        if kv_bsz != bsz:
-            # beam search with one cached copy of the encoder per sentence: the beam's queries of a
-            # sentence are one longer query block against that sentence's keys
-            beam = bsz // kv_bsz
-            if mask is not None and mask.size(-2) != 1:
-                raise NotImplementedError("an attention mask over query positions with a beamable encoder cache")
-            qb = q.reshape(kv_bsz, beam, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
-            qb = qb.reshape(kv_bsz, self.num_heads, beam * tgt_len, self.head_dim)
-            out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.scaling)
-            out = out.view(kv_bsz, self.num_heads, beam, tgt_len, self.head_dim).transpose(1, 2)
-            out = out.reshape(bsz, self.num_heads, tgt_len, self.head_dim)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scaling
-            )
-        # (B, H, T, d) -> (T, B, H*d); out_proj is called as a module (MAtt's shared W_o hooks in there)
-        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
-        return self.out_proj(out)
+    def _dropout_p(self) -> float:
+        return self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
+
+    def _output(self, out: Tensor, query: Tensor) -> Tensor:
+        """(B, H, T, d) -> (T, B, H*d), then out_proj, called as a module (MAtt's shared W_o hooks in there)."""
+        tgt_len, bsz = query.size(0), query.size(1)
+        return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim))
 
 
 def declare_target_padding(decoder: nn.Module, side: str) -> None:
