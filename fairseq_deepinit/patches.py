@@ -47,7 +47,7 @@ from . import input_checks, intercepts
 from .checkpoints import broadcast, resume
 from .checkpoints.atomic import AtomicCopyPathManager
 from .checkpoints.config_check import DEEPINIT_MODELS
-from .training import adam_foreach, depth_mup_trainer, distributed, launch
+from .training import adam_foreach, depth_mup_trainer, distributed, launch, qk_clip, z_loss
 from .training.param_groups import check_groups_reached
 
 MARK = "_deepinit_patch"
@@ -79,12 +79,18 @@ def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: 
     """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) between what depth-muP needs before it (the
     training options checked, the parameters tagged with their groups: :mod:`.training.depth_mup_trainer`) and
     after it (the groups found in the optimizer fairseq built), and the ``adam`` <-> ``adam_foreach`` state
-    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check)."""
+    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check); ``--z-loss``
+    with a criterion that would leave the term out and ``--qk-clip`` with an optimizer it cannot follow refused
+    first (:func:`.training.z_loss.check_criterion`, :func:`.training.qk_clip.check`), and QK-Clip's step
+    attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
+    z_loss.check_criterion(trainer)
+    qk_clip.check(trainer)
     tagged = depth_mup_trainer.tag_for_training(trainer)
     out = original(trainer, *args, **kwargs)
     adam_foreach.accept_adam_state(trainer)
     if tagged:
         check_groups_reached(trainer._optimizer, trainer._model)
+    qk_clip.attach(trainer)
     return out
 
 
@@ -211,8 +217,9 @@ PATCHES: Tuple[Patch, ...] = (
         "Trainer._build_optimizer",
         "trainer.py:289-382",
         "the one point between the checkpoint's optimizer history and fairseq's optimizer-name check (adam <-> "
-        "adam_foreach resume) and where the flat parameter list is handed over (depth-muP's groups): "
-        "build_optimizer",
+        "adam_foreach resume) and where the flat parameter list is handed over (depth-muP's groups); the optimizer "
+        "it built gets QK-Clip's step (training/qk_clip.py); --z-loss with a criterion that drops it is refused "
+        "first: build_optimizer",
         "none unless the optimizer is adam_foreach resuming adam's state (or the other way round)",
         lambda: wrap(Trainer, "_build_optimizer", build_optimizer),
     ),

@@ -273,6 +273,7 @@ NUMERIC_MODULES = {
     "test_ports",
     "test_ports_2025",
     "test_precision",
+    "test_qk_clip",
     "test_qk_norm",
     "test_radam",
     "test_resi_dual",
@@ -281,6 +282,7 @@ NUMERIC_MODULES = {
     "test_sdpa",
     "test_successors",
     "test_very_deep",
+    "test_z_loss",
 }
 
 

@@ -32,6 +32,7 @@ SCRIPTS = (
     "gpu_results.py",
     "gpu_readiness.py",
     "quickstart_precision.py",
+    "stabiliser_cost.py",
 )
 
 

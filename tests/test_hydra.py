@@ -261,6 +261,16 @@ def test_paper_config_trains_from_yaml(config, hydra_data, tmp_path, request):
     assert "num_updates: 3 >= max_update: 3" in out, out[-2000:]
 
 
+def test_z_loss_and_qk_clip_are_model_keys_of_a_yaml(hydra_data, tmp_path):
+    """``--z-loss`` and ``--qk-clip`` as ``model:`` keys: the model's log line has both, the training log both
+    terms' metrics."""
+    out = hydra_train("deepnorm_lm_48l", hydra_data["lm"], tmp_path, "checkpoint.no_save=true", *TINY_LM,
+                      "++model.z_loss=true", "++model.qk_clip=true", "++model.qk_clip_threshold=1.0",
+                      "common.log_interval=1", log=tmp_path / "log").stdout  # fmt: skip
+    assert "z-loss=0.0001" in out and "qk-clip(tau=1,alpha=0.5)" in out, out[-2000:]
+    assert "z_loss_unscaled" in out and "qk_clip_heads" in out, out[-2000:]
+
+
 def test_checkpoints_cross_the_two_paths(hydra_data, tfixup_run, tmp_path):
     from fairseq_deepinit.checkpoints.compat import disallowed_globals
 

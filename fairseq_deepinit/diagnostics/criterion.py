@@ -1,6 +1,7 @@
 """Training-time diagnostics and a divergence guard: ``--criterion label_smoothed_cross_entropy_diagnostics``.
 
-fairseq's label-smoothed cross-entropy, unchanged, plus two things for any ``deepinit`` architecture:
+fairseq's label-smoothed cross-entropy (plus the z-loss term under the model's ``--z-loss``:
+:mod:`fairseq_deepinit.training.z_loss`), and two things for any ``deepinit`` architecture:
 
 1. every ``--diagnostics-interval`` updates, per-sub-layer statistics go into fairseq's metrics, so
    they appear in the training log and under ``--tensorboard-logdir``:
@@ -60,6 +61,7 @@ from fairseq.logging import metrics
 from ..errors import DeepInitConfigError, DivergenceError
 from ..patches import install_task_mixin, wrap_optimizer
 from ..training.autocast_state import AutocastState
+from ..training.z_loss import ZLossMixin
 from . import depth_hooks, hooks, training_counters
 from .criterion_config import DEFAULT_STATS, STATS, DiagnosticsCriterionConfig
 from .depth_criterion import DepthDiagnostics
@@ -94,7 +96,7 @@ def _drop_printed_meters() -> bool:
 
 
 @register_criterion("label_smoothed_cross_entropy_diagnostics", dataclass=DiagnosticsCriterionConfig)
-class DiagnosticsCriterion(LabelSmoothedCrossEntropyCriterion):
+class DiagnosticsCriterion(ZLossMixin, LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed cross-entropy with per-sub-layer diagnostics and a divergence guard (module docstring)."""
 
     def __init__(

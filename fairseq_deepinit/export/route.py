@@ -59,6 +59,7 @@ UNDERSTOOD = frozenset(
         "depth_mup_source",
         *("gated_attention", "gated_attention_granularity", "gated_attention_cross", "attention_sinks"),
         *("attention_sinks_cross", "value_residual", "value_residual_lambda", "value_residual_learned"),
+        *("z_loss", "z_loss_multiplier", "qk_clip", "qk_clip_threshold", "qk_clip_alpha", "qk_clip_cross"),
     }
 )
 #: the values of the selectors the route knows (folded, exact or refused with a reason)

@@ -30,6 +30,7 @@ from . import (
     mixln,
     normformer,
     placement,
+    qk_clip,
     qk_norm,
     resi_dual,
     rezero,
@@ -37,6 +38,7 @@ from . import (
     tfixup,
     twt,
     value_residual,
+    z_loss,
 )
 from .record import InitScheme, LayerType, Method, Option, ResidualScaling
 
@@ -67,6 +69,8 @@ METHODS: Dict[str, Method] = {
         derf.METHOD,
         depth_mup.METHOD,
         hyper_connections.METHOD,
+        z_loss.METHOD,
+        qk_clip.METHOD,
     )
 }
 

@@ -128,6 +128,7 @@ METHOD = Method(
             "applies QK-Norm",
         ),
     ),
+    tags={"normalised-qk": ()},
     validate=validate_qk_norm,
     describe=describe_qk_norm,
     layer_setup=setup_qk_norm_layer,
