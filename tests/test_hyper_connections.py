@@ -46,6 +46,8 @@ NO_DROPOUT = ("--dropout", "0", "--attention-dropout", "0", "--activation-dropou
 PAD = 1
 TOL = dict(atol=1e-10, rtol=0)
 KINDS = {"hc": ("hc",), "hc-static": ("hc", "--no-hc-dynamic"), "mhc": ("mhc",)}
+# the 2025 attention methods on top (each sub-layer's branch changes, not the connections)
+ATTENTION_FEATURES = ("--gated-attention", "--attention-sinks", "--value-residual")
 
 
 def perturb(model: torch.nn.Module, seed: int = 5) -> None:
@@ -313,12 +315,14 @@ def test_mhc_with_gating_factors_at_zero_is_the_pre_ln_model(lm_):
 # ---- decoding --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("features", [(), ATTENTION_FEATURES], ids=["", "attention-features"])
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("lm_", [False, True], ids=["mt", "lm"])
-def test_incremental_decoding_with_beam_reordering_equals_the_full_forward(kind, lm_):
+def test_incremental_decoding_with_beam_reordering_equals_the_full_forward(kind, lm_, features):
     """As fairseq's SequenceGenerator: 2 sentences x beam 2, the source repeated per beam, each step's order
-    within a sentence's beams (fairseq's cross-attention cache keeps one copy per sentence)."""
-    model, _ = lm(kind) if lm_ else mt(kind)
+    within a sentence's beams (fairseq's cross-attention cache keeps one copy per sentence); also with gated
+    attention, sinks and value residual in every branch."""
+    model, _ = lm(kind, *features) if lm_ else mt(kind, *features)
     bsz, steps = 4, 6
     orders = {2: torch.tensor([1, 1, 2, 3]), 4: torch.tensor([0, 0, 3, 2])}
     nxt = tokens(bsz, steps, 9)
