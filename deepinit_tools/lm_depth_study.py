@@ -61,6 +61,9 @@ SCHEMES: Dict[str, List[str]] = {
     "derf": ["--arch", "derf_lm_tiny"],
     "depth_mup": ["--arch", "depth_mup_lm_tiny"],
     "completep": ["--arch", "completep_lm_tiny"],
+    # the methods of 2025-26 (not run yet)
+    "hc": ["--arch", "hc_lm_tiny"],
+    "mhc": ["--arch", "mhc_lm_tiny"],
 }
 DEPTHS = (6, 24, 48)
 

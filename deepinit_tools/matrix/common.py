@@ -39,6 +39,9 @@ METHODS: Dict[str, tuple] = {
     "derf": ("Derf", ["--arch", "derf_iwslt_de_en"]),
     "depth_mup": ("depth-muP (branch x (L/6)^-1/2)", ["--arch", "depth_mup_iwslt_de_en"]),
     "completep": ("CompleteP (branch x (L/6)^-1)", ["--arch", "completep_iwslt_de_en"]),
+    # the methods of 2025-26; their cells are not run yet (docs/results.md)
+    "hc": ("Hyper-connections (n 4, dynamic)", ["--arch", "hc_iwslt_de_en"]),
+    "mhc": ("mHC (n 4, Sinkhorn 20)", ["--arch", "mhc_iwslt_de_en"]),
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
