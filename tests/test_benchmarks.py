@@ -33,6 +33,7 @@ SCRIPTS = (
     "gpu_readiness.py",
     "quickstart_precision.py",
     "stabiliser_cost.py",
+    "hc_cost.py",
 )
 
 
@@ -489,3 +490,18 @@ def test_the_speed_target_is_stated_once_and_as_the_matrix_checks_it():
     speed = " ".join((REPO / "docs" / "speed.md").read_text().split())
     assert "benchmarks.md#gpu-run" in speed and "\n## GPU run\n" in bench
     assert not re.search(r"target is at least [\d.]+x|[\d.]+x target", speed)  # no second statement
+
+
+def test_hc_cost_prints_every_case_with_its_ratios_to_pre_ln():
+    """benchmarks/hc_cost.py at a toy shape: one row per case, Pre-LN's ratios 1, mHC's parameters and kernels above
+    Pre-LN's, the recomputing Sinkhorn saving less than autograd through its iterates."""
+    proc = run_script(REPO / "benchmarks" / "hc_cost.py", "--shape", "1x16x32x2", "--batch", "2x4", "--rounds", "1",
+                      "--updates", "1")  # fmt: skip
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| case")}  # fmt: skip
+    assert list(rows) == ["preln", "hc", "hc-static", "mhc", "mhc-autograd"]
+    assert [c.strip() for c in rows["preln"][2:4]] == ["1.000 [1.000-1.000]"] * 2
+    saved = {case: float(cells[4]) for case, cells in rows.items()}
+    ops = {case: int(cells[8]) for case, cells in rows.items()}
+    assert ops["mhc"] > ops["hc"] > ops["hc-static"] > ops["preln"]
+    assert saved["mhc-autograd"] > saved["mhc"] > saved["preln"]
