@@ -61,7 +61,12 @@ SCHEMES: Dict[str, List[str]] = {
     "derf": ["--arch", "derf_lm_tiny"],
     "depth_mup": ["--arch", "depth_mup_lm_tiny"],
     "completep": ["--arch", "completep_lm_tiny"],
-    # the methods of 2025-26 (not run yet)
+    # the 2025-26 methods; z-loss and QK-Clip are training options, here on the Pre-LN model
+    "gatedattn": ["--arch", "gatedattn_lm_tiny"],
+    "sinks": ["--arch", "sinks_lm_tiny"],
+    "valueres": ["--arch", "valueres_lm_tiny"],
+    "zloss": ["--arch", "preln_lm_tiny", "--z-loss"],
+    "qkclip": ["--arch", "preln_lm_tiny", "--qk-clip"],
     "hc": ["--arch", "hc_lm_tiny"],
     "mhc": ["--arch", "mhc_lm_tiny"],
 }

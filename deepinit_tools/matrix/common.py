@@ -39,7 +39,12 @@ METHODS: Dict[str, tuple] = {
     "derf": ("Derf", ["--arch", "derf_iwslt_de_en"]),
     "depth_mup": ("depth-muP (branch x (L/6)^-1/2)", ["--arch", "depth_mup_iwslt_de_en"]),
     "completep": ("CompleteP (branch x (L/6)^-1)", ["--arch", "completep_iwslt_de_en"]),
-    # the methods of 2025-26; their cells are not run yet (docs/results.md)
+    # the 2025-26 methods; z-loss and QK-Clip are training options, here on the Pre-LN model
+    "gatedattn": ("Gated attention (headwise)", ["--arch", "gatedattn_iwslt_de_en"]),
+    "sinks": ("Learned attention sinks", ["--arch", "sinks_iwslt_de_en"]),
+    "valueres": ("Value residual (lambda 0.5)", ["--arch", "valueres_iwslt_de_en"]),
+    "zloss": ("Pre-LN + z-loss (1e-4)", ["--arch", "preln_iwslt_de_en", "--z-loss"]),
+    "qkclip": ("Pre-LN + QK-Clip (tau 100)", ["--arch", "preln_iwslt_de_en", "--qk-clip"]),
     "hc": ("Hyper-connections (n 4, dynamic)", ["--arch", "hc_iwslt_de_en"]),
     "mhc": ("mHC (n 4, Sinkhorn 20)", ["--arch", "mhc_iwslt_de_en"]),
 }
