@@ -560,18 +560,19 @@ def documented_train_commands() -> list[list[str]]:
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    lines = [ln.split(" #")[0].strip() for b in blocks for ln in re.sub(r"\\\n\s*", " ", b).splitlines()]
+    first: dict[str, str] = {}  # a command may come before the block that sets its variables ("as in ... below")
+    for line in lines:
+        if m := re.match(r"^(\w+)=(.*)$", line):
+            first.setdefault(m.group(1), " ".join(shlex.split(m.group(2))))
     env: dict[str, str] = {}
     commands = []
-    for block in blocks:
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            line = line.split(" #")[0].strip()
-            m = re.match(r"^(\w+)=(.*)$", line)
-            if m:
-                env[m.group(1)] = " ".join(shlex.split(m.group(2)))
-            elif line.startswith("fairseq-train") and "..." not in line:  # skip the illustrative one-liners
-                line = re.sub(r"\$(\w+)", lambda v: env[v.group(1)], line)
-                commands.append(shlex.split(line)[1:])
+    for line in lines:
+        if m := re.match(r"^(\w+)=(.*)$", line):
+            env[m.group(1)] = " ".join(shlex.split(m.group(2)))
+        elif line.startswith("fairseq-train") and "..." not in line:  # skip the illustrative one-liners
+            line = re.sub(r"\$(\w+)", lambda v: env.get(v.group(1), first[v.group(1)]), line)
+            commands.append(shlex.split(line)[1:])
     return commands
 
 
