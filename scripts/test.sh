@@ -4,7 +4,9 @@
 # (pytest -m numerics) again on a second CPU kernel path, so that a tolerance that holds only on this
 # machine's kernels fails here rather than on a user's machine. Both passes run on TEST_WORKERS pytest-xdist
 # processes (default 2, one torch thread each; 0 runs in this process).
-# DEEPINIT_SECOND_KERNEL_PATH=0 skips the second pass.
+# The second pass takes the fast tier's floating-point tests (the formulas against their references) and the
+# slow ones marked kernel_checked (trained models whose margins depend on the kernels);
+# DEEPINIT_SECOND_KERNEL_PATH=all adds every slow floating-point test, =0 skips the second pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -24,5 +26,7 @@ if [ "$native" = AVX512 ]; then
 else
   second=(ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 CT2_FORCE_CPU_ISA=GENERIC)
 fi
-echo "[test] floating-point tests again on a second CPU kernel path (native: $native): ${second[*]}"
-exec env "${second[@]}" .venv/bin/python -m pytest -q "${workers[@]}" -m numerics tests "$@"
+marker="numerics and (not slow or kernel_checked)"
+[ "${DEEPINIT_SECOND_KERNEL_PATH:-1}" = all ] && marker=numerics
+echo "[test] floating-point tests ($marker) again on a second CPU kernel path (native: $native): ${second[*]}"
+exec env "${second[@]}" .venv/bin/python -m pytest -q "${workers[@]}" -m "$marker" tests "$@"

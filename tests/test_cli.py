@@ -82,10 +82,11 @@ KERNEL_CHECKED = ("postln", CONTROL, "deepnorm_torchscale", "rezero")
 
 def pipeline_cases(stage: str, cases=CASES, checked=KERNEL_CHECKED) -> list:
     """``cases`` whose pipelines reach ``stage``, as parameters: all but ``checked`` are marked
-    ``kernel_independent`` (left out of scripts/test.sh's second pass, which runs only the pipelines its tests read)."""
-    once = pytest.mark.kernel_independent
+    ``kernel_independent`` (left out of scripts/test.sh's second pass, which runs only the pipelines its tests read),
+    ``checked`` ones ``kernel_checked`` (in that pass although slow)."""
+    once, again = pytest.mark.kernel_independent, pytest.mark.kernel_checked
     return [
-        pytest.param(c, marks=() if c in checked else once) for c in cases if stage == "train" or c not in TRAIN_ONLY
+        pytest.param(c, marks=again if c in checked else once) for c in cases if stage == "train" or c not in TRAIN_ONLY
     ]
 
 
