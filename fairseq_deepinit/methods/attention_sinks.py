@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..errors import DeepInitConfigError
 from ..modules.attention_features import feature_attention
-from .record import Method, Option, own_attention_forward, standard_layer
+from .record import Method, Option, check_cross_off, own_attention_forward, standard_layer
 
 OPTIONS = (
     Option(
@@ -45,11 +44,7 @@ OPTIONS = (
 
 
 def validate_sinks(p, spec, args) -> None:
-    if not p.attention_sinks_cross and not spec.decoder.kind.encoder_decoder:
-        raise DeepInitConfigError(
-            "--no-attention-sinks-cross: this model has no encoder-decoder attention (a language model, or "
-            "--no-cross-attention); drop it"
-        )
+    check_cross_off(p, spec, "attention_sinks_cross")
 
 
 def setup_sinks_layer(layer, p, spec) -> None:

@@ -25,9 +25,8 @@ import math
 
 import torch.nn as nn
 
-from ..errors import DeepInitConfigError
 from ..modules.attention_features import GATE_KINDS, AttentionGate, FeatureAttention, feature_attention
-from .record import Method, Option, own_attention_forward, standard_layer
+from .record import Method, Option, check_cross_off, own_attention_forward, standard_layer
 
 OPTIONS = (
     Option(
@@ -57,11 +56,7 @@ OPTIONS = (
 
 
 def validate_gated_attention(p, spec, args) -> None:
-    if not p.gated_attention_cross and not spec.decoder.kind.encoder_decoder:
-        raise DeepInitConfigError(
-            "--no-gated-attention-cross: this model has no encoder-decoder attention (a language model, or "
-            "--no-cross-attention); drop it"
-        )
+    check_cross_off(p, spec, "gated_attention_cross")
 
 
 def setup_gated_attention_layer(layer, p, spec) -> None:

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import DeepInitConfigError
-from .record import TAG, Method, Option, Rule, standard_layer
+from .record import TAG, Method, Option, Rule, check_cross_off, standard_layer
 
 TAU = 100.0  # Kimi K2's tau; Megatron qk_clip_threshold
 ALPHA = 0.5  # Megatron qk_clip_alpha; the paper's sqrt(gamma) on each side
@@ -38,11 +37,7 @@ def _alpha_problem(alpha) -> str | None:
 
 def validate_qk_clip(p, spec, args) -> None:
     """``--no-qk-clip-cross`` needs an encoder-decoder attention to leave unclipped."""
-    if not p.qk_clip_cross and not spec.decoder.kind.encoder_decoder:
-        raise DeepInitConfigError(
-            "--no-qk-clip-cross: this model has no encoder-decoder attention (a language model, or "
-            "--no-cross-attention); drop it"
-        )
+    check_cross_off(p, spec, "qk_clip_cross")
 
 
 def describe_qk_clip(p) -> str:

@@ -25,9 +25,8 @@ import math
 
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from ..errors import DeepInitConfigError
 from ..modules.qk_norm import QK_NORM_SCOPES, QK_NORM_TYPES, add_qk_norm, build_qk_norm
-from .record import FLAG, Method, Option, Rule
+from .record import FLAG, Method, Option, Rule, check_cross_off
 
 DEFAULT_SCOPE = "head"
 DEFAULT_TYPE = "rmsnorm"
@@ -86,11 +85,7 @@ OPTIONS = (
 
 def validate_qk_norm(p, spec, args) -> None:
     """``--no-qk-norm-cross`` needs an encoder-decoder attention to leave without q/k norms."""
-    if not p.qk_norm_cross and not spec.decoder.kind.encoder_decoder:
-        raise DeepInitConfigError(
-            "--no-qk-norm-cross: this model has no encoder-decoder attention (a language model, or "
-            "--no-cross-attention); drop it"
-        )
+    check_cross_off(p, spec, "qk_norm_cross")
 
 
 def setup_qk_norm_layer(layer, p, spec) -> None:

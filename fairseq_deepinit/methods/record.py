@@ -128,6 +128,16 @@ def positive(name: str) -> Callable[[Any], str | None]:
     return check
 
 
+def check_cross_off(p: Any, spec: Any, option: str) -> None:
+    """``--no-<option>`` (``option``: a ``*_cross`` switch, on by default) needs an encoder-decoder
+    attention to leave out."""
+    if not getattr(p, option) and not spec.decoder.kind.encoder_decoder:
+        raise DeepInitConfigError(
+            f"--no-{flag(option)[2:]}: this model has no encoder-decoder attention (a language model, or "
+            "--no-cross-attention); drop it"
+        )
+
+
 def pre_ln(why: str = "") -> Rule:
     return Rule(PLACEMENT, ("pre",), why)
 
