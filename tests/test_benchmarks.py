@@ -505,3 +505,10 @@ def test_hc_cost_prints_every_case_with_its_ratios_to_pre_ln():
     ops = {case: int(cells[8]) for case, cells in rows.items()}
     assert ops["mhc"] > ops["hc"] > ops["hc-static"] > ops["preln"]
     assert saved["mhc-autograd"] > saved["mhc"] > saved["preln"]
+
+
+def test_hc_cost_ratio_of_an_unmeasured_reference_is_a_dash():
+    """A toy shape's update may grow Pre-LN's RSS by nothing: its ratio column says ``-`` instead of dividing by 0."""
+    from deepinit_tools.bench.hc_cost import vs
+
+    assert vs(3.0, 2.0) == "1.50" and vs(0.0, 0.0) == "-" and vs(5.0, 0.0) == "-"

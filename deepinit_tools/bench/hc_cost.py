@@ -87,6 +87,12 @@ def saved_bytes(b: rb.Built, sample: dict) -> int:
     return sum(seen.values())
 
 
+def vs(value: float, reference: float) -> str:
+    """``value / reference``, or ``-`` where the reference measured nothing (a toy shape's update can fit in
+    pages the process already holds: no RSS growth to divide by)."""
+    return f"{value / reference:.2f}" if reference > 0 else "-"
+
+
 def main(argv: List[str] | None = None) -> None:
     parser = harness.Parser(description=__doc__)
     parser.add_argument("--kind", default="mt", choices=("mt", "lm"), help="translation (mt) or decoder-only (lm)")
@@ -136,8 +142,8 @@ def main(argv: List[str] | None = None) -> None:
         slower_cpu = harness.Stat.of([1 / r for r in rounds.ratios(case, "preln", clock="cpu")])
         rows.append([
             case, f"{params[case] / 1e6:.2f}M", harness.Stat.of(rounds.rates(case)).text("{:.2f}"),
-            slower.text(), slower_cpu.text(), f"{saved[case] / 2**20:.1f}", f"{saved[case] / saved['preln']:.2f}",
-            f"{peak[case]:.1f}", f"{peak[case] / peak['preln']:.2f}", ops[case], f"{ops[case] / ops['preln']:.2f}",
+            slower.text(), slower_cpu.text(), f"{saved[case] / 2**20:.1f}", vs(saved[case], saved["preln"]),
+            f"{peak[case]:.1f}", vs(peak[case], peak["preln"]), ops[case], vs(ops[case], ops["preln"]),
         ])  # fmt: skip
     header = ["case", "params", "updates/s", "time vs Pre-LN (wall)", "(CPU time)", "saved MiB", "vs Pre-LN",
               "peak RSS MiB", "vs Pre-LN", "ops/update", "vs Pre-LN"]  # fmt: skip
