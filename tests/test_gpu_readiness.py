@@ -320,3 +320,19 @@ def test_matmul_audit_takes_attention_in_its_input_dtype():
     assert audit.other() == plain.other() == 1
     ((line, n),) = plain.off.items()
     assert n == 1 and line.startswith("other bmm tests/test_gpu_readiness.py:"), line
+
+
+def test_an_op_passed_on_by_a_torch_mode_is_the_callers():
+    """A recorder's TorchFunctionMode (gpu_smoke's SDPA recorder) sits between the model and the op: the audit
+    names the line that asked for the product, not the mode's handler."""
+    from torch.overrides import TorchFunctionMode
+
+    class PassOn(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(2, 3)
+    with PassOn(), counters.MatmulDtypeAudit() as audit:
+        q @ q.t()
+    ((line, n),) = audit.off.items()
+    assert n == 1 and line.startswith("other mm tests/test_gpu_readiness.py:") and "(test_an_op_passed" in line, line

@@ -19,9 +19,9 @@ from deepinit_tools.bench import gpu_smoke  # noqa: E402
 
 # one of each kind: stock, a Post-LN init scheme, Admin (profiling on the first step), MAtt (its own
 # incremental decoding), Sub-LN and NormFormer (successors with extra norms), DyT (a norm whose backward
-# reduces in fp32), two language models
+# reduces in fp32), three language models (mHC's: its mapping runs in fp32 by design)
 SUBSET = ("stock", "postln", "admin", "dsinit_matt", "normformer", "subln", "dyt", "lm:stock", "lm:admin",
-          "lm:deepnorm")  # fmt: skip
+          "lm:deepnorm", "lm:mhc")  # fmt: skip
 TINY = ["--layers", "2", "--dim", "32", "--ffn", "64", "--heads", "2", "--batch", "4"]
 
 
@@ -60,7 +60,7 @@ def test_cpu_smoke_trains_decodes_and_audits_every_selected_architecture(smoke):
         if r["precision"] == "fp16":  # CPU: fp32 in its place, and the row says so
             assert r["ran_as"] == "fp32" and "fp16 needs CUDA" in r["note"]
             assert set(r["matmul_dtypes_train"]) == {"float32"}
-        elif r["arch"] == "dyt":  # its alpha gradient, a full reduction, runs in fp32 (modules/dyt.py _full_dot)
+        elif r["arch"] in ("dyt", "lm:mhc"):  # DyT's alpha gradient (modules/dyt.py _full_dot), mHC's mapping
             assert set(r["matmul_dtypes_train"]) == {"bfloat16", "float32"} and r["status"] == "ok", r
         else:  # every matrix product of the last training step under bf16 autocast
             assert set(r["matmul_dtypes_train"]) == {"bfloat16"}, r

@@ -31,10 +31,18 @@ def origin(filename: str) -> str:
     return "other"
 
 
+# a torch function / dispatch mode's handler (a benchmark's recorder, wherever it is defined) passes the op on:
+# the code that asked is its caller
+_MODE_HANDLERS = ("__torch_function__", "__torch_dispatch__")
+
+
 def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame outside torch and this harness: the code that asked for the op."""
+    """The innermost frame outside torch, this harness and any torch mode's handler: the code that asked for
+    the op."""
     for frame in reversed(frames):
         if frame.filename.startswith((_HARNESS, "<")) or origin(frame.filename) == "torch":
+            continue
+        if frame.name in _MODE_HANDLERS:
             continue
         return frame
     return None
