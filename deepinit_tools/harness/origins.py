@@ -1,9 +1,10 @@
 """Whose code asked for an op: the line of Python behind an aten op, a host read or a graph break.
 
 :func:`origin` sorts a file into ``plugin`` (fairseq_deepinit), ``fairseq``, ``torch`` or ``other``
-(tests, benchmarks, Python itself); :func:`event` names the innermost frame outside torch and the
-harness (``fairseq_deepinit/modules/attention.py:203 (forward)``). Used by :mod:`harness.host_reads`,
-:mod:`harness.op_counters` (products in an unexpected dtype) and :func:`harness.counters.graph_breaks`.
+(tests, benchmarks, Python itself); :func:`event` names the innermost frame outside torch, the harness
+and any torch mode's handler (``fairseq_deepinit/modules/attention.py:203 (forward)``). Used by
+:mod:`harness.host_reads`, :mod:`harness.op_counters` (products in an unexpected dtype) and
+:func:`harness.counters.graph_breaks`.
 """
 
 from __future__ import annotations
@@ -40,11 +41,9 @@ def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSumma
     """The innermost frame outside torch, this harness and any torch mode's handler: the code that asked for
     the op."""
     for frame in reversed(frames):
-        if frame.filename.startswith((_HARNESS, "<")) or origin(frame.filename) == "torch":
-            continue
-        if frame.name in _MODE_HANDLERS:
-            continue
-        return frame
+        passes_on = frame.filename.startswith((_HARNESS, "<")) or origin(frame.filename) == "torch"
+        if not passes_on and frame.name not in _MODE_HANDLERS:
+            return frame
     return None
 
 
