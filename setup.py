@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.13",
     # the plugin only: the research tools (deepinit_tools/: benchmarks, Multi30k matrix, readiness, GPU
-    # session) run from a checkout with PYTHONPATH=$PWD (README, "Research tools")
+    # session) run from a checkout; their scripts put it first on the path (README, "Research tools")
     packages=find_packages(include=["fairseq_deepinit", "fairseq_deepinit.*"])
     # fairseq-hydra-train's config-key errors in one line: Hydra imports this namespace at start-up
     + find_namespace_packages(include=["hydra_plugins"]),

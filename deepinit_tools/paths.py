@@ -1,9 +1,9 @@
 """Where the tools find the plugin, the data and their default output folders.
 
 The tools are not installed with the plugin (``pip install .`` installs ``fairseq_deepinit`` only): they
-run from a checkout with its root first on the path (``PYTHONPATH=$PWD``, as the quickstart, the device
-commands of docs/benchmarks.md and the tests do), never through ``sys.path`` bootstraps. The plugin they
-use is the one next to them (:data:`PLUGIN_DIR`), so a tool never mixes an installed copy with a checkout's.
+run from a checkout with its root first on the path (each entry point in ``scripts/`` and ``benchmarks/``
+puts it there; the tests' root ``conftest.py`` does for the tests). The plugin they use is the one next to
+them (:data:`PLUGIN_DIR`), so a tool never mixes an installed copy with a checkout's.
 """
 
 from __future__ import annotations
@@ -38,5 +38,5 @@ def import_plugin() -> None:
     if found != PLUGIN_DIR:
         raise SystemExit(
             f"imported {found}, not the plugin next to these tools ({PLUGIN_DIR}); "
-            f"run the tools from the checkout's root with PYTHONPATH={HOME}"
+            f"run the tools through their scripts (scripts/, benchmarks/) or with PYTHONPATH={HOME}"
         )

@@ -23,7 +23,6 @@ OUT=${OUT_DIR:-docs/diagnostics}
 SCHEMES=${SCHEMES:-postln preln admin tfixup dsinit}
 TWT_UPDATES=${TWT_UPDATES:-1500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/multi30k_data.py: the tools run from the checkout
 DIMS=(--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512
       --encoder-attention-heads 4 --decoder-attention-heads 4)
 LOSS=(--criterion label_smoothed_cross_entropy --label-smoothing 0.1)

@@ -7,7 +7,7 @@
 #
 # Knobs (environment variables, defaults in brackets); see docs/quickstart.md:
 #   ARCH [twt_iwslt_de_en]  EMBED_DIM [128]  FFN_DIM [512]  HEADS [4]  LAYERS [2] (per stack)
-#   MAX_UPDATE [1500]  TRAIN_MINUTES [6] (training stops at whichever comes first)
+#   MAX_UPDATE [1500]  TRAIN_MINUTES [0: no limit] (a limit stops training at whichever comes first)
 #   MAX_TOKENS [1024]  LR [2e-3]  WARMUP [200]  DROPOUT [0.1]  SEED [1]  BEAM [4]
 #   EXTRA_TRAIN_ARGS [] (appended to fairseq-train, e.g. "--init-scheme lipschitz")
 #   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
@@ -31,7 +31,7 @@ FFN_DIM=${FFN_DIM:-512}
 HEADS=${HEADS:-4}
 LAYERS=${LAYERS:-2}
 MAX_UPDATE=${MAX_UPDATE:-1500}
-TRAIN_MINUTES=${TRAIN_MINUTES:-6}
+TRAIN_MINUTES=${TRAIN_MINUTES:-0}
 MAX_TOKENS=${MAX_TOKENS:-1024}
 LR=${LR:-2e-3}
 WARMUP=${WARMUP:-200}
@@ -56,9 +56,10 @@ need_int() {  # need_int NAME MIN [what it is]: a whole number >= MIN
   local value=${!1}
   [[ $value =~ ^[0-9]{1,9}$ ]] && [ "$((10#$value))" -ge "$2" ] || die "$1=$value: give a whole number >= $2${3:+ ($3)}"
 }
-need_positive() {  # need_positive NAME [what it is]: a number > 0
+need_positive() {  # need_positive NAME [what it is]: a finite number > 0 (awk reads 1e999 as inf)
   local value=${!1}
-  [[ $value =~ $NUMBER ]] && awk -v v="$value" 'BEGIN { exit !(v > 0) }' || die "$1=$value: give a number > 0${2:+ ($2)}"
+  [[ $value =~ $NUMBER ]] && awk -v v="$value" 'BEGIN { exit !(v > 0 && v < 1e300) }' \
+    || die "$1=$value: give a finite number > 0${2:+ ($2)}"
 }
 need_name() {  # need_name NAME: letters, digits and _ only
   [[ ${!1} =~ ^[A-Za-z0-9_]+$ ]] || die "$1=${!1}: give a name of letters, digits and _"
@@ -71,8 +72,7 @@ need_int HEADS 1 "attention heads"
   || die "EMBED_DIM=$EMBED_DIM is not divisible by HEADS=$HEADS (each head gets EMBED_DIM / HEADS dimensions)"
 need_int LAYERS 1 "layers per stack"
 need_int MAX_UPDATE 1 "training updates"
-need_positive TRAIN_MINUTES "minutes of training"
-need_int MAX_TOKENS 1 "tokens per batch"
+[ "$TRAIN_MINUTES" = 0 ] || need_positive TRAIN_MINUTES "minutes of training, or 0 for no limit"
 need_positive LR "the peak learning rate"
 need_int WARMUP 0 "warm-up updates"
 [[ $DROPOUT =~ $NUMBER ]] && awk -v v="$DROPOUT" 'BEGIN { exit !(v < 1) }' || die "DROPOUT=$DROPOUT: give a number >= 0 and < 1"
@@ -82,6 +82,8 @@ need_name SRC_BIBLE
 need_name TGT_BIBLE
 need_int BPE_MERGES 1
 need_int MAX_LEN 1 "longest sentence kept, in tokens"
+# fairseq puts a sentence whole into a batch: the longest training pair (MAX_LEN tokens and its </s>) must fit
+need_int MAX_TOKENS "$((10#$MAX_LEN + 1))" "tokens per batch: at least MAX_LEN + 1, the longest training sentence with its end-of-sentence token"
 [ -n "$WORK_DIR" ] || die "WORK_DIR is empty: give a folder"
 [[ $SKIP_SETUP =~ ^[01]$ ]] || die "SKIP_SETUP=$SKIP_SETUP: give 0 or 1"
 [[ $EXPORT =~ ^[01]$ ]] || die "EXPORT=$EXPORT: give 0 or 1"
@@ -100,8 +102,6 @@ else
 fi
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export PYTHONUNBUFFERED=1
-# the corpus and progress tools (deepinit_tools/) run from this checkout: pip installs the plugin only
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 PY=$ROOT/.venv/bin/python
 USER_DIR=$ROOT/fairseq_deepinit
@@ -197,15 +197,23 @@ else
   grep -h "Dictionary\|tokens" "$BPE/preprocess.log" | head -4 || true
 fi
 
+# the dev set is never length-filtered: fairseq-train would stop at its first validation on a dev sentence
+# longer than a batch, after the training
+LONGEST=$(awk '{ if (NF > m) m = NF } END { print m + 1 }' "$BPE/valid.de" "$BPE/valid.en")
+[ "$((10#$MAX_TOKENS))" -ge "$LONGEST" ] \
+  || die "MAX_TOKENS=$MAX_TOKENS: the longest dev sentence has $LONGEST tokens with its </s>; give MAX_TOKENS >= $LONGEST"
+
 mkdir -p "$RUN"
 printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
 
-step train "train $ARCH (d=$EMBED_DIM, ffn=$FFN_DIM, $LAYERS+$LAYERS layers) for $MAX_UPDATE updates or $TRAIN_MINUTES min on $THREADS CPU thread(s) ($THREADS_WHY)"
+LIMIT=""
+[ "$TRAIN_MINUTES" = 0 ] || LIMIT=" or $TRAIN_MINUTES min (TRAIN_MINUTES)"
+step train "train $ARCH (d=$EMBED_DIM, ffn=$FFN_DIM, $LAYERS+$LAYERS layers) for $MAX_UPDATE updates$LIMIT on $THREADS CPU thread(s) ($THREADS_WHY)"
 echo "precision: $PRECISION ($PRECISION_WHY)"
 echo "run folder: $RUN"
 if [ -f "$RUN/train.done" ] && grep -q "cumulative_training_time" "$RUN/train.done" \
-  && awk -v old="$(sed -n 's/^minutes=//p' "$RUN/train.done")" -v new="$TRAIN_MINUTES" 'BEGIN { exit !(new > old) }'; then
-  # the last run stopped at its time limit: a larger TRAIN_MINUTES continues the same model
+  && awk -v old="$(sed -n 's/^minutes=//p' "$RUN/train.done")" -v new="$TRAIN_MINUTES" 'BEGIN { exit !(new == 0 || new > old) }'; then
+  # the last run stopped at its time limit: no limit (0) or a larger TRAIN_MINUTES continues the same model
   echo "continuing: the last run stopped at TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done"), now $TRAIN_MINUTES"
   rm "$RUN/train.done"
 fi
@@ -213,17 +221,29 @@ if [ -f "$RUN/train.done" ]; then
   echo "training already finished ($(head -1 "$RUN/train.done")); delete $RUN to train again"
 else
   if [ -f "$RUN/checkpoint_last.pt" ]; then echo "resuming from $RUN/checkpoint_last.pt"; fi
-  STOP_H=$(awk -v m="$TRAIN_MINUTES" 'BEGIN { printf "%.6g", m / 60 }')  # a checked number, never code
+  STOP=()
+  # a checked number, never code
+  [ "$TRAIN_MINUTES" = 0 ] || STOP=(--stop-time-hours "$(awk -v m="$TRAIN_MINUTES" 'BEGIN { printf "%.6g", m / 60 }')")
   TRAIN_START=$SECONDS
-  "$PY" -m fairseq_cli.train "${TRAIN_ARGS[@]}" --save-dir "$RUN" --stop-time-hours "$STOP_H" \
+  # fairseq's log into train.log as it is; on the screen with "[train] 250/1500 updates (16%), ..., about
+  # 5 min left" after each of its progress lines (scripts/train_progress.py)
+  "$PY" -m fairseq_cli.train "${TRAIN_ARGS[@]}" --save-dir "$RUN" "${STOP[@]}" \
     --save-interval-updates 500 --keep-interval-updates 1 --no-epoch-checkpoints \
     --cpu --num-workers 0 --log-format simple --log-interval 25 \
-    2>&1 | tee -a "$RUN/train.log" \
+    2>&1 | tee -a "$RUN/train.log" | "$PY" scripts/train_progress.py --max-update "$MAX_UPDATE" \
     || { echo "error: fairseq-train failed (log: $RUN/train.log)"; exit 1; }
   [ -f "$RUN/checkpoint_last.pt" ] || { echo "error: training wrote no checkpoint (log: $RUN/train.log)"; exit 1; }
   reason=$(grep -o "Stopping training due to.*" "$RUN/train.log" | tail -1 || true)
-  printf '%s; last run took %ss\nminutes=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
-    "$TRAIN_MINUTES" > "$RUN/train.done"
+  # the updates in the newest checkpoint: fairseq's "Saved checkpoint ... (epoch E @ U updates, ...)"
+  updates=$(grep -o "@ [0-9]* updates" "$RUN/train.log" | tail -1 | tr -dc 0-9)
+  printf '%s; last run took %ss\nminutes=%s\nupdates=%s\n' "${reason:-stopped}" "$((SECONDS - TRAIN_START))" \
+    "$TRAIN_MINUTES" "${updates:-?}" > "$RUN/train.done"
+fi
+TRAINED=$(sed -n 's/^updates=//p' "$RUN/train.done")
+TIME_CAPPED=""
+if grep -q "cumulative_training_time" "$RUN/train.done"; then
+  TIME_CAPPED="the time limit (TRAIN_MINUTES=$(sed -n 's/^minutes=//p' "$RUN/train.done")) stopped training after ${TRAINED:-?} of $MAX_UPDATE updates: this BLEU is of that model; TRAIN_MINUTES=0 (no limit) or a larger one continues it"
+  echo "note: $TIME_CAPPED"
 fi
 
 # --required-batch-size-multiple 1: fairseq 0.12 otherwise drops the last batch when its size is
@@ -248,6 +268,7 @@ awk -F'\t' '/^[STD]-[0-2]\t/ { print "  " $1 "\t" $NF }' "$GEN" | sort -s -k1.5n
 
 step score "score: sacreBLEU against the untokenised references"
 "$PY" scripts/prepare_bible.py score "$GEN" "$CORPUS/raw/test.en" | tee "$RUN/bleu.txt"
+echo "trained: ${TRAINED:-?} of $MAX_UPDATE updates${TIME_CAPPED:+; $TIME_CAPPED}" | tee -a "$RUN/bleu.txt"
 cpu_now
 END_CPU=$CPU_NOW
 END_T=$SECONDS

@@ -16,6 +16,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,21 +211,51 @@ def test_no_tools_module_over_400_lines():
     assert not long, f"split by responsibility (at most {MAX_LINES} lines): {long}"
 
 
+BOOTSTRAP = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))"
+"""The one statement an entry point adds to the imports: the checkout first on the path, so that
+``python benchmarks/<x>.py`` runs from any folder without ``PYTHONPATH`` and imports this checkout's tools and
+plugin (never an installed copy of the plugin)."""
+
+
 @pytest.mark.parametrize("script", ENTRY_POINTS, ids=lambda p: str(p.relative_to(REPO)))
 def test_scripts_and_benchmarks_are_entry_points_of_the_tools(script):
-    """A docstring, imports (``sys`` and the tools), ``if __name__ == "__main__": main()``: the code is in
-    ``deepinit_tools`` (importable by tests and by the other tools without ``sys.path``)."""
+    """A docstring, imports (``sys``, ``pathlib.Path`` and the tools), :data:`BOOTSTRAP` before the tools,
+    ``if __name__ == "__main__": main()``: the code is in ``deepinit_tools`` (importable by tests and by the
+    other tools)."""
     tree = ast.parse(script.read_text())
     body = tree.body[1:] if ast.get_docstring(tree) else tree.body
+    booted = False
     for node in body:
         if isinstance(node, ast.Import):
             assert [a.name for a in node.names] == ["sys"], f"{script.name}: imports {[a.name for a in node.names]}"
+        elif isinstance(node, ast.ImportFrom) and node.module == "pathlib":
+            assert [a.name for a in node.names] == ["Path"], f"{script.name}: imports {ast.unparse(node)}"
         elif isinstance(node, ast.ImportFrom):
             assert (node.module or "").startswith(TOOLS + "."), f"{script.name}: imports from {node.module}"
+            assert booted, f"{script.name}: {node.module} imported before the checkout is on the path"
+        elif isinstance(node, ast.Expr) and ast.unparse(node) == BOOTSTRAP:
+            booted = True
         else:
             assert isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'", (
-                f"{script.name}:{node.lineno}: only imports and the __main__ call belong in an entry point"
+                f"{script.name}:{node.lineno}: only imports, the checkout on the path and the __main__ call belong in "
+                "an entry point"
             )
+    assert booted, f"{script.name}: no {BOOTSTRAP}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_an_entry_point_runs_without_pythonpath(where, tmp_path):
+    """``python benchmarks/gpu_session.py --plan`` from the checkout's root (and from another folder) in an
+    environment without ``PYTHONPATH``: the tools and the checkout's plugin import."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cwd = REPO if where == "root" else tmp_path
+    script = "benchmarks/gpu_session.py" if where == "root" else str(REPO / "benchmarks" / "gpu_session.py")
+    out = subprocess.run(
+        [sys.executable, script, "--plan"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "smoke" in out.stdout
 
 
 def _sys_path_changes(tree: ast.AST) -> list:
@@ -244,9 +277,9 @@ def _sys_path_changes(tree: ast.AST) -> list:
 
 
 def test_no_sys_path_bootstraps():
-    """Tools, scripts, benchmarks and tests import packages; only the root conftest.py puts the checkout
-    on the path (once, for the tests and the processes they start)."""
-    files = [*modules(TOOLS).values(), *ENTRY_POINTS, *sorted((REPO / "tests").rglob("*.py"))]
+    """Tools and tests import packages; only the root conftest.py (once, for the tests and the processes they
+    start) and the entry points (:data:`BOOTSTRAP`, checked above) put the checkout on the path."""
+    files = [*modules(TOOLS).values(), *sorted((REPO / "tests").rglob("*.py"))]
     bad = {
         str(p.relative_to(REPO)): lines
         for p in files

@@ -269,17 +269,20 @@ QUICKSTART_KNOBS = {  # knob value -> what the one line says (checked before any
     "MAX_UPDATE=0": "MAX_UPDATE=0: give a whole number >= 1",
     "THREADS=0": "THREADS=0: give a whole number >= 1 (CPU threads, or auto)",
     "BEAM=0": "BEAM=0: give a whole number >= 1 (beam size)",
-    "TRAIN_MINUTES=abc": "TRAIN_MINUTES=abc: give a number > 0 (minutes of training)",
-    "TRAIN_MINUTES=__import__('pathlib').Path('ran').touch() or 1": "give a number > 0",
-    "TRAIN_MINUTES=0": "TRAIN_MINUTES=0: give a number > 0",
+    "TRAIN_MINUTES=abc": "TRAIN_MINUTES=abc: give a finite number > 0 (minutes of training, or 0 for no limit)",
+    "TRAIN_MINUTES=__import__('pathlib').Path('ran').touch() or 1": "give a finite number > 0",
+    "TRAIN_MINUTES=-1": "TRAIN_MINUTES=-1: give a finite number > 0",
+    "TRAIN_MINUTES=1e999": "TRAIN_MINUTES=1e999: give a finite number > 0",
     "EMBED_DIM=7": "EMBED_DIM=7 is not divisible by HEADS=4",
     "HEADS=0": "HEADS=0: give a whole number >= 1",
     "LAYERS=two": "LAYERS=two: give a whole number >= 1",
-    "LR=0": "LR=0: give a number > 0",
-    "LR=1e-3;touch ran": "give a number > 0",
+    "LR=0": "LR=0: give a finite number > 0",
+    "LR=1e999": "LR=1e999: give a finite number > 0 (the peak learning rate)",
+    "LR=1e-3;touch ran": "give a finite number > 0",
     "DROPOUT=1": "DROPOUT=1: give a number >= 0 and < 1",
     "WARMUP=-5": "WARMUP=-5: give a whole number >= 0",
-    "MAX_TOKENS=1e3": "MAX_TOKENS=1e3: give a whole number >= 1",
+    "MAX_TOKENS=1e3": "MAX_TOKENS=1e3: give a whole number >= 81",
+    "MAX_TOKENS=1": "MAX_TOKENS=1: give a whole number >= 81 (tokens per batch: at least MAX_LEN + 1, the longest",
     "ARCH=twt;rm": "ARCH=twt;rm: give a name of letters, digits and _",
     "SKIP_SETUP=yes": "SKIP_SETUP=yes: give 0 or 1",
     "EXPORT=no": "EXPORT=no: give 0 or 1",
@@ -317,3 +320,24 @@ def test_quickstart_parses_the_training_options_before_the_corpus(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: the training options") and message in lines[0], lines
         assert "corpus" not in proc.stdout and not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_checks_the_longest_dev_sentence_before_training(tmp_path):
+    """The dev set is never length-filtered: a batch smaller than its longest sentence stops the script in one line
+    once the corpus is there, before any training (fairseq-train would fail at its first validation)."""
+    bpe = tmp_path / "work" / "bible-s-k" / "bpe8000-len80"
+    for folder in (bpe.parent / "raw", bpe, bpe / "bin"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ".done").write_text("ok\n")
+    (bpe / "valid.de").write_text("ein kurzer satz\n" + "w " * 99 + "\n")
+    (bpe / "valid.en").write_text("a short one\nshort\n")
+    env = {**os.environ, "SKIP_SETUP": "1", "THREADS": "1", "WORK_DIR": str(tmp_path / "work"), "MAX_TOKENS": "90"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "quickstart.sh")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr == (
+        "error: MAX_TOKENS=90: the longest dev sentence has 100 tokens with its </s>; give MAX_TOKENS >= 100\n"
+    ), proc.stderr
+    assert not (bpe.parent / "runs").exists() and "==> " in proc.stdout and "4/6 train" not in proc.stdout

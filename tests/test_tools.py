@@ -25,6 +25,7 @@ from deepinit_tools import generate_progress as gp  # noqa: E402
 from deepinit_tools import multi30k as md  # noqa: E402
 from deepinit_tools import multi30k_matrix as mm  # noqa: E402
 from deepinit_tools import prepare_bible  # noqa: E402
+from deepinit_tools import train_progress as tp  # noqa: E402
 
 # ---- Multi30k: given folder, local copy, pinned download --------------------------------------
 
@@ -203,6 +204,61 @@ def test_quickstart_translates_through_the_progress_filter():
     assert "pipefail" in text
 
 
+def train_log(counts) -> list:
+    """fairseq-train's simple log: a progress line for each count, an end-of-epoch line for the last one."""
+    lines = ["2026-01-01 00:00:00 | INFO | fairseq_cli.train | Start iterating over samples\n"]
+    lines += [f"epoch 001:  {u:5d} / 118 loss=9.1, nll_loss=8.9, num_updates={u}, lr=0.001, wall=3\n" for u in counts]
+    return lines + [f"epoch 001 | loss 9.05 | num_updates {counts[-1]} | wall 4\n"]
+
+
+def test_train_progress_copies_lines_and_reports_tenths_with_the_time_left():
+    """A resumed run (from 500) at 0.2 s per update: reports at each tenth of 1,500, the pace from this process's
+    updates only; fairseq's lines unchanged; the last count, from the end-of-epoch line, reported once."""
+    counts = list(range(525, 1501, 25))
+    lines = train_log(counts)
+    times = iter([0.0] + [0.2 * (u - 500) for u in counts])
+    out = io.StringIO()
+    assert tp.relay(lines, out, 1500, clock=lambda: next(times)) == 1500
+    text = out.getvalue().splitlines(keepends=True)
+    assert [line for line in text if not line.startswith("[train]")] == lines
+    reports = [line.strip() for line in text if line.startswith("[train]")]
+    assert [int(re.search(r"\] (\d+)/1500 ", r).group(1)) for r in reports] == [
+        525,
+        600,
+        750,
+        900,
+        1050,
+        1200,
+        1350,
+        1500,
+    ]
+    assert reports[0] == "[train] 525/1500 updates (35%), 5 s"  # no pace from one count
+    assert reports[1] == "[train] 600/1500 updates (40%), 20 s, about 3 min 0 s left"  # 900 updates at 5/s
+    assert reports[-1] == "[train] 1500/1500 updates (100%), 3 min 20 s"
+
+
+def test_train_progress_reports_each_minute_between_tenths():
+    lines = train_log([25, 50, 75])
+    times = iter([0.0, 10.0, 80.0, 90.0])
+    out = io.StringIO()
+    tp.relay(lines, out, 100000, clock=lambda: next(times))
+    reports = [line for line in out.getvalue().splitlines() if line.startswith("[train]")]
+    assert [r.split(" updates")[0] for r in reports] == ["[train] 50/100000"]  # the first a minute after the start
+    assert tp.duration(3725) == "1 h 2 min" and tp.duration(59.6) == "1 min 0 s"
+
+
+def test_quickstart_trains_to_max_update_through_the_progress_filter():
+    """No time limit by default; fairseq's log kept whole in train.log; a time limit that stops training is said
+    beside the BLEU with the updates trained."""
+    text = (REPO / "scripts" / "quickstart.sh").read_text()
+    assert "TRAIN_MINUTES=${TRAIN_MINUTES:-0}" in text
+    step = text[text.index('step train "') : text.index('step translate "')]
+    assert '| tee -a "$RUN/train.log" | "$PY" scripts/train_progress.py --max-update "$MAX_UPDATE"' in step
+    assert '[ "$TRAIN_MINUTES" = 0 ] || STOP=(--stop-time-hours' in step
+    score = text[text.index('step score "') :]
+    assert 'echo "trained: ${TRAINED:-?} of $MAX_UPDATE updates${TIME_CAPPED:+; $TIME_CAPPED}"' in score
+
+
 # ---- --help of every command line ---------------------------------------------------------------
 
 
@@ -218,6 +274,7 @@ PARSERS = {
     "multi30k_data.py": md.build_parser,
     "prepare_bible.py": prepare_bible.build_parser,
     "generate_progress.py": gp.build_parser,
+    "train_progress.py": tp.build_parser,
     **console_parsers(),
 }
 

@@ -13,7 +13,7 @@ update. Data: the quickstart's binarised corpus (run ``bash scripts/quickstart.s
 
 Usage::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python benchmarks/quickstart_precision.py --updates 300 --repeats 3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quickstart_precision.py --updates 300 --repeats 3
     ... benchmarks/quickstart_precision.py --layers 6        # the same with 6+6 layers
 """
 
