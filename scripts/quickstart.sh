@@ -286,7 +286,7 @@ if [ "$EXPORT" = 1 ]; then
   if [ -f "$CT2/model.bin" ] && [ "$CT2/model.bin" -nt "$RUN/checkpoint_last.pt" ]; then
     echo "already exported: $CT2"
   else
-    "$PY" -m fairseq_deepinit.export.cli "$RUN/checkpoint_last.pt" "$CT2" --to ctranslate2 --data "$BIN" \
+    "$PY" -m fairseq_deepinit.export.cli "$RUN/checkpoint_last.pt" "$CT2" --to ctranslate2 --data "$BIN" --force \
       > "$RUN/export.log" 2>&1 || { tail -3 "$RUN/export.log"; echo "error: deepinit-export failed"; exit 1; }
     grep -o "wrote .*" "$RUN/export.log" | tail -1
   fi

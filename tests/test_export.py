@@ -119,7 +119,7 @@ def test_ct2_beam5_outputs_equal_fairseq_generate(case, exported):
     if lm:
         got, redone, at_limit = decoding.generate_tokens(ct2, words, BEAM)
     else:
-        got, redone, at_limit = decoding.translate_tokens(ct2, words, BEAM, exact_first_step=True)
+        got, redone, at_limit = decoding.translate_tokens(ct2, words, BEAM)
     assert all(len(w) < BEAM.max_len_b for w in want)  # every sentence ended before the length limit
     assert [h[0] for h in got] == want
     assert redone == 0 and at_limit == []

@@ -49,8 +49,12 @@ def test_ctranslate2_folder_holds_the_model_its_vocabularies_and_what_it_came_fr
     assert vocab[:4] == ["<s>", "<blank>", "</s>", "<unk>"] and len(vocab) == len(model.decoder.dictionary)
     meta = json.loads((out / "deepinit_export.json").read_text())
     assert meta["source"] == str(ckpt.resolve()) and meta["quantization"] == "float32"
-    # a second export replaces the folder (atomically: no temporary left beside it)
-    assert export(capsys, ckpt, out, "--to", "ctranslate2", "--data", data, "--no-check")[0] == 0
+    # a second export replaces the folder only with --force (atomically: no temporary left beside it)
+    code, err = export(capsys, ckpt, out, "--to", "ctranslate2", "--data", data, "--no-check")
+    assert code == 1 and err == [
+        f"deepinit-export: error: the output {out} exists (a CTranslate2 model); give --force to replace it"
+    ]
+    assert export(capsys, ckpt, out, "--to", "ctranslate2", "--data", data, "--no-check", "--force")[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 

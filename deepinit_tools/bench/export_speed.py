@@ -49,13 +49,14 @@ def plugin():
 
 
 def export_models(name: str, checkpoint: Path, data: Path, work: Path) -> Dict[str, str]:
-    """``{system: CTranslate2 folder}`` of the checkpoint, float32 and int8 (reused when newer than it)."""
+    """``{system: CTranslate2 folder}`` of the checkpoint, float32 and int8 (reused when newer than it, else
+    replaced)."""
     _decoding, run = plugin()
     out = {}
     for system, quantization in (("ct2-fp32", None), ("ct2-int8", "int8")):
         folder = work / f"{name}-{system}"
         if not (folder / "model.bin").exists() or (folder / "model.bin").stat().st_mtime < checkpoint.stat().st_mtime:
-            run.export_ct2(str(checkpoint), str(folder), quantization=quantization, data=str(data))
+            run.export_ct2(str(checkpoint), str(folder), quantization=quantization, data=str(data), force=True)
         out[system] = str(folder)
     return out
 

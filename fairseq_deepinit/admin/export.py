@@ -27,9 +27,9 @@ from .fold import check_exportable, export_args, fold_state_dict
 __all__ = ["check_exportable", "export_args", "export_checkpoint", "fold_state_dict", "main", "verify"]
 
 
-def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4) -> dict:
+def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4, force: bool = False) -> dict:
     """Fold ``src`` (an Admin translation checkpoint) into ``dst``; returns a summary (changes, check result)."""
-    return run.export_fairseq(src, dst, check, tolerance, stacks="translation", require=check_exportable)
+    return run.export_fairseq(src, dst, check, tolerance, stacks="translation", require=check_exportable, force=force)
 
 
 def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, seed: int = 0) -> float:
@@ -42,7 +42,7 @@ def verify(admin_sd, admin_args, plain_sd, plain_args: dict, tolerance: float, s
 
 
 def export_parser(prog: str, description: str, checkpoint_help: str, output_help: str) -> argparse.ArgumentParser:
-    """The command line every Admin export tool shares: CHECKPOINT OUTPUT [--no-check] [--tolerance]."""
+    """The command line every Admin export tool shares: CHECKPOINT OUTPUT [--no-check] [--tolerance] [--force]."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("checkpoint", help=checkpoint_help)
     parser.add_argument("output", help=output_help)
@@ -50,15 +50,22 @@ def export_parser(prog: str, description: str, checkpoint_help: str, output_help
         "--no-check", action="store_true", help="skip building both models and comparing outputs (default: compare)"
     )
     parser.add_argument(
-        "--tolerance", type=float, default=1e-4, help="largest allowed |log-prob difference| (default: %(default)s)"
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="largest allowed |log-prob difference|, a finite number >= 0 (default: %(default)s)",
     )
+    cli.add_force(parser)
     return parser
 
 
 def run_export(parser: argparse.ArgumentParser, export: Callable[..., dict], argv: List[str] | None) -> int:
-    """Parse ``argv``, run ``export(checkpoint, output, check=, tolerance=)``; a plugin error is one line, exit 1."""
+    """Parse ``argv``, run ``export(checkpoint, output, check=, tolerance=, force=)``; a plugin error is one line,
+    exit 1."""
     return cli.run_command(
-        parser, lambda a: export(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance), argv
+        parser,
+        lambda a: export(a.checkpoint, a.output, check=not a.no_check, tolerance=a.tolerance, force=a.force),
+        argv,
     )
 
 

@@ -1,7 +1,8 @@
 """``deepinit-export CHECKPOINT OUT --to fairseq|ctranslate2``: the command line (:mod:`.run` does the work).
 
 A refused family or option, a bad checkpoint, output or option is one line on stderr
-(``deepinit-export: error: ...``) and exit status 1, before anything is written.
+(``deepinit-export: error: ...``) and exit status 1, before anything is written; an existing output is
+refused unless ``--force`` (:func:`.output.check_destination`).
 """
 
 from __future__ import annotations
@@ -49,9 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance",
         type=float,
         default=1e-4,
-        help="largest allowed |log-prob difference| of the check (default: %(default)s)",
+        help="largest allowed |log-prob difference| of the check, a finite number >= 0 (default: %(default)s)",
     )
+    add_force(parser)
     return parser
+
+
+FORCE_HELP = (
+    "replace an existing output (a file, or a CTranslate2 model folder); never the checkpoint being exported, a "
+    "folder holding it, or a checkpoint*.pt in its folder (default: an existing output is refused)"
+)
+
+
+def add_force(parser: argparse.ArgumentParser) -> None:
+    """``--force`` (:func:`fairseq_deepinit.export.output.check_destination` says what it may replace)."""
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
 
 
 def report(prog: str, output: str, summary: dict) -> None:
@@ -98,6 +111,7 @@ def main(argv: List[str] | None = None) -> int:
             data=a.data,
             check=not a.no_check,
             tolerance=a.tolerance,
+            force=a.force,
         )
 
     return run_command(build_parser(), work, argv)

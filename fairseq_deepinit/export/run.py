@@ -1,10 +1,11 @@
 """One export, start to end: read the checkpoint, classify it, refuse it or fold it, write, check, rename.
 
-The order is the guarantee: everything that can refuse (the output path, the checkpoint, the route of the
-target, Admin's profiling flag, the dictionaries, the ``ctranslate2`` package) is checked before anything
-is written; the model is then written beside the output, reloaded and compared with the plugin model,
-and only then renamed into place (:func:`.source.save_atomically`), so the output is either untouched or
-a checked export.
+The order is the guarantee: everything that can refuse (the arguments, the output path, the checkpoint, the
+route of the target, Admin's profiling flag, non-finite weights, the state dict against its model, the
+dictionaries, the ``ctranslate2`` package) is checked before anything is written, the arguments and the output
+before the checkpoint is read; the model is then written beside the output, reloaded and compared with the
+plugin model, and only then renamed into place (:func:`.output.save_atomically`), so the output is either
+untouched or a checked export.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Callable, List
 import torch
 
 from ..errors import ExportError
+from . import output, scoring, source, to_ct2, to_fairseq
 from . import route as routes
-from . import scoring, source, to_ct2, to_fairseq
 from .fold import plain_state_dict
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,23 @@ def _require_ctranslate2() -> None:
         ) from e
 
 
-def prepare(src: str, dst: str, target: str, stacks: str | None = None, require: Callable | None = None):
-    """``(state, args, route)`` of ``src`` once every check before the model is read has passed.
+def prepare(
+    src: str,
+    dst: str,
+    target: str,
+    stacks: str | None = None,
+    require: Callable | None = None,
+    force: bool = False,
+    tolerance: float = 1e-4,
+):
+    """``(state, args, route)`` of ``src`` once every check before the model is built has passed.
 
     ``stacks``: ``"lm"`` / ``"translation"`` to refuse the other kind, ``require(args)``: a check of its own
-    (both for the single-family Admin commands, :mod:`fairseq_deepinit.admin.export`).
+    (both for the single-family Admin commands, :mod:`fairseq_deepinit.admin.export`); ``force``: replace an
+    existing output (:func:`.output.check_destination` says which).
     """
-    source.check_destination(src, dst, folder=target == routes.CTRANSLATE2)
+    output.check_arguments(dst, tolerance)
+    output.check_destination(src, dst, folder=target == routes.CTRANSLATE2, force=force)
     if target == routes.CTRANSLATE2:
         _require_ctranslate2()
     state, args = source.load_checkpoint(src)
@@ -59,14 +70,21 @@ def prepare(src: str, dst: str, target: str, stacks: str | None = None, require:
     route.check(target)
     if route.residual == "admin":
         source.check_profiled(state, src, "decoder" if lm else "encoder")
+    source.check_finite(state["model"], src)
     return state, args, route
 
 
 def export_fairseq(
-    src: str, dst: str, check: bool = True, tolerance: float = 1e-4, stacks: str | None = None, require=None
+    src: str,
+    dst: str,
+    check: bool = True,
+    tolerance: float = 1e-4,
+    stacks: str | None = None,
+    require=None,
+    force: bool = False,
 ) -> dict:
     """``--to fairseq``: a stock ``transformer`` / ``transformer_lm`` checkpoint; returns a summary."""
-    state, args, route = prepare(src, dst, routes.FAIRSEQ, stacks, require)
+    state, args, route = prepare(src, dst, routes.FAIRSEQ, stacks, require, force, tolerance)
     model = source.build_plugin_model(state["model"], args, torch.float64)
     plain, changes = plain_state_dict(model, args, route)
     summary = {"route": route, "changes": changes, "arch": to_fairseq.stock_args(args, changes)["_name"]}
@@ -76,7 +94,7 @@ def export_fairseq(
         if check:
             summary["max_abs_diff"] = to_fairseq.check_stock_file(tmp, model, tolerance)
 
-    source.save_atomically(write, dst)
+    output.save_atomically(write, dst)
     return summary
 
 
@@ -87,16 +105,18 @@ def export_ct2(
     data: str | None = None,
     check: bool = True,
     tolerance: float = 1e-4,
+    force: bool = False,
 ) -> dict:
     """``--to ctranslate2``: a CTranslate2 model folder (vocabularies included); returns a summary.
 
     The check scores random sentences with the written float32 model and the plugin model in float64
     (:func:`.scoring.check_ct2_dir`); a quantized model is written after that check from the same spec and
-    its difference is reported, not checked (quantization is an approximation the user asked for).
+    its difference is reported, not bounded (quantization is an approximation the user asked for); a non-finite
+    value in it is refused all the same.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ExportError(f"unknown --quantization {quantization}; choose from {', '.join(QUANTIZATIONS)}")
-    state, args, route = prepare(src, dst, routes.CTRANSLATE2)
+    state, args, route = prepare(src, dst, routes.CTRANSLATE2, force=force, tolerance=tolerance)
     dicts = source.load_dictionaries(state, args, data)
     vocabularies: List[List[str]] = [to_ct2.vocabulary(d) for d in dicts[: 1 if route.lm else 2]]
     model = source.build_plugin_model(state["model"], args, torch.float64)
@@ -135,7 +155,7 @@ def export_ct2(
         with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
 
-    source.save_atomically(write, dst)
+    output.save_atomically(write, dst)
     return summary
 
 

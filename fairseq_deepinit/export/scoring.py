@@ -5,11 +5,13 @@ random words: for a translation model, ``log p(y_t | y_<t, x)`` for every target
 ``</s>`` (CTranslate2's ``Translator.score_batch``, which adds the source ``</s>`` and starts the decoder
 with ``</s>`` as the model's config says); for a language model, ``log p(w_t | w_<t)`` of every word after
 the first, the first being ``</s>`` as fairseq's language models start a sentence (``Generator.score_batch``).
-Each sentence is scored alone on the plugin side (no padding).
+Each sentence is scored alone on the plugin side (no padding). :func:`compare_log_probs` is the comparison
+every target's check makes (``--to fairseq``'s too: :func:`.to_fairseq.compare`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import List, Sequence, Tuple
 
 import torch
@@ -71,13 +73,39 @@ def ct2_scores(ct2_model, vocabularies: Sequence[List[str]], sentences: Sequence
 
 
 def max_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    """The largest per-token |difference| of two lists of per-sentence log-probabilities."""
+    """The largest per-token |difference| of two lists of per-sentence log-probabilities; NaN when a value of
+    either is not finite (``max`` would drop a NaN: ``max(0.0, nan)`` is 0.0)."""
     worst = 0.0
     for x, y in zip(a, b, strict=True):
         if x.shape != y.shape:
-            raise ExportError(f"CTranslate2 scored {y.numel()} tokens where the model has {x.numel()}")
-        worst = max(worst, (x - y).abs().max().item())
+            raise ExportError(f"the export scored {y.numel()} tokens where the model has {x.numel()}")
+        if not (x.isfinite().all() and y.isfinite().all()):
+            return math.nan
+        if x.numel():
+            worst = max(worst, (x.to(torch.float64) - y.to(torch.float64)).abs().max().item())
     return worst
+
+
+def compare_log_probs(
+    reference: Sequence[torch.Tensor], exported: Sequence[torch.Tensor], tolerance: float, target: str
+) -> float:
+    """The exactness check of every export target: the largest |difference| of the exported model's
+    log-probabilities (``exported``, ``target`` names it in the message) from the plugin model's
+    (``reference``), each a list of tensors of the same shapes; raises unless every value of both is finite and
+    the difference is at most ``tolerance`` (``inf``: report the difference, still refusing NaN and inf).
+    """
+    for side, values in (("the plugin model's", reference), (f"{target}'s", exported)):
+        bad = sum(int((~v.isfinite()).sum()) for v in values)
+        if bad:
+            total = sum(v.numel() for v in values)
+            raise ExportError(
+                f"{side} log-probabilities of the check hold {bad} non-finite values (NaN or inf) of {total}; "
+                "the export cannot be shown exact"
+            )
+    diff = max_difference(reference, exported)
+    if not diff <= tolerance:
+        raise ExportError(f"{target}'s log-probabilities differ from the model's by {diff:.3g} > {tolerance}")
+    return diff
 
 
 def load_ct2(model_dir: str, lm: bool, compute_type: str = "float32", threads: int = 1):
@@ -90,11 +118,9 @@ def load_ct2(model_dir: str, lm: bool, compute_type: str = "float32", threads: i
 
 def check_ct2_dir(model_dir: str, model, vocabularies, tolerance: float, compute_type: str = "float32") -> float:
     """Score random sentences with the written model and ``model`` (the plugin's); raise if they differ by more
-    than ``tolerance``; return the largest difference."""
+    than ``tolerance`` or a value is not finite (:func:`compare_log_probs`); return the largest difference."""
     lm = getattr(model, "encoder", None) is None
     sentences = random_sentences(model)
     ct2 = ct2_scores(load_ct2(model_dir, lm, compute_type), vocabularies, sentences)
-    diff = max_difference(plugin_scores(model, sentences), ct2)
-    if not diff <= tolerance:
-        raise ExportError(f"CTranslate2's log-probabilities differ from the model's by {diff:.3g} > {tolerance}")
-    return diff
+    what = "CTranslate2" if compute_type == "float32" else f"CTranslate2 ({compute_type})"
+    return compare_log_probs(plugin_scores(model, sentences), ct2, tolerance, what)

@@ -6,19 +6,19 @@ plugin model rebuilt from them, and writes that leave either the old file or the
   fairseq-train's ``argparse.Namespace`` or fairseq-hydra-train's ``model`` node;
 - :func:`build_plugin_model`: the ``deepinit`` / ``deepinit_lm`` model of those arguments holding the
   checkpoint's weights, in float64 (the folds' arithmetic) or float32 (the comparisons with CTranslate2);
-- :func:`load_dictionaries`: the fairseq dictionaries the model was trained with (CTranslate2's vocabularies);
-- :func:`check_destination`, :func:`save_atomically`: the output's checks and the write by rename.
+- :func:`check_finite`: a checkpoint whose weights hold NaN or inf is refused, naming the tensor;
+- :func:`load_dictionaries`: the fairseq dictionaries the model was trained with (CTranslate2's vocabularies).
+
+The output's checks and the write by rename are :mod:`.output`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
-import shutil
 from types import SimpleNamespace
-from typing import Callable, Tuple
+from typing import Tuple
 
 import torch
 
@@ -108,18 +108,71 @@ def build_plugin_model(sd: dict, args, dtype: torch.dtype, src_dict=None, tgt_di
     from ..model import DeepInitTransformerModel
 
     lm = is_language_model(args)
-    rows = sd["decoder.embed_tokens.weight"].size(0)
-    tgt_dict = tgt_dict or dictionary_of_size(rows)
+    tgt_dict = tgt_dict or dictionary_of_size(embedding_rows(sd, "decoder", args))
     if src_dict is None:
-        src_dict = tgt_dict if lm else dictionary_of_size(sd["encoder.embed_tokens.weight"].size(0))
+        src_dict = tgt_dict if lm else dictionary_of_size(embedding_rows(sd, "encoder", args))
     task = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
     a = copy.deepcopy(args)
     a.task = None  # only evaluated: no profiling-task checks
     a.checkpoint_activations = a.offload_activations = False  # the layers themselves, not their training wrappers
     cls = DeepInitLanguageModel if lm else DeepInitTransformerModel
     model = cls.build_model(a, task).to(dtype)
-    model.load_state_dict(sd, strict=True, model_cfg=a)
+    try:
+        model.load_state_dict(sd, strict=True, model_cfg=a)
+    except RuntimeError as e:  # torch's report of missing, unexpected or reshaped keys: many lines
+        raise ExportError(_misfit(model.state_dict(), sd, args) or errors.one_line(e)) from e
     return model.eval()
+
+
+def _fit_advice(args) -> str:
+    return f"the checkpoint's weights do not fit the model its arguments describe (--arch {getattr(args, 'arch', '?')})"
+
+
+def embedding_rows(sd: dict, stack: str, args) -> int:
+    """The rows of ``stack``'s token embedding in ``sd`` (its dictionary's size), or a one-line refusal."""
+    key = f"{stack}.embed_tokens.weight"
+    weight = sd.get(key)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ExportError(f"{_fit_advice(args)}: {'reshaped' if key in sd else 'missing'} {key}; {MISFIT_FIX}")
+    return weight.size(0)
+
+
+#: what to do about a state dict that does not fit its model
+MISFIT_FIX = "export the checkpoint as fairseq-train wrote it (an edited or damaged file cannot be exported)"
+
+
+def _misfit(want: dict, got: dict, args, show: int = 3) -> str:
+    """One line naming the missing, unexpected and reshaped keys of ``got`` against the model's ``want``."""
+
+    def names(keys) -> str:
+        keys = sorted(keys)
+        more = f" and {len(keys) - show} more" if len(keys) > show else ""
+        return ", ".join(keys[:show]) + more
+
+    missing = set(want) - set(got)
+    extra = set(got) - set(want)
+    reshaped = {
+        f"{k} ({list(got[k].shape)} in the checkpoint, {list(want[k].shape)} in the model)"
+        for k in set(want) & set(got)
+        if isinstance(got[k], torch.Tensor) and got[k].shape != want[k].shape
+    }
+    found = (("missing", missing), ("unexpected", extra), ("reshaped", reshaped))
+    parts = [f"{what} {names(keys)}" for what, keys in found if keys]
+    return f"{_fit_advice(args)}: {'; '.join(parts)}; {MISFIT_FIX}" if parts else ""
+
+
+def check_finite(sd: dict, src: str) -> None:
+    """Refuse a state dict with a NaN or infinite value, naming the first such tensor (its export could not be
+    checked: every comparison with a NaN fails, and a model that computes NaN has nothing exact to export)."""
+    bad = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not v.isfinite().all()]
+    if bad:
+        v = sd[bad[0]]
+        count = int((~v.isfinite()).sum())
+        more = f" (and {len(bad) - 1} other tensors)" if len(bad) > 1 else ""
+        raise ExportError(
+            f"{src}: the weight {bad[0]} holds {count} non-finite values (NaN or inf){more}; the training diverged "
+            "before this checkpoint: export an earlier one (checkpointN.pt, or checkpoint_best.pt)"
+        )
 
 
 def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, object]:
@@ -158,71 +211,10 @@ def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, obje
         dicts.append(Dictionary.load(path))
     stacks = ["decoder"] if len(dicts) == 1 else ["encoder", "decoder"]
     for d, stack, path in zip(dicts, stacks, files, strict=True):
-        rows = state["model"][f"{stack}.embed_tokens.weight"].size(0)
+        rows = embedding_rows(state["model"], stack, args)
         if len(d) != rows:
             raise ExportError(
                 f"{path} has {len(d)} symbols and the model's {stack} embedding {rows} rows: give --data the folder "
                 "the model was trained on"
             )
     return (dicts[0], dicts[-1])
-
-
-def check_destination(src: str, dst: str, folder: bool = False) -> None:
-    """Refuse, before the checkpoint is read, an output the export cannot or must not write.
-
-    The output must not be the input (the export would replace the training checkpoint), nor (for a
-    checkpoint file) a folder, nor under a path whose existing part is a file. A missing parent folder is
-    created when the export is written, as fairseq-train creates its ``--save-dir``.
-    """
-    if os.path.realpath(dst) == os.path.realpath(src) or (
-        os.path.exists(dst) and os.path.exists(src) and os.path.samefile(dst, src)
-    ):
-        raise ExportError(
-            f"the output {dst} is the input checkpoint; the export would replace it. Give another file name, e.g. "
-            f"{os.path.splitext(dst)[0]}.exported.pt"
-        )
-    if folder:
-        if os.path.exists(dst) and not os.path.isdir(dst):
-            raise ExportError(f"the output {dst} is a file; CTranslate2's model is a folder: give a folder name")
-        if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, "model.bin")):
-            raise ExportError(f"the output folder {dst} is not empty and holds no CTranslate2 model; give a new folder")
-    elif os.path.isdir(dst):
-        raise ExportError(
-            f"the output {dst} is a folder; give the exported checkpoint's file name, e.g. "
-            f"{os.path.join(dst, 'checkpoint.exported.pt')}"
-        )
-    existing = os.path.dirname(os.path.abspath(dst))
-    while not os.path.exists(existing):  # the deepest folder that exists (the root always does)
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ExportError(f"the output {dst} cannot be written: {existing} is a file, not a folder")
-
-
-def save_atomically(write: Callable[[str], None], dst: str) -> None:
-    """``write(tmp)`` to a temporary path beside ``dst``, then a rename: ``dst`` is either what it was or the whole
-    export (a folder replaces the old folder), and a failed write (disk full, no permission) is one
-    :class:`~fairseq_deepinit.errors.ExportError`."""
-    parent = os.path.dirname(os.path.abspath(dst))
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.normpath(dst))}.{os.getpid()}.tmp")
-    old = tmp + ".old"
-    moved = False
-    try:
-        os.makedirs(parent, exist_ok=True)
-        write(tmp)
-        if os.path.isdir(dst):
-            os.replace(dst, old)
-            moved = True
-        os.replace(tmp, dst)
-        moved = False
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
-        if moved:
-            with contextlib.suppress(OSError):
-                os.replace(old, dst)  # the previous export back in place
-        raise ExportError(f"cannot write {dst}: {errors.one_line(e)}") from e
-    finally:
-        for path in (tmp, old):
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)

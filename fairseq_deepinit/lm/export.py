@@ -24,9 +24,9 @@ STOCK_NAME = LM_STOCK
 __all__ = ["build_parser", "export_lm_args", "export_lm_checkpoint", "main"]
 
 
-def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4) -> dict:
+def export_lm_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4, force: bool = False) -> dict:
     """Fold ``src`` (an Admin ``deepinit_lm`` checkpoint) into ``dst``; returns a summary."""
-    return run.export_fairseq(src, dst, check, tolerance, stacks="lm", require=check_exportable)
+    return run.export_fairseq(src, dst, check, tolerance, stacks="lm", require=check_exportable, force=force)
 
 
 def build_parser() -> argparse.ArgumentParser:
