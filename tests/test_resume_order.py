@@ -112,8 +112,8 @@ def test_changed_batching_is_said_in_one_line_and_trains_on(synthetic_bin, trans
     lines = [ln for ln in log.splitlines() if "resuming with" in ln]
     assert len(lines) == 1, log[-3000:]
     assert lines[0].endswith(
-        "resuming with --update-freq 2 instead of 1: each update now sums 2 batches (1 ranks x --update-freq 2, "
-        "--max-tokens 1500) where the checkpoint's run summed 1 batches (1 ranks x --update-freq 1, --max-tokens "
+        "resuming with --update-freq 2 instead of 1: each update now sums 2 batches (1 rank x --update-freq 2, "
+        "--max-tokens 1500) where the checkpoint's run summed 1 batch (1 rank x --update-freq 1, --max-tokens "
         "1500), so the updates from here on are not those of the run it continues (its learning rate was set for "
         "that batch per update); epoch 2 continues after 7 of its 13 batches, where 7 of 13 had been trained"
     ), lines[0]

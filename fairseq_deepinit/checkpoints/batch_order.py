@@ -97,10 +97,14 @@ def state_dict(original: Callable, itr: Any) -> Dict[str, Any]:
     return state
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
 def _changes(saved: Dict[str, Any], now: Dict[str, Any], epoch: int) -> List[str]:
     out = []
     if saved.get("world_size") != now["world_size"]:
-        out.append(f"{now['world_size']} ranks instead of {saved.get('world_size')}")
+        out.append(f"{_ranks(now['world_size'])} instead of {saved.get('world_size')}")
     if "update_freq" in saved and _update_freq(saved["update_freq"], epoch) != _update_freq(now["update_freq"], epoch):
         out.append(f"--update-freq {_update_freq(now['update_freq'], epoch)} instead of "
                    f"{_update_freq(saved['update_freq'], epoch)}")  # fmt: skip
@@ -117,7 +121,8 @@ def _per_update(record: Dict[str, Any], epoch: int, world_size: int) -> str:
         f", {flag} {record[key]}" for key, flag in (("max_tokens", "--max-tokens"), ("batch_size", "--batch-size"))
         if record.get(key)
     )  # fmt: skip
-    return f"{world_size * freq} batches ({world_size} ranks x --update-freq {freq}{limits})"
+    total = world_size * freq
+    return f"{total} batch{'es' if total != 1 else ''} ({_ranks(world_size)} x --update-freq {freq}{limits})"
 
 
 def load_state_dict(original: Callable, itr: Any, state: Dict[str, Any]) -> Any:
