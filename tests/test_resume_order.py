@@ -9,11 +9,13 @@ first update after a stop past epoch 1. A resume with another ``--update-freq`` 
 changed in one line and trains on (stock fairseq: "dataloader mismatch" when the epoch now has fewer batches).
 The two-rank cases are in ``tests/test_multirank.py``.
 
-d=16, 2+2 layers (2 for the LM), 13 batches per translation epoch: each run takes seconds (forked).
+d=16, 2+2 layers (2 for the LM), 13 batches per translation epoch: each run takes seconds (forked). The
+position arithmetic for another world size is checked in-process on fairseq's iterator (no process).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -123,5 +125,47 @@ def test_changed_batching_is_said_in_one_line_and_trains_on(synthetic_bin, trans
                     "--max-tokens", "3000")  # fmt: skip
     lines = [ln for ln in log.splitlines() if "resuming with" in ln]
     assert len(lines) == 1 and "resuming with --max-tokens 3000 instead of 1500: " in lines[0], log[-3000:]
-    assert "(the epoch is now cut into" in lines[0] and "where 7 of 13 had been trained" in lines[0], lines[0]
+    # 7 batches now: fairseq's offset 7 would leave none ("dataloader mismatch"); 7 of 13 is 3 of 7
+    assert lines[0].endswith(
+        "epoch 2 continues after 3 of its 7 batches (the epoch is now cut into 7 batches instead of 13), where 7 of "
+        "13 had been trained"
+    ), lines[0]
     assert "Traceback" not in log and "num_updates=24," in log, log[-3000:]
+
+
+def _iterator(num_shards: int, shard_id: int, batches: int = 13):
+    """fairseq's EpochBatchIterator over ``batches`` one-example batches, as a trainer built it (its batching)."""
+    from fairseq.data import iterators
+
+    data = list(range(batches))
+    itr = iterators.EpochBatchIterator(
+        torch.utils.data.TensorDataset(torch.tensor(data)), collate_fn=lambda xs: [int(x[0]) for x in xs],
+        batch_sampler=[[i] for i in data], seed=1, num_shards=num_shards, shard_id=shard_id,
+    )  # fmt: skip
+    itr._deepinit_batching = {"world_size": num_shards, "update_freq": [1], "max_tokens": 1000, "batch_size": None}
+    return itr
+
+
+@pytest.mark.parametrize("old, new", [(2, 4), (4, 2), (1, 2), (2, 3)])
+def test_another_world_size_continues_after_the_batches_trained(old, new, caplog):
+    """A checkpoint written by ``old`` ranks after 3 batches each, resumed by ``new`` ranks: every batch of the
+    epoch not yet trained is trained, and fewer than ``new`` are trained twice (fairseq: each new rank skips its
+    first 3 batches, so ``3 * (new - old)`` are never trained, or ``3 * (old - new)`` are trained twice)."""
+    caplog.set_level(logging.INFO, logger="fairseq_deepinit.checkpoints.batch_order")
+    ranks = [_iterator(old, r) for r in range(old)]
+    trained = []
+    for itr in ranks:
+        epoch = itr.next_epoch_itr(shuffle=True)
+        trained += [b for _ in range(3) for b in next(epoch)]
+    state = ranks[0].state_dict()
+    assert state["iterations_in_epoch"] == 3 and state["batching"]["world_size"] == old
+    rest = []
+    for r in range(new):
+        itr = _iterator(new, r)
+        itr.load_state_dict(state)
+        rest += [b for batch in itr.next_epoch_itr(shuffle=True) for b in batch]
+    assert sorted(set(trained) | set(rest)) == list(range(13))  # nothing skipped
+    again = len(trained) + len(rest) - 13
+    assert 0 <= again < new, (trained, rest)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming with")]
+    assert len(lines) == new and lines[0].startswith(f"resuming with {new} ranks instead of {old}: "), lines
