@@ -11,6 +11,10 @@
 - The command is plain ``torchrun --nproc_per_node 2 fairseq-train ... --distributed-backend gloo``:
   world size, rank and ``env://`` come from torchrun's environment (one model across the ranks: the
   two ranks' batches are summed into each update's ``wpb``).
+- Two ranks stopped inside epoch 2 (gated attention with ``legacy_ddp``; hyper-connections with
+  ``pytorch_ddp`` and ``--update-freq 2``) and resumed end with the uninterrupted run's checkpoint, bit for
+  bit (:mod:`fairseq_deepinit.checkpoints.batch_order`); that checkpoint resumed on one process logs the
+  world-size change in one line and trains on.
 - A rank frozen with SIGSTOP ends the other within ``--heartbeat-timeout`` with one line.
 
 Each run is d=16, 2+2 layers (2 layers for the LM), 4 updates: seconds, most of it the two imports.
