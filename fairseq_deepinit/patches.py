@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from fairseq import checkpoint_utils, tasks
 from fairseq import models as fairseq_models
-from fairseq.data import Dictionary, data_utils
+from fairseq.data import Dictionary, data_utils, iterators
 from fairseq.distributed import utils as distributed_utils
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY, distributed_fairseq_model
 from fairseq.optim.adam import FairseqAdam
@@ -44,7 +44,7 @@ from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
 from . import input_checks, intercepts
-from .checkpoints import broadcast, resume
+from .checkpoints import batch_order, broadcast, resume
 from .checkpoints.atomic import AtomicCopyPathManager
 from .checkpoints.config_check import DEEPINIT_MODELS
 from .training import adam_foreach, depth_mup_trainer, distributed, launch, qk_clip, z_loss
@@ -148,6 +148,12 @@ def _launch() -> None:
     distributed_fairseq_model.DistributedDataParallel = launch.cpu_distributed_data_parallel
 
 
+def _batch_order() -> None:
+    wrap(Trainer, "get_train_iterator", batch_order.get_train_iterator)
+    wrap(iterators.EpochBatchIterator, "state_dict", batch_order.state_dict)
+    wrap(iterators.EpochBatchIterator, "load_state_dict", batch_order.load_state_dict)
+
+
 def _input_checks() -> None:
     wrap(tasks, "setup_task", input_checks.setup_task)
     wrap(Dictionary, "add_from_file", input_checks.add_from_file)
@@ -212,6 +218,18 @@ PATCHES: Tuple[Patch, ...] = (
         "inside is raised as itself",
         "none (fairseq's own errors keep fairseq's exception)",
         lambda: wrap(Trainer, "load_checkpoint", resume.trainer_load_checkpoint),
+    ),
+    Patch(
+        "Trainer.get_train_iterator, EpochBatchIterator.state_dict / load_state_dict",
+        "trainer.py:693-737; data/iterators.py:441-479 (tasks/fairseq_task.py:277-318: batches cut once, in the "
+        "epoch the iterator is built, under numpy_seed(seed + epoch))",
+        "a run resumed in epoch 2 or later cut its batches under another seed than the run it continues (built "
+        "in epoch 1 and kept): other batches from the first update on. The resumed iterator is built as in epoch 1; "
+        "a resume with another world size, --update-freq, --max-tokens or --batch-size says so in one line and "
+        "continues after the examples trained (checkpoints/batch_order.py)",
+        "a resume past epoch 1 continues the uninterrupted run's batch order (fairseq: other batches); the "
+        "iterator's saved state gains a 'batching' entry, which fairseq's loader ignores",
+        _batch_order,
     ),
     Patch(
         "Trainer._build_optimizer",

@@ -11,6 +11,10 @@
 - The command is plain ``torchrun --nproc_per_node 2 fairseq-train ... --distributed-backend gloo``:
   world size, rank and ``env://`` come from torchrun's environment (one model across the ranks: the
   two ranks' batches are summed into each update's ``wpb``).
+- Two ranks stopped inside epoch 2 (gated attention with ``legacy_ddp``; hyper-connections with
+  ``pytorch_ddp`` and ``--update-freq 2``) and resumed end with the uninterrupted run's checkpoint, bit for
+  bit (:mod:`fairseq_deepinit.checkpoints.batch_order`); that checkpoint resumed on one process logs the
+  world-size change in one line and trains on.
 - A rank frozen with SIGSTOP ends the other within ``--heartbeat-timeout`` with one line.
 
 Each run is d=16, 2+2 layers (2 layers for the LM), 4 updates: seconds, most of it the two imports.
@@ -32,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, USER_DIR
+from conftest import REPO, USER_DIR, run_cli
 from fairseq_deepinit.checkpoints import atomic
 
 pytestmark = pytest.mark.slow
@@ -183,6 +187,45 @@ def test_killed_2_rank_run_resumes_bit_identical(synthetic_bin, lm_bin, tmp_path
     assert got.keys() == want.keys()
     assert int(got["num_updates"]) == 4
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+@pytest.mark.parametrize(
+    "arch, backend, update_freq, stop, max_update",
+    # 13 batches per epoch, 7 per rank (rank 1's last one empty): epochs of 7 updates, or 4 with --update-freq 2
+    [("gatedattn_iwslt_de_en", "legacy_ddp", "1", "checkpoint_2_10.pt", 20),
+     ("hc_iwslt_de_en", "pytorch_ddp", "2", "checkpoint_2_6.pt", 12)],
+)  # fmt: skip
+def test_2_rank_resume_past_epoch_1_is_the_uninterrupted_run(
+    synthetic_bin, tmp_path, arch, backend, update_freq, stop, max_update
+):
+    """Two ranks stopped inside epoch 2 and resumed (``--restore-file``, another save dir) end with the
+    uninterrupted run's checkpoint, bit for bit (fairseq_deepinit/checkpoints/batch_order.py; stock fairseq cuts the
+    resumed epoch's batches under another seed). The same checkpoint resumed on one process trains on, after one
+    line that says what the other world size changes."""
+    args = [synthetic_bin, *COMMON, *TRANSLATION, "--task", "translation", "--arch", arch, "--max-tokens", "1500",
+            "--ddp-backend", backend, "--update-freq", update_freq, "--save-interval-updates", stop.split("_")[2][:-3],
+            "--max-update", str(max_update)]  # fmt: skip
+    ref, save = tmp_path / "uninterrupted", tmp_path / "resumed"
+    log = train_2_ranks([*args, "--save-dir", ref], tmp_path)
+    assert "end of epoch 2 " in log, log[-3000:]
+    log = train_2_ranks([*args, "--save-dir", save, "--restore-file", ref / stop], tmp_path)
+    assert "Loaded checkpoint" in log and "resuming with" not in log, log[-3000:]
+    got, want = checkpoint_tensors(save / "checkpoint_last.pt"), checkpoint_tensors(ref / "checkpoint_last.pt")
+    assert got.keys() == want.keys() and int(got["num_updates"]) == max_update
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+    if update_freq == "1":  # one process where two ranks trained: 6 of epoch 2's 13 batches (3 per rank)
+        one = [a for a in args if a not in ("--ddp-backend", backend)]
+        log = run_cli("train", *one, "--save-dir", tmp_path / "one", "--restore-file", ref / stop, forked=True).stdout
+        lines = [ln for ln in log.splitlines() if "resuming with" in ln]
+        assert len(lines) == 1, log[-3000:]
+        assert lines[0].endswith(
+            "resuming with 1 rank instead of 2: each update now sums 1 batch (1 rank x --update-freq 1, --max-tokens "
+            "1500) where the checkpoint's run summed 2 batches (2 ranks x --update-freq 1, --max-tokens 1500), so "
+            "the updates from here on are not those of the run it continues (its learning rate was set for that "
+            "batch per update); epoch 2 continues after 6 of its 13 batches, where 6 of 13 had been trained"
+        ), lines[0]
+        assert f"num_updates={max_update}," in log and "Traceback" not in log, log[-3000:]
 
 
 def test_frozen_rank_ends_the_job_within_the_heartbeat_timeout(synthetic_bin, tmp_path):

@@ -51,7 +51,8 @@ function as its first argument, calls it, and copies none of its body:
    checkpoint with neither ``args`` nor ``cfg`` (:func:`load_model_ensemble_and_task`).
 
 The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4), :mod:`.run_lock`
-(5); this module holds the wrappers.
+(5); this module holds the wrappers. That a resumed run trains the batches of the run it continues, in any
+epoch, and says what another batching changes, is :mod:`.batch_order`'s (wrappers of the trainer's iterator).
 """
 
 from __future__ import annotations
