@@ -229,7 +229,7 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
     An explicit ``--restore-file`` is loaded as given (fairseq's behaviour); one that does not
     exist, is damaged or refused is an error. Temporary files of a killed save are removed first.
     """
-    save_dir = cfg.save_dir
+    save_dir = getattr(cfg, "save_dir", None)
     unwritable = _unwritable.pop(os.path.abspath(save_dir), None) if isinstance(save_dir, str) else None
 
     def load() -> Any:
