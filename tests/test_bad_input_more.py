@@ -111,6 +111,26 @@ def test_torchs_state_dict_error_as_one_clause():
     shaped = _load_error({**good, "weight": torch.zeros(5, 5)})
     assert model_load.weights_mismatch(shaped) == "reshaped: weight [5, 5] in the file, [3, 2] in the model"
     assert model_load.weights_mismatch(KeyError("weight")) is None
+    assert model_load.dictionary_sizes(shaped) is None  # not an embedding
+
+
+def test_embeddings_of_another_dictionary_name_the_data():
+    """A data folder binarised with another dictionary gives the model embeddings of another number of rows."""
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(56, 4)
+    model.output_projection = torch.nn.Linear(4, 56, bias=False)
+    state = {"embed_tokens.weight": torch.zeros(48, 4), "output_projection.weight": torch.zeros(48, 4)}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        assert model_load.dictionary_sizes(e) == (48, 56)
+        fairseq = RuntimeError("wrapped")
+        fairseq.__context__ = e
+        assert model_load.dictionary_sizes(fairseq) == (48, 56)
+    state["output_projection.weight"] = torch.zeros(56, 5)  # another width: not a dictionary
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(state)
+    assert model_load.dictionary_sizes(info.value) is None
 
 
 def test_the_z_loss_criterion_pair_resumes():

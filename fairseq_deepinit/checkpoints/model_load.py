@@ -12,9 +12,10 @@ whose criterion or optimizer is not the checkpoint's (fairseq's assertion); a pl
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
@@ -39,6 +40,34 @@ def _registered(kind: str, class_name: str) -> str:
     registry = REGISTRIES.get(kind, {}).get("registry", {})
     name = next((n for n, cls in registry.items() if getattr(cls, "__name__", None) == class_name), None)
     return f"--{kind} {name}" if name else f"the {kind} {class_name}"
+
+
+_VOCAB = re.compile(r"(embed_tokens|output_projection)\.weight$")  # a row per dictionary entry
+
+
+def dictionary_sizes(exc: BaseException | None) -> Tuple[int, int] | None:
+    """``(the checkpoint's rows, the model's)`` when torch's state-dict error in ``exc``'s chain is only word
+    embeddings / output projections with another number of rows (the model was built with another dictionary
+    than the checkpoint's: a data folder binarised with another one); else None."""
+    while exc is not None and not (isinstance(exc, RuntimeError) and _LOAD_ERROR in str(exc)):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None or _KEYS.search(str(exc)):
+        return None
+    shapes = [(k, json.loads(a), json.loads(b)) for k, a, b in _SHAPE.findall(str(exc))]
+    if not shapes or not all(_VOCAB.search(k) and len(a) == len(b) == 2 and a[1] == b[1] for k, a, b in shapes):
+        return None
+    return shapes[0][1][0], shapes[0][2][0]
+
+
+def _dictionary_clause(exc: BaseException) -> str | None:
+    sizes = dictionary_sizes(exc)
+    if sizes is None:
+        return None
+    return (
+        f"its word embeddings have {sizes[0]} rows and the data folder's dictionary {sizes[1]} entries: the data "
+        "was binarised with another dictionary than the one the checkpoint was trained with. Use the data folder it "
+        "was trained with, or binarise the data again with its dictionaries (fairseq-preprocess --srcdict/--tgtdict)"
+    )
 
 
 def _first(items: List[str]) -> str:
@@ -77,9 +106,11 @@ def load_model_ensemble_and_task(
 ) -> Any:  # fmt: skip
     """fairseq's ``checkpoint_utils.load_model_ensemble_and_task`` (line 419), through which fairseq-generate,
     -interactive and -eval-lm (``--path``) and deepinit-diagnose load models, with one line for a file that does
-    not exist or is a folder (fairseq: ``OSError: Model file not found`` or ``IsADirectoryError``) and for a
-    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``).
-    Only these errors change, for any model's checkpoint; what loads, loads as in fairseq."""
+    not exist or is a folder (fairseq: ``OSError: Model file not found`` or ``IsADirectoryError``), for a
+    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``), and
+    for weights that do not fit the model (torch's "Error(s) in loading state_dict"; embeddings of another size:
+    the data folder's dictionary is not the checkpoint's). Only these errors change, for any model's checkpoint;
+    what loads, loads as in fairseq."""
     for name in filenames if state is None else []:
         path = checkpoint_utils.get_maybe_sharded_checkpoint_filename(name, suffix, 0, num_shards)
         if PathManager.path_requires_pathmanager(path):
@@ -97,6 +128,9 @@ def load_model_ensemble_and_task(
         return original(filenames, arg_overrides, task, strict, suffix, num_shards, state)
     except RuntimeError as e:
         which = filenames[0] if len(filenames) == 1 else "one of " + ", ".join(map(str, filenames))
+        vocab = _dictionary_clause(e)
+        if vocab is not None:
+            raise CheckpointFileError(f"checkpoint {which} does not fit the task's data: {vocab}") from None
         mismatch = weights_mismatch(e)
         if mismatch is not None:
             raise CheckpointFileError(
@@ -141,6 +175,9 @@ def trainer_load_checkpoint(original: Callable, self: Any, *args: Any, **kwargs:
         mismatch = weights_mismatch(e) if plugin is None else None
         if mismatch is None:
             raise
+        vocab = _dictionary_clause(e)
+        if vocab is not None:
+            raise CheckpointFileError(f"checkpoint {filename} does not fit this run's data: {vocab}") from None
         raise CheckpointFileError(
             f"checkpoint {filename} holds weights that do not fit the model this run builds ({mismatch}): the file "
             "was changed after fairseq-train wrote it, or this run's model options are not the ones it was trained "
