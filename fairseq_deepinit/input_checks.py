@@ -142,11 +142,9 @@ def check_sampling(args: Any) -> None:
 
 
 def generation_main(original: Callable, cfg: Any, *rest: Any, **kwargs: Any) -> Any:
-    """The ``main`` of fairseq-generate and fairseq-interactive after :func:`check_sampling` and
-    :func:`check_generation` (``cfg``: their Namespace, or the config whose ``generation`` node has the options)."""
-    generation = getattr(cfg, "generation", None) or cfg
-    check_sampling(generation)
-    check_generation(generation)
+    """The ``main`` of fairseq-generate and fairseq-interactive after :func:`check_sampling` (``cfg``: their
+    Namespace, or the config whose ``generation`` node has the options); the rest waits for :func:`build_generator`."""
+    check_sampling(getattr(cfg, "generation", None) or cfg)
     return original(cfg, *rest, **kwargs)
 
 

@@ -286,7 +286,7 @@ PATCHES: Tuple[Patch, ...] = (
         "fairseq_cli.generate.main, fairseq_cli.interactive.main (the command running, when it is one of them)",
         "fairseq_cli/generate.py:28-36, fairseq_cli/interactive.py:108-124",
         "--sampling with --nbest other than --beam is fairseq's assertion before any model is loaded; one line "
-        "(input_checks.py), with the other generation options checked there too",
+        "(input_checks.py)",
         "generation options fairseq accepts: none",
         _generation_mains,
     ),
