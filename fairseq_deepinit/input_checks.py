@@ -16,6 +16,9 @@ stock model as for the plugin's:
 - :func:`build_generator` (``FairseqTask.build_generator``, line 374): ``--beam`` below 1 (a reshape
   error inside the first search step), and ``--max-len-a 0`` with ``--max-len-b`` below ``--min-len``
   (``AssertionError: min_len cannot be larger than max_len``), checked before any sentence is read.
+- :func:`generation_main` (the ``main`` of ``fairseq_cli/generate.py``, line 28, and ``interactive.py``, line
+  108): ``--sampling`` with ``--nbest`` other than ``--beam`` (``AssertionError: --sampling requires --nbest to
+  be equal to --beam``, generate.py:34-36, interactive.py:122-124, asserted before ``build_generator``).
 """
 
 from __future__ import annotations
@@ -123,6 +126,26 @@ def check_generation(args: Any) -> None:
             f"--max-len-b {b} (with --max-len-a {a}) leaves no room for --min-len {low} output token(s); give "
             f"--max-len-b >= {low} (fairseq's default is 200), or --max-len-a > 0 to scale it with the source length"
         )
+
+
+def check_sampling(args: Any) -> None:
+    """``--sampling``: fairseq's ``Sampling`` search (``fairseq/search.py``, line 699) draws one token per beam from
+    the first step on, so each sentence gets ``--beam`` independent samples, and fairseq prints all of them
+    (``--nbest`` must equal ``--beam``)."""
+    beam, nbest = getattr(args, "beam", 5), getattr(args, "nbest", 1)
+    if getattr(args, "sampling", False) and isinstance(beam, int) and isinstance(nbest, int) and nbest != beam:
+        raise DeepInitConfigError(
+            f"--sampling with --beam {beam} draws {beam} independent samples per sentence, and fairseq prints all "
+            f"of them (--nbest must equal --beam; got --nbest {nbest}): give --nbest {beam} --beam {beam}, or "
+            f"--nbest {nbest} --beam {nbest}"
+        )
+
+
+def generation_main(original: Callable, cfg: Any, *rest: Any, **kwargs: Any) -> Any:
+    """The ``main`` of fairseq-generate and fairseq-interactive after :func:`check_sampling` (``cfg``: their
+    Namespace, or the config whose ``generation`` node has the options); the rest waits for :func:`build_generator`."""
+    check_sampling(getattr(cfg, "generation", None) or cfg)
+    return original(cfg, *rest, **kwargs)
 
 
 def build_generator(original: Callable, self: FairseqTask, models, args, *rest: Any, **kwargs: Any) -> Any:

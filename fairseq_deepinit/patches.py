@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
@@ -44,7 +45,7 @@ from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
 from . import input_checks, intercepts
-from .checkpoints import batch_order, broadcast, resume
+from .checkpoints import batch_order, broadcast, model_load, resume
 from .checkpoints.atomic import AtomicCopyPathManager
 from .checkpoints.config_check import DEEPINIT_MODELS
 from .training import adam_foreach, depth_mup_trainer, distributed, launch, qk_clip, z_loss
@@ -79,15 +80,17 @@ def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: 
     """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) between what depth-muP needs before it (the
     training options checked, the parameters tagged with their groups: :mod:`.training.depth_mup_trainer`) and
     after it (the groups found in the optimizer fairseq built), and the ``adam`` <-> ``adam_foreach`` state
-    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check); ``--z-loss``
-    with a criterion that would leave the term out and ``--qk-clip`` with an optimizer it cannot follow refused
-    first (:func:`.training.z_loss.check_criterion`, :func:`.training.qk_clip.check`), and QK-Clip's step
-    attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
+    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check) and the
+    z-loss term switched at resume (:func:`.training.z_loss.accept_criterion_state`, before its criterion-name
+    check); ``--z-loss`` with a criterion that would leave the term out and ``--qk-clip`` with an optimizer it
+    cannot follow refused first (:func:`.training.z_loss.check_criterion`, :func:`.training.qk_clip.check`), and
+    QK-Clip's step attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
     z_loss.check_criterion(trainer)
     qk_clip.check(trainer)
     tagged = depth_mup_trainer.tag_for_training(trainer)
     out = original(trainer, *args, **kwargs)
     adam_foreach.accept_adam_state(trainer)
+    z_loss.accept_criterion_state(trainer)
     if tagged:
         check_groups_reached(trainer._optimizer, trainer._model)
     qk_clip.attach(trainer)
@@ -161,6 +164,23 @@ def _input_checks() -> None:
     wrap(FairseqTask, "build_generator", input_checks.build_generator)
 
 
+GENERATION_CLIS = ("fairseq_cli.generate", "fairseq_cli.interactive")
+
+
+def _generation_mains() -> None:
+    """The ``main`` of the generation command running now: its module, imported by the console script, or
+    ``__main__`` under ``python -m fairseq_cli.generate`` (the plugin is imported while its ``cli_main`` parses
+    the arguments, before it looks up ``main``). Nothing is imported: another command runs unchanged."""
+    running = sys.modules.get("__main__")
+    for name in GENERATION_CLIS:
+        modules = [sys.modules.get(name)]
+        if getattr(getattr(running, "__spec__", None), "name", None) == name:
+            modules.append(running)
+        for module in modules:
+            if module is not None and callable(getattr(module, "main", None)):
+                wrap(module, "main", input_checks.generation_main)
+
+
 PATCHES: Tuple[Patch, ...] = (
     Patch(
         "torch.serialization safe globals",
@@ -209,7 +229,7 @@ PATCHES: Tuple[Patch, ...] = (
         "checkpoint_utils.py:419-525 (--path of fairseq-generate/-interactive/-eval-lm)",
         "a --path that is missing or a folder, or a file without args and cfg, is one line (checkpoints/resume.py)",
         "what loads, loads as before; only those errors change",
-        _checkpoint_utils("load_model_ensemble_and_task"),
+        lambda: wrap(checkpoint_utils, "load_model_ensemble_and_task", model_load.load_model_ensemble_and_task),
     ),
     Patch(
         "Trainer.load_checkpoint",
@@ -217,7 +237,7 @@ PATCHES: Tuple[Patch, ...] = (
         "fairseq turns every error of its model loading into 'Cannot load model parameters'; a plugin error "
         "inside is raised as itself",
         "none (fairseq's own errors keep fairseq's exception)",
-        lambda: wrap(Trainer, "load_checkpoint", resume.trainer_load_checkpoint),
+        lambda: wrap(Trainer, "load_checkpoint", model_load.trainer_load_checkpoint),
     ),
     Patch(
         "Trainer.get_train_iterator, EpochBatchIterator.state_dict / load_state_dict",
@@ -279,6 +299,14 @@ PATCHES: Tuple[Patch, ...] = (
         "--max-len-b below --min-len: one line (input_checks.py)",
         "input fairseq accepts: none; that input: one line instead of a traceback",
         _input_checks,
+    ),
+    Patch(
+        "fairseq_cli.generate.main, fairseq_cli.interactive.main (the command running, when it is one of them)",
+        "fairseq_cli/generate.py:28-36, fairseq_cli/interactive.py:108-124",
+        "--sampling with --nbest other than --beam is fairseq's assertion before any model is loaded; one line "
+        "(input_checks.py)",
+        "generation options fairseq accepts: none",
+        _generation_mains,
     ),
     Patch(
         "distributed_utils._broadcast_object_slow",

@@ -62,15 +62,19 @@ def _method_options(args: Any, v: Dict[str, Any], methods: List[Method]) -> None
                 if problem:
                     raise method.error(problem)
             continue
-        given = []
+        given, owners = [], []
         for option in options:
             value = _get(args, option.name)
-            if value not in ((None, False) if method.selector_owned else (None, method.off_value(option))):
+            # a selector value's options are stored as None while it is off; a store_true flag's False is "not
+            # given" (an older stored form), a negative twin's False is what --no-<flag> gave
+            unset = (None,) if option.negative else (None, False)
+            if value not in (unset if method.selector_owned else (None, method.off_value(option))):
                 given.append(option.given(value))
+                owners.append(option.only_with)
             v[option.name] = method.off_value(option)
         if given and method.selector_owned:
-            use = f"{flag(method.switches[0][0])} {method.switches[0][1]}"
-            chosen = v[method.switches[0][0]]
+            name, value = owners[0].split("=", 1) if owners[0] else method.switches[0]
+            use, chosen = f"{flag(name)} {value}", v[name]
             raise DeepInitConfigError(f"{given[0]} only applies to {use}, not {chosen}; drop it or use {use}")
         if given:
             enabler, one = " or ".join(flag(name) for name in enablers), len(given) == 1

@@ -151,7 +151,7 @@ def test_trainer_load_checkpoint_lets_plugin_errors_through(monkeypatch):
     failures keep fairseq's exception."""
     from fairseq.trainer import Trainer
 
-    from fairseq_deepinit.checkpoints import resume
+    from fairseq_deepinit.checkpoints import model_load
 
     assert getattr(Trainer.load_checkpoint, "_deepinit_patch", False)  # patches.py wraps it with the function below
     plugin = errors.DeepInitConfigError("the checkpoint's options do not fit")
@@ -163,10 +163,10 @@ def test_trainer_load_checkpoint_lets_plugin_errors_through(monkeypatch):
             raise Exception(f"Cannot load model parameters from checkpoint {filename}")  # noqa: B904
 
     with pytest.raises(errors.DeepInitConfigError) as info:
-        resume.trainer_load_checkpoint(fairseq_load, None, "c.pt", inner=plugin)
+        model_load.trainer_load_checkpoint(fairseq_load, None, "c.pt", inner=plugin)
     assert info.value is plugin
     with pytest.raises(Exception, match="Cannot load model parameters from checkpoint c.pt"):
-        resume.trainer_load_checkpoint(fairseq_load, None, "c.pt", inner=KeyError("encoder.layers.0.weight"))
+        model_load.trainer_load_checkpoint(fairseq_load, None, "c.pt", inner=KeyError("encoder.layers.0.weight"))
 
 
 def test_importing_the_plugin_installs_the_hooks_once():

@@ -362,7 +362,7 @@ REFUSALS = [
     ("hc", ["--decoder-layer-type", "matt"], "--decoder-layer-type matt"),
     ("hc", ["--scale-resids"], "does not combine with --scale-resids"),
     ("hc", ["--cross-self-attention"], "does not combine with --cross-self-attention"),
-    ("hc", ["--hc-streams", "0"], "--hc-streams must be an integer >= 1"),
+    ("hc", ["--hc-streams", "0"], "--hc-streams must be an integer from 1 to 8, got 0"),
     ("hc", ["--mhc-sinkhorn-iters", "5"], "--mhc-sinkhorn-iters only applies to --hyper-connections mhc, not hc"),
     ("mhc", ["--no-hc-dynamic"], "--hc-dynamic only applies to --hyper-connections hc, not mhc"),
     ("mhc", ["--mhc-eps", "0"], "--mhc-eps must be a finite number greater than 0"),

@@ -175,8 +175,14 @@ def test_a_criterion_that_drops_the_term_is_refused_before_training():
     "cli, says",
     [
         (("--z-loss-multiplier", "1e-5"), "--z-loss-multiplier needs --z-loss; add it or drop it"),
-        (("--z-loss", "--z-loss-multiplier", "0"), "--z-loss-multiplier must be a finite number greater than 0"),
-        (("--z-loss", "--z-loss-multiplier", "nan"), "--z-loss-multiplier must be a finite number greater than 0"),
+        (("--z-loss", "--z-loss-multiplier", "0"), "--z-loss-multiplier must be a number greater than 0 and at most 1"),
+        (("--z-loss", "--z-loss-multiplier", "nan"), "--z-loss-multiplier must be a number greater than 0 and at most"),
+        (
+            ("--z-loss", "--z-loss-multiplier", "1e308"),
+            "--z-loss-multiplier must be a number greater than 0 and at "
+            "most 1, got 1e+308: the term is an auxiliary loss beside the cross-entropy (PaLM 0.0001, the default",
+        ),
+        (("--z-loss", "--z-loss-multiplier", "inf"), "--z-loss-multiplier must be a number greater than 0 and at most"),
         (
             ("--z-loss", "--adaptive-softmax-cutoff", "20", "--criterion", "adaptive_loss"),
             "--z-loss does not combine with --adaptive-softmax-cutoff (adaptive softmax never forms the full logits",

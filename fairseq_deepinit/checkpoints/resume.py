@@ -40,19 +40,22 @@ function as its first argument, calls it, and copies none of its body:
    catches them; the command line prints them (:mod:`fairseq_deepinit.errors`). The ``weights_only``
    policy of :mod:`.compat` is unchanged (numpy's numeric data: :mod:`.numpy_data`).
    ``Trainer.load_checkpoint`` turns every error in its model loading into
-   ``Exception("Cannot load model parameters ...")``; :func:`trainer_load_checkpoint` lets a plugin
-   error through instead.
+   ``Exception("Cannot load model parameters ...")``; :func:`.model_load.trainer_load_checkpoint` lets a
+   plugin error through instead, and says which weights do not fit.
 
 5. **One run per save dir; a finished run stays finished.** Before anything in the save dir is read,
    removed or written, :func:`load_checkpoint` takes the save dir's lock on the global rank 0
    (:mod:`.run_lock`), and a run whose checkpoint already holds ``--max-update`` updates ends with
-   status 0 before anything changes. ``load_model_ensemble_and_task`` (line 419, ``--path`` of
-   fairseq-generate/-interactive/-eval-lm) gives one line for a missing file, a folder, and a
-   checkpoint with neither ``args`` nor ``cfg`` (:func:`load_model_ensemble_and_task`).
+   status 0 before anything changes, also when the save dir cannot be written (a read-only archive of a
+   finished run; :func:`verify_checkpoint_directory` leaves its error to :func:`load_checkpoint`).
+   ``load_model_ensemble_and_task`` (line 419, ``--path`` of fairseq-generate/-interactive/-eval-lm) gives
+   one line for a missing file, a folder, a checkpoint with neither ``args`` nor ``cfg``, and weights that
+   do not fit (:func:`.model_load.load_model_ensemble_and_task`).
 
-The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4), :mod:`.run_lock`
-(5); this module holds the wrappers. That a resumed run trains the batches of the run it continues, in any
-epoch, and says what another batching changes, is :mod:`.batch_order`'s (wrappers of the trainer's iterator).
+The pieces: :mod:`.atomic` (1, 2), :mod:`.integrity` and :mod:`.config_check` (3, 4), :mod:`.model_load`
+(4, 5), :mod:`.run_lock` (5); this module holds the other wrappers. That a resumed run trains the batches of the
+run it continues, in any epoch, and says what another batching changes, is :mod:`.batch_order`'s (wrappers of
+the trainer's iterator).
 """
 
 from __future__ import annotations
@@ -63,10 +66,9 @@ import os
 from typing import Any, Callable, Iterator
 
 import torch
-from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 
-from ..errors import CheckpointFileError, CheckpointSaveError, plugin_error_in
+from ..errors import CheckpointFileError, CheckpointSaveError
 from . import numpy_data, run_lock
 from .atomic import atomic_torch_save, os_error_in, remove_stale_temporaries, save_error
 from .config_check import check_config as check_config_change
@@ -81,6 +83,8 @@ from .integrity import (
 )
 
 logger = logging.getLogger(__name__)
+# a --save-dir with checkpoints that cannot be written -> its error, raised unless the run is already finished
+_unwritable: dict = {}
 
 
 def load_checkpoint_to_cpu(
@@ -93,57 +97,6 @@ def load_checkpoint_to_cpu(
     except Exception:
         raise_if_unreadable(path)  # damaged or refused: the plugin's error; else fairseq's own
         raise
-
-
-def load_model_ensemble_and_task(
-    original: Callable, filenames: list, arg_overrides: dict | None = None, task: Any = None, strict: bool = True,
-    suffix: str = "", num_shards: int = 1, state: dict | None = None,
-) -> Any:  # fmt: skip
-    """fairseq's ``checkpoint_utils.load_model_ensemble_and_task`` (line 419), through which fairseq-generate,
-    -interactive and -eval-lm (``--path``) and deepinit-diagnose load models, with one line for a file that does
-    not exist or is a folder (fairseq: ``OSError: Model file not found`` or ``IsADirectoryError``) and for a
-    checkpoint with neither ``args`` nor ``cfg`` (``RuntimeError: Neither args nor cfg exist in state ...``).
-    Only these errors change, for any model's checkpoint; what loads, loads as in fairseq."""
-    for name in filenames if state is None else []:
-        path = checkpoint_utils.get_maybe_sharded_checkpoint_filename(name, suffix, 0, num_shards)
-        if PathManager.path_requires_pathmanager(path):
-            continue
-        if os.path.isdir(path):
-            raise CheckpointFileError(
-                f"checkpoint {path} is a folder: give a checkpoint file in it ({path}/checkpoint_best.pt, ...)"
-            )
-        if not PathManager.exists(path):
-            raise CheckpointFileError(
-                f"checkpoint {path} does not exist; give a checkpoint written by fairseq-train "
-                "(<save-dir>/checkpoint_best.pt, ...)"
-            )
-    try:
-        return original(filenames, arg_overrides, task, strict, suffix, num_shards, state)
-    except RuntimeError as e:
-        if "Neither args nor cfg exist in state" not in str(e):
-            raise
-        which = filenames[0] if len(filenames) == 1 else "one of " + ", ".join(map(str, filenames))
-        raise CheckpointFileError(
-            f"checkpoint {which} holds neither 'args' nor 'cfg' (the options fairseq-train saves with the weights): it "
-            "was not written by fairseq-train (a bare state dict?). Use a checkpoint written by fairseq-train"
-        ) from None
-
-
-def trainer_load_checkpoint(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """fairseq's ``Trainer.load_checkpoint`` (trainer.py, line 465) that lets a plugin error through.
-
-    Its ``except Exception`` around the model's ``load_state_dict`` (line 596) raises
-    ``Exception("Cannot load model parameters ...; please ensure that the architectures match")``
-    for whatever failed, which would hide a plugin error's message (and its class from a library
-    caller); that plugin error is raised instead.
-    """
-    try:
-        return original(self, *args, **kwargs)
-    except Exception as e:
-        plugin = plugin_error_in(e)
-        if plugin is None or plugin is e:
-            raise
-        raise plugin from None
 
 
 def torch_persistent_save(original: Callable, obj: Any, filename: str, async_write: bool = False) -> None:
@@ -179,17 +132,24 @@ def save_checkpoint(original: Callable, cfg: Any, trainer: Any, epoch_itr: Any, 
 
 
 def verify_checkpoint_directory(original: Callable, save_dir: str) -> None:
-    """fairseq's start-up check that ``--save-dir`` can be written (line 870), as one line when it cannot."""
+    """fairseq's start-up check that ``--save-dir`` can be written (line 870), as one line when it cannot.
+
+    A folder that holds checkpoints may hold a finished run (a read-only archive of one): its error waits for
+    :func:`load_checkpoint`, which exits with status 0 when the run is finished and raises it otherwise.
+    """
     try:
         original(save_dir)
     except OSError as e:
         if PathManager.path_requires_pathmanager(save_dir):
             raise
         why = (e.strerror or str(e)) + (f": {e.filename}" if e.filename else "")
-        raise CheckpointSaveError(
+        err = CheckpointSaveError(
             f"--save-dir {save_dir} cannot be written ({why}), so no checkpoint could be saved. Pass a --save-dir "
             "that this user can create and write"
-        ) from e
+        )
+        if not checkpoint_candidates(save_dir):
+            raise err from e
+        _unwritable[os.path.abspath(save_dir)] = err
 
 
 @contextlib.contextmanager
@@ -271,16 +231,24 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
     An explicit ``--restore-file`` is loaded as given (fairseq's behaviour); one that does not
     exist, is damaged or refused is an error. Temporary files of a killed save are removed first.
     """
+    save_dir = getattr(cfg, "save_dir", None)
+    unwritable = _unwritable.pop(os.path.abspath(save_dir), None) if isinstance(save_dir, str) else None
+
+    def load() -> Any:
+        if unwritable is not None:  # not finished: the save dir's error (verify_checkpoint_directory)
+            raise unwritable
+        return original(cfg, trainer, **passthrough_args)
+
     resets = ("reset_optimizer", "reset_lr_scheduler", "reset_meters", "reset_dataloader")
     if getattr(cfg, "finetune_from_model", None) and any(getattr(cfg, k, False) for k in resets):
-        return original(cfg, trainer, **passthrough_args)  # fairseq refuses that combination itself (line 222)
+        return load()  # fairseq refuses that combination itself (line 222)
     suffix = getattr(trainer, "checkpoint_suffix", "") or ""
-    save_dir = cfg.save_dir
     if PathManager.path_requires_pathmanager(save_dir):
         return original(cfg, trainer, **passthrough_args)
-    if isinstance(save_dir, str) and _global_rank() == 0 and not getattr(cfg, "no_save", False):
+    writes = unwritable is None and not getattr(cfg, "no_save", False)
+    if isinstance(save_dir, str) and _global_rank() == 0 and writes:
         run_lock.acquire(save_dir)  # before anything in the save dir is read, removed or written
-    if getattr(trainer, "data_parallel_rank", 0) == 0:
+    if getattr(trainer, "data_parallel_rank", 0) == 0 and unwritable is None:
         remove_stale_temporaries(save_dir)
     current = getattr(getattr(trainer, "cfg", None), "model", None)
     fine_tuning = _fine_tuning(cfg)
@@ -312,13 +280,13 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
             logger.info(f"loading {path} ({st.num_updates} updates), given by --restore-file")
             check_config(st, current, fine_tuning)
             check_finished(st)
-        return original(cfg, trainer, **passthrough_args)
+        return load()
 
     last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
     found = [inspect_checkpoint(p) for p in checkpoint_candidates(save_dir, suffix)]
     if not found:
         _first_launch(cfg)
-        return original(cfg, trainer, **passthrough_args)
+        return load()
     for st in found:
         if st.refused:
             raise status_error(
@@ -345,7 +313,7 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
         logger.info(f"resuming from {last} ({chosen.num_updates} updates), the newest intact checkpoint{skipped}")
         check_config(chosen, current, fine_tuning)
         check_finished(chosen)
-        return original(cfg, trainer, **passthrough_args)
+        return load()
     if last_st.ok:
         why = (
             f"{last} holds only {last_st.num_updates} updates (a save stopped before its copy to it was complete: a "
@@ -360,4 +328,4 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
     check_config(chosen, current, fine_tuning)
     check_finished(chosen)
     with _restore_from(cfg, chosen.path, suffix):
-        return original(cfg, trainer, **passthrough_args)
+        return load()

@@ -36,10 +36,11 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 from typing import Any, Dict
 
-from ..errors import SaveDirBusyError
+from ..errors import CheckpointSaveError, SaveDirBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,28 @@ def _release(save_dir: str) -> None:
         os.close(fd)
 
 
+def _open_lock(save_dir: str, path: str) -> int:
+    """The lock file, opened (created) for writing; never through a symbolic link (``O_NOFOLLOW``: the owner's
+    line would overwrite the link's target), and only a regular file (a folder or a FIFO there is refused)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+    else:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+    if os.path.islink(path):
+        what = f"is a symbolic link (to {os.readlink(path)}), and the lock is never written through a link"
+    else:
+        what = "is a folder" if os.path.isdir(path) else "is not a regular file"
+    raise CheckpointSaveError(
+        f"--save-dir {save_dir}: {path}, the file where a run records that it holds the folder, {what}. Move it out "
+        "of the save folder and run again, or pass another --save-dir"
+    )
+
+
 def acquire(save_dir: str) -> bool:
     """Hold ``save_dir`` for this process until it exits; False if it already does (idempotent).
 
@@ -123,7 +146,7 @@ def acquire(save_dir: str) -> bool:
     if key in _held:
         return False
     path = lock_path(save_dir)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(save_dir, path)
     try:
         previous = read_owner(path)
         locked = False

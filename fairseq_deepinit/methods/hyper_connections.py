@@ -34,8 +34,15 @@ from .record import FLAG, TAG, Method, Option, ResidualScaling, Rule, a_norm, po
 
 NAME = "hyper-connections"  # the --residual-scale value the flag sets
 KINDS = ("none", "hc", "mhc")
+HC, MHC = "hyper_connections=hc", "hyper_connections=mhc"  # the two enabled_by values; each kind's own options
 MHC_ONLY = ("mhc_sinkhorn_iters", "mhc_gating_init", "mhc_eps")
 HC_ONLY = ("hc_dynamic",)
+
+
+# Zhu et al. (2025) study expansion rates n = 1, 2, 4, 8 (sec. 4 ablations), mHC and DeepSeek-V4 use 4; every
+# residual activation, and its gradient, is held n times, so n = 1000 is a 250-fold model that exhausts memory
+# before the first update instead of failing with a message
+MAX_STREAMS = 8
 
 
 def _at_least_one(name: str):
@@ -43,6 +50,16 @@ def _at_least_one(name: str):
         return None if isinstance(value, int) and value >= 1 else f"--{name} must be an integer >= 1, got {value}"
 
     return check
+
+
+def _streams(value) -> str | None:
+    if isinstance(value, int) and 1 <= value <= MAX_STREAMS:
+        return None
+    return (
+        f"--hc-streams must be an integer from 1 to {MAX_STREAMS}, got {value}: every residual activation is kept "
+        f"n times, and the papers use n = 1 to {MAX_STREAMS} (Zhu et al. 2025: 1, 2, 4, 8; mHC: 4). Give "
+        f"--hc-streams 4 (the default) or another value up to {MAX_STREAMS}"
+    )
 
 
 def build_connection(stack, sublayer: str, p) -> StreamResidual:
@@ -102,7 +119,7 @@ METHOD = Method(
     "cross-attention): HC's static + tanh-dynamic weights, or mHC's Sinkhorn-projected doubly stochastic H_res",
     code="lucidrains/hyper-connections @ 47751035 hyper_connections/hyper_connections.py:59-61,86-93,215-372; "
     "NVIDIA/Megatron-LM @ d98e8a64 megatron/core/transformer/hyper_connection.py:54-146,182-285,370-418,497-535",
-    enabled_by=("hyper_connections=hc", "hyper_connections=mhc"),
+    enabled_by=(HC, MHC),
     options=(
         Option(
             "hyper_connections",
@@ -116,10 +133,10 @@ METHOD = Method(
             "hc_streams",
             int,
             4,
-            "hyper-connections: the expansion rate n, residual streams per token (default 4, as Megatron-LM and "
-            "DeepSeek-V4)",
+            "hyper-connections: the expansion rate n, residual streams per token, 1 to 8 (default 4, as Megatron-LM "
+            "and DeepSeek-V4)",
             metavar="N",
-            check=_at_least_one("hc-streams"),
+            check=_streams,
         ),
         Option(
             "hc_dynamic",
@@ -128,6 +145,7 @@ METHOD = Method(
             "hc: the dynamic (input-dependent, tanh) weights (default, as released)",
             negative="--no-hc-dynamic",
             negative_help="hc: static hyper-connections only (the paper's SHC)",
+            only_with=HC,
         ),
         Option(
             "mhc_sinkhorn_iters",
@@ -136,6 +154,7 @@ METHOD = Method(
             "mhc: Sinkhorn-Knopp iterations of H_res (default 20, Megatron-LM and DeepSeek-V4)",
             metavar="N",
             check=_at_least_one("mhc-sinkhorn-iters"),
+            only_with=MHC,
         ),
         Option(
             "mhc_gating_init",
@@ -145,6 +164,7 @@ METHOD = Method(
             "mhc_init_gating_factor)",
             metavar="A",
             check=positive("mhc-gating-init"),
+            only_with=MHC,
         ),
         Option(
             "mhc_eps",
@@ -153,6 +173,7 @@ METHOD = Method(
             "mhc: the mapping norm's eps and Sinkhorn's denominator clamp (default 1e-6, as Megatron-LM)",
             metavar="EPS",
             check=positive("mhc-eps"),
+            only_with=MHC,
         ),
     ),
     residual_scalings=(

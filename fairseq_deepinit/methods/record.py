@@ -50,8 +50,10 @@ class Option:
     ``--no-matt-share-v``), ``int``, ``float`` or ``str``; ``default`` is its value while its method is on,
     ``off`` the value stored while it is off (a feature's option: its default unless said; a selector
     value's option: None), ``choices`` the allowed values. ``check(value)`` returns an error message for
-    a bad value of the right type, or None. ``resume``: a resumed run must keep the value. Every option's
-    argparse default is None, so that the resolution can tell "not given" from "given".
+    a bad value of the right type, or None. ``resume``: a resumed run must keep the value. ``only_with``: the
+    ``enabled_by`` value the option belongs to where its method has several (``"hyper_connections=mhc"``): the
+    error for the option given while the method is off names that one. Every option's argparse default is None,
+    so that the resolution can tell "not given" from "given" (a negative twin's False is given).
     """
 
     name: str
@@ -65,6 +67,7 @@ class Option:
     check: Callable[[Any], str | None] | None = None
     resume: bool = True
     off: Any = SAME
+    only_with: str | None = None
 
     @property
     def flag(self) -> str:

@@ -19,12 +19,19 @@ import math
 from .record import FLAG, Method, Option, Rule
 
 DEFAULT_MULTIPLIER = 1e-4  # PaLM; OLMo-core cross_entropy_loss(z_loss_multiplier=1e-4)
+# the term is an auxiliary loss beside the cross-entropy (PaLM 1e-4, OLMo 2/3 1e-5); at c = 1 it already weighs as
+# much as the cross-entropy per unit of log^2 Z, and a larger c (1e308) makes the loss or its gradient overflow in
+# the first update (fairseq: "gradients are Nan/Inf", with a traceback)
+MAX_MULTIPLIER = 1.0
 
 
 def _multiplier_problem(c) -> str | None:
-    if isinstance(c, (int, float)) and math.isfinite(c) and c > 0:
+    if isinstance(c, (int, float)) and math.isfinite(c) and 0 < c <= MAX_MULTIPLIER:
         return None
-    return f"--z-loss-multiplier must be a finite number greater than 0 (default {DEFAULT_MULTIPLIER}), got {c}"
+    return (
+        f"--z-loss-multiplier must be a number greater than 0 and at most {MAX_MULTIPLIER:g}, got {c}: the term is "
+        f"an auxiliary loss beside the cross-entropy (PaLM {DEFAULT_MULTIPLIER:g}, the default; OLMo 2 1e-05)"
+    )
 
 
 METHOD = Method(
@@ -49,8 +56,8 @@ METHOD = Method(
             "z_loss_multiplier",
             float,
             DEFAULT_MULTIPLIER,
-            f"with --z-loss: the multiplier c (default {DEFAULT_MULTIPLIER}: PaLM, OLMo-core's default; OLMo 2 and "
-            "OLMo 3 trained with 1e-5)",
+            f"with --z-loss: the multiplier c, above 0 and at most {MAX_MULTIPLIER:g} (default {DEFAULT_MULTIPLIER}: "
+            "PaLM, OLMo-core's default; OLMo 2 and OLMo 3 trained with 1e-5)",
             check=_multiplier_problem,
             resume=False,
         ),

@@ -28,7 +28,7 @@ Three fairseq 0.12.3 behaviours, each replaced by one self-contained function (i
   inside a blocked collective) every collective and the rendezvous give up after N seconds; the rank
   that waited raises, and torchrun then ends the others.
 
-:func:`call_main` also refuses ``--fp16`` without CUDA (:func:`check_precision`): it is the one point
+:func:`call_main` also refuses ``--fp16`` and ``--amp`` without CUDA (:func:`check_precision`): it is the one point
 before any work where fairseq-train and fairseq-hydra-train hand over the whole configuration. For a
 stock model nothing changes beyond these launches and that refusal.
 """
@@ -106,18 +106,29 @@ def check_launch(cfg: Any) -> None:
             )
 
 
+# bf16 mixed precision on the CPU: the plugin's tasks with --autocast-bf16 (training/autocast.py)
+CPU_BF16 = "--task translation_deepinit --autocast-bf16 for bf16 mixed precision with fp32 weights (translation)"
+
+
 def check_precision(cfg: Any) -> None:
     """Refuse ``--fp16`` where fairseq's FP16Optimizer cannot keep its master weights: without CUDA it
     asks ``torch.cuda.current_device()`` for its flat fp32 copy (``fairseq/optim/fp16_optimizer.py``, line 38)
-    and stops with ``AssertionError: Torch not compiled with CUDA enabled``."""
+    and stops with ``AssertionError: Torch not compiled with CUDA enabled``. And ``--amp`` without CUDA: fairseq
+    runs the step under ``torch.cuda.amp.autocast`` (``fairseq/tasks/fairseq_task.py``, line 531), which does
+    nothing on the CPU, so the run trains in plain fp32 while it says mixed precision."""
     common = cfg.common
     if getattr(getattr(cfg, "task", None), "autocast_bf16", False):
-        return  # the task refuses --autocast-bf16 next to --fp16 in its own words (training/autocast.py)
+        return  # the task refuses --autocast-bf16 next to --fp16 / --amp in its own words (training/autocast.py)
+    where = "--cpu" if common.cpu else "a machine without CUDA"
     if common.fp16 and not common.memory_efficient_fp16 and not common.fp16_no_flatten_grads and not _uses_cuda(cfg):
-        where = "--cpu" if common.cpu else "a machine without CUDA"
         raise DeepInitConfigError(
             f"--fp16 on {where}: fairseq's FP16Optimizer keeps its flat fp32 master weights on a CUDA device. Train in "
-            "fp32 (drop --fp16), or add --fp16-no-flatten-grads (fp16 on the CPU is slow), or use --amp"
+            f"fp32 (drop --fp16), add --fp16-no-flatten-grads (fp16 on the CPU is slow), or use {CPU_BF16}"
+        )
+    if getattr(common, "amp", False) and not _uses_cuda(cfg):
+        raise DeepInitConfigError(
+            f"--amp on {where}: fairseq's --amp is CUDA fp16 autocast, which on the CPU trains in plain fp32. Drop "
+            f"--amp, or use {CPU_BF16}"
         )
 
 

@@ -19,14 +19,24 @@ criteria have it, and ``--criterion label_smoothed_cross_entropy_zloss`` is fair
 ``label_smoothed_cross_entropy`` with it and nothing else (``--label-smoothing 0``, its default, is fairseq's
 ``cross_entropy`` for language models). :func:`check_criterion` refuses ``--z-loss`` with any other criterion
 before training (fairseq's ``Trainer._build_optimizer``, :func:`fairseq_deepinit.patches.build_optimizer`).
+
+Switching the term on or off at resume changes the criterion's class (``label_smoothed_cross_entropy`` <->
+``label_smoothed_cross_entropy_zloss``), whose name fairseq's ``Trainer.load_checkpoint`` compares with the one
+saved in the optimizer history (``trainer.py:607-609``, an ``AssertionError``). The two store nothing
+(no parameters, no state: ``state["criterion"]`` is loaded only for a criterion with parameters, line 590), so
+:func:`accept_criterion_state` lets the pair resume, as :mod:`.adam_foreach` does for adam <-> adam_foreach;
+any other pair stays fairseq's refusal, in one line
+(:func:`fairseq_deepinit.checkpoints.model_load.trainer_load_checkpoint`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Tuple
 
 import torch
+from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -37,6 +47,8 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from ..errors import DeepInitConfigError
+
+logger = logging.getLogger(__name__)
 
 CRITERION_NAME = "label_smoothed_cross_entropy_zloss"
 PLUGIN_CRITERIA = (CRITERION_NAME, "label_smoothed_cross_entropy_diagnostics", "cross_entropy_diagnostics")
@@ -126,3 +138,32 @@ def check_criterion(trainer: Any) -> None:
         f"{CRITERION_NAME} (fairseq's label_smoothed_cross_entropy plus the term; --label-smoothing 0 is "
         "cross_entropy), label_smoothed_cross_entropy_diagnostics or cross_entropy_diagnostics"
     )
+
+
+# fairseq's class name of a criterion (what the optimizer history stores) -> the same loss with the z-loss term
+_TERM_TWINS = {"LabelSmoothedCrossEntropyCriterion": "LabelSmoothedCrossEntropyZLossCriterion"}
+
+
+def accept_criterion_state(trainer: Any) -> None:
+    """Let a run resume with the z-loss term switched on or off (module docstring).
+
+    Runs where fairseq's ``Trainer.load_checkpoint`` rebuilds the optimizer, before its criterion-name check
+    (trainer.py:604-609): for the pair the history's last entry is replaced by a copy naming the new class (the
+    saved name kept under ``resumed_from_criterion``); any other pair keeps fairseq's check.
+    """
+    history = getattr(trainer, "_optim_history", None)
+    if not history or not isinstance(history[-1], dict):
+        return
+    criterion = trainer.get_criterion()
+    saved, current = history[-1].get("criterion_name"), type(criterion).__name__
+    if (
+        saved == current
+        or utils.has_parameters(criterion)
+        or not any({saved, current} == {a, b} for a, b in _TERM_TWINS.items())
+    ):
+        return
+    logger.info(f"resuming {saved}'s optimizer state with {current}: the z-loss term stores nothing")
+    trainer._optim_history = [
+        *history[:-1],
+        {**history[-1], "criterion_name": current, "resumed_from_criterion": saved},
+    ]
