@@ -19,8 +19,9 @@ when the plugin is imported, i.e. by ``--user-dir``, and by the plugin's own con
 import the package) does two things:
 
 - it wraps ``sys.excepthook`` so that an uncaught plugin error prints
-  ``fairseq-deepinit: error: <message>`` on stderr instead of the traceback; the interpreter then
-  exits with status 1, as for any uncaught exception. An exception that fairseq raised while
+  ``fairseq-deepinit: error: <message>`` on stderr instead of the traceback (and so does training that
+  diverged in fairseq's trainer, :func:`divergence_in`: what to change instead of two chained tracebacks);
+  the interpreter then exits with status 1, as for any uncaught exception. An exception that fairseq raised while
   handling a plugin error (``Trainer.load_checkpoint`` wraps every failure in
   ``Exception("Cannot load model parameters ...")``) is reported as the plugin error it hides
   (:func:`plugin_error_in`). Every other exception goes to the previous hook unchanged (fairseq's
@@ -186,17 +187,44 @@ def format_error(exc: BaseException) -> str:
     return PREFIX + one_line(exc)
 
 
+#: the messages of fairseq 0.12.3's ``FloatingPointError``: the trainer's non-finite gradient norm
+#: (trainer.py:970), its ranks' inconsistent norms (1511) and the fp16 / AMP loss scalers' floor
+#: (optim/dynamic_loss_scaler.py:61, optim/amp_optimizer.py:59)
+_FAIRSEQ_DIVERGENCE = ("gradients are Nan/Inf", "gradients are inconsistent between workers", "Minimum loss scale")
+
+
+def divergence_in(exc: BaseException | None) -> str | None:
+    """The one line for training that diverged in fairseq's trainer (a ``FloatingPointError`` of its own in
+    ``exc``'s chain), or None. fairseq has by then written ``crash.pt`` and logged NanDetector's first non-finite
+    module; the traceback (two, chained, from its re-run under NanDetector) says nothing more."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, FloatingPointError) and any(m in str(exc) for m in _FAIRSEQ_DIVERGENCE):
+            what = one_line(exc).split(" ---", 1)[0]
+            return (
+                f"training diverged: {what} (fairseq's trainer; the log above names the first module with a "
+                "non-finite output, and --save-dir holds crash.pt, the state before this update). Lower --lr, "
+                "lengthen --warmup-updates or add --clip-norm, and resume from checkpoint_last.pt"
+            )
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _excepthook(previous):
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         # KeyboardInterrupt and the like are never reported as the plugin error they interrupted
         plugin = plugin_error_in(exc) if isinstance(exc, Exception) else None
-        if plugin is not None and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
+        line = format_error(plugin) if plugin is not None else None
+        if line is None and isinstance(exc, Exception) and (diverged := divergence_in(exc)) is not None:
+            line = PREFIX + diverged
+        if line is not None and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
             for stream in (sys.stdout, sys.stderr):  # the log (stdout) first, then the error after it
                 try:
                     stream.flush()
                 except (OSError, ValueError, AttributeError):
                     pass
-            print(format_error(plugin), file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
             return  # an uncaught exception: the interpreter exits with status 1
         previous(exc_type, exc, tb)
 

@@ -7,13 +7,13 @@ generation options that leave beam search nothing to do (fairseq_deepinit/input_
 ``--mixln-ratio`` given where it means nothing, the resume message's "unset", a checkpoint whose weights do not
 fit the model after ``--allow-config-change`` (fairseq_deepinit/checkpoints/config_check.py).
 
-As a user runs them (subprocesses, two at a time; ``deepinit-diagnose`` through its ``main``): fairseq-generate
-and fairseq-eval-lm with the other kind of checkpoint, ``--beam 0``, ``--max-len-b 0``, a ``--path`` that is
-missing, a folder or a bare state dict, a test sentence beyond ``--max-source-positions``; fairseq-train with a
-duplicate dictionary word, embed dim 7, ``--fp16 --cpu``, a too-long validation sentence, Mix-LN's ratio with
-``--mixln-post-layers``, ``--allow-config-change`` that changes parameter shapes; fairseq-hydra-train without
-``task.data``, with an unknown ``model._name``, with a key no option of its node has (``+task.nosuch=1``, the
-tfixup scheduler's ``decay_period`` left behind by ``lr_scheduler._name=inverse_sqrt``: hydra_plugins/);
+As a user runs them (subprocesses, two at a time; ``deepinit-diagnose`` through its ``main``): fairseq-generate and
+fairseq-eval-lm with the other kind of checkpoint, ``--beam 0``, ``--max-len-b 0``, a ``--path`` that is missing, a
+folder or a bare state dict, a test sentence beyond ``--max-source-positions``; fairseq-train with a duplicate
+dictionary word, embed dim 7, ``--fp16 --cpu``, ``--lr 1e30`` (diverges), a too-long validation sentence, Mix-LN's
+ratio with ``--mixln-post-layers``, ``--allow-config-change`` that changes parameter shapes; fairseq-hydra-train
+without ``task.data``, with an unknown ``model._name``, with a key no option of its node has (``+task.nosuch=1``,
+the tfixup scheduler's ``decay_period`` left behind by ``lr_scheduler._name=inverse_sqrt``: hydra_plugins/);
 deepinit-diagnose ``--checkpoint`` of a language model on translation data and of a folder.
 """
 
@@ -216,6 +216,8 @@ def probes(trained, synthetic_bin, lm_bin) -> dict:
                             "--decoder-embed-dim 30 is not divisible by --decoder-attention-heads 4"),
         "fp16_cpu": ("train", [synthetic_bin, *MT, "--arch", "postln_iwslt_de_en", *MT_DIMS, "--fp16", "--save-dir",
                      root / "fp16"], "--fp16 on --cpu: fairseq's FP16Optimizer keeps its flat fp32 master weights"),
+        "lr_diverges": ("train", [synthetic_bin, *MT, "--arch", "postln_iwslt_de_en", *MT_DIMS, "--lr", "1e30",
+                        "--save-dir", root / "diverged"], "training diverged: gradients are Nan/Inf (fairseq's"),
         "valid_long_sentence": ("train", [synthetic_bin, *MT, "--arch", "postln_iwslt_de_en", *MT_DIMS,
                                 "--max-source-positions", "8", "--save-dir", root / "long"],
                                 "of the valid split has 9 / 9 tokens, more than the model's positions 8 / 1024"),

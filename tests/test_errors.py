@@ -146,6 +146,28 @@ def test_a_plugin_error_wrapped_by_fairseq_is_still_one_line(capsys, monkeypatch
     assert errors.plugin_error_in(RuntimeError("fairseq's own")) is None
 
 
+def test_training_that_diverged_in_fairseqs_trainer_is_one_line(capsys, monkeypatch):
+    """fairseq's ``FloatingPointError("gradients are Nan/Inf")``, re-raised after its NanDetector re-run: one line
+    that says what to change; any other FloatingPointError keeps its traceback."""
+    seen = []
+    hook = errors._excepthook(lambda *info: seen.append(info[1]))
+    monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
+    hook(*_raised(FloatingPointError("gradients are Nan/Inf")))
+    err = capsys.readouterr().err
+    assert err.startswith("fairseq-deepinit: error: training diverged: gradients are Nan/Inf (fairseq's trainer;")
+    assert err.count("\n") == 1 and "Lower --lr" in err and "crash.pt" in err and not seen
+    scaler = FloatingPointError("Minimum loss scale reached (0.0001). Your loss is probably exploding. Try ...")
+    assert errors.divergence_in(scaler).startswith("training diverged: Minimum loss scale reached (0.0001).")
+    workers = FloatingPointError("Fatal error: gradients are inconsistent between workers. Try --ddp-backend=legacy_"
+                                 "ddp.\n" + "-" * 80 + "\nrank   0 = 1.0\n" + "-" * 80)  # fmt: skip
+    assert errors.divergence_in(workers) == errors.divergence_in(workers).split("\n")[0]
+    wrapped = _wrapped(FloatingPointError("gradients are Nan/Inf"), RuntimeError("while saving crash.pt"))
+    assert errors.divergence_in(wrapped[1]) is not None
+    numpy_own = FloatingPointError("overflow encountered in multiply")
+    hook(*_raised(numpy_own))
+    assert seen == [numpy_own] and capsys.readouterr().err == ""
+
+
 def test_trainer_load_checkpoint_lets_plugin_errors_through(monkeypatch):
     """The wrapper of Trainer.load_checkpoint re-raises the plugin error that fairseq's handler wrapped; other
     failures keep fairseq's exception."""
