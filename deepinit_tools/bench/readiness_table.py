@@ -25,8 +25,8 @@ ADMIN_PROFILING_READS = 2
 NORM_REDUCTIONS = ("(_full_dot)",)
 
 
-# mHC's mapping (fairseq_deepinit/modules/hyper.py, ManifoldHyperConnection.mappings) runs in fp32 by design, as
-# every release keeps it: per connection one product forward (once more in the recompute of
+# mHC's mapping (fairseq_deepinit/modules/hyper.py, ManifoldHyperConnection.mappings) runs in fp32 by design (this
+# project's choice, docs/schemes.md "Precision"): per connection one product forward (once more in the recompute of
 # --checkpoint-activations) and two backward (its input's and its weight's gradients)
 MAPPING_ORIGIN = "(mappings)"
 MAPPING_MODULE = "ManifoldHyperConnection"

@@ -22,7 +22,8 @@ every stream::
   eps)`` (``216-259``), ``H_pre = sigmoid(h_pre)``, ``H_post = 2 sigmoid(h_post)``, ``H_res = Sinkhorn(h_res)``
   (:func:`sinkhorn`, ``54-146``); ``x_in = sum_i H_pre_i x_i``, ``R = H_res x``, ``w = H_post`` (``370-418,
   600-642``). Init (``182-214``): ``phi`` xavier-uniform, ``alpha`` 0.01 each, ``b`` 0. The mapping is computed
-  in float32 (autocast off; float64 stays float64), the mixing in the activation dtype.
+  in float32 (autocast off; float64 stays float64; this project's choice, where Megatron's runs in the
+  activation dtype: docs/schemes.md, "Precision"), the mixing in the activation dtype.
 
 Everything is per token, so incremental decoding and beam reordering need nothing new. Formulas, the paper
 equations and the encoder-decoder design: docs/schemes.md, "Hyper-connections and mHC".
