@@ -24,12 +24,12 @@ The core (:meth:`FeatureAttention._attend`) is fairseq's explicit path under ``-
 (``fairseq/modules/multihead_attention.py:602-773``: ``q * scaling``, scores, ``attn_mask`` added, key padding
 ``-inf``, the softmax in float32 as ``utils.softmax`` (float64 kept), dropout, weighted sum; the sink column
 appended after the masks and dropped before dropout) and ``F.scaled_dot_product_attention`` under ``sdpa``.
-The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink
-key ``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``, and ``q'``, ``k'``, ``v``
-padded with zeros to one width divisible by 8 (:func:`sink_head_width`), so that CUDA runs a fused kernel in
-the autocast dtype rather than its fp32 math backend; a boolean or float mask gets a kept column for it; a
-causal call keeps ``is_causal`` (no mask tensor) by prepending one query too, which only sees the sink key
-under the kernel's upper-left alignment and is dropped (each real query then sees the sink and its own
+The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink key
+``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``, and ``q'``, ``k'``, ``v`` padded to
+one width divisible by 8 (:func:`sink_head_width`; ``q'`` with ones, the keys and ``v`` with zeros), so that CUDA
+runs a fused kernel in the autocast dtype rather than its fp32 math backend; a boolean or float mask gets a kept
+column for it; a causal call keeps ``is_causal`` (no mask tensor) by prepending one query too, which only sees the
+sink key under the kernel's upper-left alignment and is dropped (each real query then sees the sink and its own
 prefix). Calls that return attention weights (fairseq's alignment) take the explicit core on either path.
 
 A layer's attention becomes a :class:`FeatureAttention` by :func:`feature_attention` (same object,
@@ -193,11 +193,12 @@ class FeatureAttention(SDPAMultiheadAttention):
             declared_future=self.causal_self_attention,
             right_padded=self.causal_right_padded,
         )
-        # under is_causal one query in front, dropped: with it, upper-left causal is the sink plus the own prefix
-        q2 = F.pad(q, (0, width - dh, int(is_causal), 0))
-        q2[..., dh] = 1.0
-        k2 = F.pad(k, (0, width - dh, 1, 0))  # the sink key in front: scale * q2 . k2[0] = s_h
-        k2[:, :, 0, dh] = self.sinks.to(k2.dtype) / self.scaling
+        # q's padding columns are 1 and the real keys' 0, so only the sink key's coordinate dh (s_h / scale) meets
+        # them: scale * q2 . k2[0] = s_h. Under is_causal one query in front (dropped): with it, upper-left causal
+        # is the sink plus the own prefix.
+        q2 = F.pad(q, (0, width - dh, int(is_causal), 0), value=1.0)
+        sink_key = F.pad((self.sinks.to(k.dtype) / self.scaling).view(1, -1, 1, 1), (dh, width - dh - 1))
+        k2 = torch.cat([sink_key.expand(k.size(0), -1, 1, -1), F.pad(k, (0, width - dh))], dim=2)
         v2 = F.pad(v, (0, width - v.size(-1), 1, 0))  # its value 0; q, k, v of one width, as the fused kernels need
         if mask is not None:
             keep = mask.new_ones(1) if mask.dtype == torch.bool else mask.new_zeros(1)  # the sink's column: kept
@@ -218,8 +219,8 @@ def sink_head_width(dh: int) -> int:
     coordinate) rounded up to a multiple of 8, the widths CUDA's flash and memory-efficient kernels take in
     16-bit (torch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: ``check_head_dim_size_flash`` wants
     ``q``, ``k``, ``v`` of one width, ``check_head_dim_size_mem_efficient`` widths divisible by 8); any other
-    width runs the math backend, which computes bf16 attention in fp32. The padding is zeros: no dot product
-    changes."""
+    width runs the math backend, which computes bf16 attention in fp32. The keys' padding is zeros: no dot
+    product changes."""
     return -(-(dh + 1) // SINK_WIDTH_MULTIPLE) * SINK_WIDTH_MULTIPLE
 
 
