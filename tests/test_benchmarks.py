@@ -34,6 +34,7 @@ SCRIPTS = (
     "quickstart_precision.py",
     "stabiliser_cost.py",
     "hc_cost.py",
+    "mhc_precision.py",
 )
 
 

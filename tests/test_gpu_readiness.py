@@ -322,6 +322,23 @@ def test_matmul_audit_takes_attention_in_its_input_dtype():
     assert n == 1 and line.startswith("other bmm tests/test_gpu_readiness.py:"), line
 
 
+def test_matmul_audit_counts_attention_no_fused_cuda_kernel_takes_as_its_fp32_math():
+    """CUDA's fused kernels want q, k (and for flash v) of one head width, divisible by 8 in bf16 (torch
+    sdp_utils.cpp); a call outside those rules runs the math backend, which upcasts bf16 to fp32: the audit counts
+    it operator by operator (2 fp32 products forward, 4 backward), and a width-8 call as the one bf16 kernel."""
+    x = torch.randn(1, 2, 4, 16, requires_grad=True)
+    # (q, k, v widths) -> fp32 products forward, backward: flash takes one width <= 256, efficient widths % 8
+    cases = {(9, 9, 8): (2, 4), (12, 12, 8): (2, 4), (12, 12, 12): (0, 0), (8, 8, 8): (0, 0), (16, 16, 8): (0, 0)}
+    for widths, fp32 in cases.items():
+        q, k, v = (x[..., :w].bfloat16() for w in widths)
+        with torch.autocast("cpu", dtype=torch.bfloat16), counters.MatmulDtypeAudit() as fwd:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        with counters.MatmulDtypeAudit() as bwd:
+            out.float().sum().backward()
+        assert (fwd.other(), bwd.other()) == fp32, (widths, fwd.summary(), bwd.summary())
+        assert fwd.total(torch.bfloat16) == (0 if fp32[0] else 1), (widths, fwd.summary())
+
+
 def test_an_op_passed_on_by_a_torch_mode_is_the_callers():
     """A recorder's TorchFunctionMode (gpu_smoke's SDPA recorder) sits between the model and the op: the audit
     names the line that asked for the product, not the mode's handler."""

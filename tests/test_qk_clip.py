@@ -175,6 +175,32 @@ def test_fp32_update_clips_heads_over_tau_as_the_port(impl):
     assert (want[0::2] > TAU).all() and (want[1::2] < TAU).all()
 
 
+def test_float64_weights_keep_unclipped_heads_bit_for_bit():
+    """A float64 model: the clip computes in the weights' dtype, so an unclipped head is multiplied by exactly 1.0
+    (bit for bit; rounded through float32 its rows would move by up to 2^-25 relative) and a clipped head is the
+    port's float64 clip given the same maxima (``tau / S`` and its power each rounded once: two float64 ulps)."""
+    model = build("mt")._model.double()
+    clip = qk_clip.QKClip(model, TAU, ALPHA, cross=True)
+    g = torch.Generator().manual_seed(0)
+    for _name, attn, where in clip.attentions:  # head 0 of every attention over tau, the others under it
+        clip.maxima[where] = torch.tensor([4 * TAU] + [TAU / 2] * (attn.num_heads - 1))
+        for p in (attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias):
+            p.data.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))  # not float32 values
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip.clip({})
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    for name, attn, where in clip.attentions:
+        H, maxima = attn.num_heads, clip.maxima[where].double()
+        keys = [f"{name}.{proj}.{w}" for proj in ("q_proj", "k_proj") for w in ("weight", "bias")]
+        want = port.clip_with_bias(*(before[k] for k in keys), maxima, H, TAU, ALPHA)
+        for key, expect in zip(keys, want, strict=True):
+            assert after[key].dtype == torch.float64
+            torch.testing.assert_close(after[key], expect, rtol=2 * torch.finfo(torch.float64).eps, atol=0)
+            rows, ref_rows = after[key].view(H, -1), before[key].view(H, -1)
+            assert torch.equal(rows[1:], ref_rows[1:]), key  # unclipped heads: bit for bit
+            assert not torch.equal(rows[0], ref_rows[0]), key
+
+
 @pytest.mark.parametrize("cli", [("--gated-attention",), ("--attention-sinks",), ("--value-residual",)])
 def test_composes_with_the_attention_features(cli):
     """Gates (after the scores), sinks (a logit that is no q.k, left out of the max) and value residuals leave

@@ -26,8 +26,8 @@ Columns, each with its target (``ok`` / ``FAIL``; ``-`` where it does not apply)
   with no T x T mask, of all of them;
 - ``sdpa``: under ``--attention-impl sdpa``, self-attention calls that reach
   ``F.scaled_dot_product_attention``, of all of them (MAtt's average branch has none);
-- ``fp32 mm``: matrix products (forward and backward) not in bf16 under
-  ``torch.autocast("cpu", torch.bfloat16)``, without / with ``--checkpoint-activations``. Target: 0 (or refused);
+- ``fp32 mm``: matrix products (forward and backward) not in bf16 under ``torch.autocast("cpu", torch.bfloat16)``,
+  without / with ``--checkpoint-activations``, ``--attention-impl fairseq`` and ``sdpa``. Target: 0 (or refused);
 - ``breaks``: ``torch._dynamo.explain`` of the training-mode forward under ``--attention-impl
   fairseq`` (the default) and ``sdpa`` (the fast path): graph breaks by the origin of the line that
   caused them, plugin / fairseq. Target: no break from the plugin's code.
@@ -157,7 +157,8 @@ class Measure:
         row["op_targeted"] = fam.name in OP_TARGETED
         row["meta"] = self.meta_run(fam.kind, fam.arch, task=fam.task)
         row.update(self.attention(fam))
-        row["fp32_mm"] = {mode: self.fp32_matmuls(fam, mode == "checkpoint") for mode in ("plain", "checkpoint")}
+        row["fp32_mm"] = {f"{impl} {mode}".removeprefix("fairseq "): self.fp32_matmuls(fam, mode == "checkpoint", impl)
+                          for impl in ("fairseq", "sdpa") for mode in ("plain", "checkpoint")}  # fmt: skip
         if self.explain:
             row["breaks"] = self.breaks(fam)
         return row
@@ -176,17 +177,15 @@ class Measure:
             "causal": (len(causal), len(decoder)),
         }
 
-    def fp32_matmuls(self, fam: Family, checkpoint: bool) -> int | str:
+    def fp32_matmuls(self, fam: Family, checkpoint: bool, impl: str = "fairseq") -> int | str:
         """Matrix products of one update not in bf16 under CPU bf16 autocast (forward under autocast)."""
-        import torch
-
-        extra = ("--checkpoint-activations",) if checkpoint else ()
+        extra = ("--attention-impl", impl, *(("--checkpoint-activations",) if checkpoint else ()))
         try:
             b = build(fam.kind, fam.arch, self.shape, *extra, task=fam.task)
             sample = batch(fam.kind)
             update(b, sample, 0)  # through the task: Admin profiles its omega here
             update(b, sample, 1, autocast=True)
-            with counters.MatmulDtypeAudit(torch.bfloat16) as audit:
+            with counters.MatmulDtypeAudit() as audit:  # bf16 expected
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
             return fp32_cell(e, checkpoint)

@@ -22,7 +22,8 @@ them as references. Each is built exactly as ``fairseq-train`` builds it
   ``torch.cuda.set_sync_debug_mode("warn")`` warnings; on the CPU the host reads a GPU would wait
   for (``.item()``, ``equal``, ``nonzero``, boolean indexing ...: ``harness.host_reads.HostReads``);
 - **audits the dtype** of every matrix product of the last training step
-  (``harness.op_counters.MatmulDtypeAudit``: attention counted once in its inputs' dtype);
+  (``harness.op_counters.MatmulDtypeAudit``: attention counted once in its inputs' dtype where CUDA's fused
+  kernels take its head widths, else as the math backend's products);
 - **names the SDPA backend** that ran per attention kind (``encoder self_attn``, ``decoder
   self_attn``, ``decoder encoder_attn``; ``fairseq`` where an attention module did not call SDPA):
   the fused aten op the call dispatched to (flash / efficient / cudnn), ``math`` when none;

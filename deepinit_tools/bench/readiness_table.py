@@ -25,8 +25,8 @@ ADMIN_PROFILING_READS = 2
 NORM_REDUCTIONS = ("(_full_dot)",)
 
 
-# mHC's mapping (fairseq_deepinit/modules/hyper.py, ManifoldHyperConnection.mappings) runs in fp32 by design, as
-# every release keeps it: per connection one product forward (once more in the recompute of
+# mHC's mapping (fairseq_deepinit/modules/hyper.py, ManifoldHyperConnection.mappings) runs in fp32 by design (this
+# project's choice, docs/schemes.md "Precision"): per connection one product forward (once more in the recompute of
 # --checkpoint-activations) and two backward (its input's and its weight's gradients)
 MAPPING_ORIGIN = "(mappings)"
 MAPPING_MODULE = "ManifoldHyperConnection"
@@ -94,7 +94,8 @@ def row_cells(row: dict) -> List[str]:
         cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
         fp = row["fp32_mm"]
         ok = all(v == 0 or v == REFUSED for v in fp.values())
-        cells.append(f"{_num(fp['plain'])} / {_num(fp['checkpoint'])} {verdict(ok)}")
+        sdpa = f"; sdpa {_num(fp['sdpa plain'])} / {_num(fp['sdpa checkpoint'])}" if "sdpa plain" in fp else ""
+        cells.append(f"{_num(fp['plain'])} / {_num(fp['checkpoint'])}{sdpa} {verdict(ok)}")
     else:
         cells += ["-", "-", "-"]
     br = row.get("breaks")
@@ -117,7 +118,8 @@ def row_cells(row: dict) -> List[str]:
 HEADER = ["family", "meta (no plugin read)", "reads/step meta / cpu (stock) <= 1",
           f"ops plugin / stock (init-only, same computation <= {OP_TARGET})", "causal, no TxT (sdpa)",
           "self-attn on SDPA",
-          "fp32 mm bf16 plain / ckpt = 0", "breaks plugin/fairseq: fairseq; sdpa attn (plugin 0)"]  # fmt: skip
+          "fp32 mm bf16 plain / ckpt; sdpa plain / ckpt = 0",
+          "breaks plugin/fairseq: fairseq; sdpa attn (plugin 0)"]  # fmt: skip
 
 
 def special_cells(row: dict) -> List[str]:

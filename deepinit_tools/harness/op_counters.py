@@ -21,14 +21,16 @@ Counting rules:
    ``aten::_fused_rms_norm`` / ``_fused_rms_norm_backward`` on CUDA when the weight's dtype is the
    input's (or there is no weight), and decompose it everywhere else (CPU, ``meta``, mixed dtypes,
    with a warning): a call the rule does not cover is counted operator by operator.
-   ``F.scaled_dot_product_attention``: CUDA runs every call as one flash / memory-efficient / cuDNN
-   kernel each way in the inputs' dtype (the efficient kernel takes fp32 and any mask), where the
-   CPU may take its math fallback, which upcasts bf16 to fp32 inside (a false fp32 product for the
-   audit). The backward operators of a fused call are recognised by their autograd node
-   (``torch._C._current_autograd_node()``): the nodes its decomposition created are tagged in their
-   ``metadata`` when the call returns, and the first backward operator run by any of them counts once
-   for all, in whichever counter is open during the backward (a forward and a backward may be
-   counted by two counters).
+   ``F.scaled_dot_product_attention``: CUDA runs a call as one flash / memory-efficient / cuDNN kernel each
+   way in the inputs' dtype (the efficient kernel takes fp32 and any mask) when its head dimensions admit one
+   (:func:`_sdpa_is_fused`), where the CPU may take its math fallback, which upcasts bf16 to fp32 inside (a
+   false fp32 product for the audit); a call whose head dimensions no fused kernel takes (``q`` and ``v`` of
+   different widths, a width not divisible by 8 in bf16) runs CUDA's math backend, the same decomposition as
+   the CPU's, and is counted operator by operator: its fp32 products show. The backward operators of a fused
+   call are recognised by their autograd node (``torch._C._current_autograd_node()``): the nodes its
+   decomposition created are tagged in their ``metadata`` when the call returns, and the first backward
+   operator run by any of them counts once for all, in whichever counter is open during the backward (a
+   forward and a backward may be counted by two counters).
 
 Fused calls are seen by wrapping the functions of :data:`FUSED` where callers look them up
 (``F.rms_norm``; torch's own ``F.multi_head_attention_forward`` looks up
@@ -74,15 +76,29 @@ def _rms_norm_is_fused(args: tuple, kwargs: dict) -> bool:
     return weight is None or weight.dtype == x.dtype
 
 
-def _always(args: tuple, kwargs: dict) -> bool:
-    return True
+def _sdpa_is_fused(args: tuple, kwargs: dict) -> bool:
+    """Whether CUDA's SDPA dispatch (torch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``,
+    ``check_head_dim_size_flash`` and ``check_head_dim_size_mem_efficient``) admits the call's head dimensions to
+    a fused kernel: flash takes fp16/bf16 with ``q``, ``k``, ``v`` of one last dimension <= 256; the
+    memory-efficient kernel takes fp16/bf16/fp32 with ``q`` and ``k`` of one last dimension and both it and
+    ``v``'s divisible by the GEMM alignment (8 for 16-bit inputs, 4 for fp32 on sm80+). Anything else runs the
+    math backend, which upcasts fp16/bf16 to fp32 inside."""
+    q = args[0] if args else kwargs["query"]
+    k = args[1] if len(args) > 1 else kwargs["key"]
+    v = args[2] if len(args) > 2 else kwargs["value"]
+    dq, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    flash = half and dq == dk == dv and dq <= 256
+    align = 8 if half else 4
+    efficient = (half or q.dtype == torch.float32) and dq == dk and dq % align == 0 and dv % align == 0
+    return flash or efficient
 
 
 # (module, attribute) of a function -> (name it is counted under, whether CUDA fuses this call)
 FUSED: Dict[tuple, tuple] = {
     (F, "rms_norm"): ("rms_norm", _rms_norm_is_fused),
     (torch, "rms_norm"): ("rms_norm", _rms_norm_is_fused),
-    (F, "scaled_dot_product_attention"): ("scaled_dot_product_attention", _always),
+    (F, "scaled_dot_product_attention"): ("scaled_dot_product_attention", _sdpa_is_fused),
 }
 
 # the metadata key of a fused call's backward nodes: (group id, name, dtype)

@@ -11,8 +11,9 @@ attention dropout). The parameter ``sinks`` ``(H,)`` is float32 and starts at 0 
 DeepSeek-V4; gpt-oss stores bf16); fairseq's ``--fp16`` / ``--bf16`` cast the whole model, sinks included.
 
 Both ``--attention-impl`` paths: fairseq's explicit path appends the sink column after the masks; the fused
-kernel gets an exact form with one more head dimension (:mod:`fairseq_deepinit.modules.attention_features`),
-which keeps ``is_causal`` for the decoder. Encoder-decoder (extension): a sink in every attention, cross-
+kernel gets an exact form with one more head dimension, the head padded to a multiple of 8 so that CUDA's fused
+kernels take it in bf16 (:mod:`fairseq_deepinit.modules.attention_features`), which keeps ``is_causal`` for the
+decoder. Encoder-decoder (extension): a sink in every attention, cross-
 attention included (a target word may attend to nothing in the source); ``--no-attention-sinks-cross``
 leaves the cross-attention without one.
 """

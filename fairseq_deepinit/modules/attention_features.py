@@ -24,12 +24,13 @@ The core (:meth:`FeatureAttention._attend`) is fairseq's explicit path under ``-
 (``fairseq/modules/multihead_attention.py:602-773``: ``q * scaling``, scores, ``attn_mask`` added, key padding
 ``-inf``, the softmax in float32 as ``utils.softmax`` (float64 kept), dropout, weighted sum; the sink column
 appended after the masks and dropped before dropout) and ``F.scaled_dot_product_attention`` under ``sdpa``.
-The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink
-key ``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``; a boolean or float mask gets
-a kept column for it; a causal call keeps ``is_causal`` (no mask tensor) by prepending one query too, which
-only sees the sink key under the kernel's upper-left alignment and is dropped (each real query then sees the
-sink and its own prefix). Calls that return attention weights (fairseq's alignment) take the explicit core on
-either path.
+The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink key
+``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``, and ``q'``, ``k'``, ``v`` padded to
+one width divisible by 8 (:func:`sink_head_width`; ``q'`` with ones, the keys and ``v`` with zeros), so that CUDA
+runs a fused kernel in the autocast dtype rather than its fp32 math backend; a boolean or float mask gets a kept
+column for it; a causal call keeps ``is_causal`` (no mask tensor) by prepending one query too, which only sees the
+sink key under the kernel's upper-left alignment and is dropped (each real query then sees the sink and its own
+prefix). Calls that return attention weights (fairseq's alignment) take the explicit core on either path.
 
 A layer's attention becomes a :class:`FeatureAttention` by :func:`feature_attention` (same object,
 same parameters, buffers and hooks; the parts added as submodules after fairseq's, so the stock
@@ -52,6 +53,7 @@ from .attention import SDPAMultiheadAttention
 from .masks import kernel_mask
 
 GATE_KINDS = ("headwise", "elementwise")
+SINK_WIDTH_MULTIPLE = 8  # CUDA's fused attention kernels take 16-bit head widths divisible by 8 (sink_head_width)
 
 
 def _fp32_or_wider(t: Tensor) -> Tensor:
@@ -179,38 +181,47 @@ class FeatureAttention(SDPAMultiheadAttention):
     def _sdpa_with_sinks(
         self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None
     ) -> Tensor:
-        """The sink as a prepended key in one more head dimension (module docstring), through the kernel."""
-        bsz, heads, tgt_len, dh = q.shape
-        kv_bsz = k.size(0)
+        """The sink as a prepended key in a head width padded to :func:`sink_head_width` (module docstring)."""
+        dh = q.size(-1)
+        width = sink_head_width(dh)
         mask, is_causal = kernel_mask(
             attn_mask,
             key_padding_mask,
-            tgt_len,
+            q.size(2),
             k.size(2),
             q.dtype,
             declared_future=self.causal_self_attention,
             right_padded=self.causal_right_padded,
         )
-        sink_key = torch.cat(
-            [k.new_zeros(1, heads, 1, dh), (self.sinks.to(q.dtype) / self.scaling).view(1, heads, 1, 1)], dim=-1
-        ).expand(kv_bsz, heads, 1, dh + 1)
-        k2 = torch.cat([sink_key, F.pad(k, (0, 1))], dim=2)
-        v2 = torch.cat([v.new_zeros(kv_bsz, heads, 1, v.size(-1)), v], dim=2)
-        q2 = F.pad(q, (0, 1), value=1.0)
-        if is_causal:  # one dropped query in front: with it, upper-left causal is the sink plus the own prefix
-            q2 = torch.cat([q2.new_zeros(bsz, heads, 1, dh + 1), q2], dim=2)
+        # q's padding columns are 1 and the real keys' 0, so only the sink key's coordinate dh (s_h / scale) meets
+        # them: scale * q2 . k2[0] = s_h. Under is_causal one query in front (dropped): with it, upper-left causal
+        # is the sink plus the own prefix.
+        q2 = F.pad(q, (0, width - dh, int(is_causal), 0), value=1.0)
+        sink_key = F.pad((self.sinks.to(k.dtype) / self.scaling).view(1, -1, 1, 1), (dh, width - dh - 1))
+        k2 = torch.cat([sink_key.expand(k.size(0), -1, 1, -1), F.pad(k, (0, width - dh))], dim=2)
+        v2 = F.pad(v, (0, width - v.size(-1), 1, 0))  # its value 0; q, k, v of one width, as the fused kernels need
         if mask is not None:
             keep = mask.new_ones(1) if mask.dtype == torch.bool else mask.new_zeros(1)  # the sink's column: kept
             mask = torch.cat([keep.expand(*mask.shape[:-1], 1), mask], dim=-1)
         out = F.scaled_dot_product_attention(
             q2, k2, v2, attn_mask=mask, dropout_p=self._dropout_p(), is_causal=is_causal, scale=self.scaling
         )
-        return out[:, :, 1:] if is_causal else out
+        return out[:, :, int(is_causal) :, : v.size(-1)]
 
     def _output(self, out: Tensor, query: Tensor) -> Tensor:
         if self.gate is not None:
             out = self.gate(out, query)
         return super()._output(out, query)
+
+
+def sink_head_width(dh: int) -> int:
+    """The head width of the sink form through ``F.scaled_dot_product_attention``: ``dh + 1`` (the sink's
+    coordinate) rounded up to a multiple of 8, the widths CUDA's flash and memory-efficient kernels take in
+    16-bit (torch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: ``check_head_dim_size_flash`` wants
+    ``q``, ``k``, ``v`` of one width, ``check_head_dim_size_mem_efficient`` widths divisible by 8); any other
+    width runs the math backend, which computes bf16 attention in fp32. The keys' padding is zeros: no dot
+    product changes."""
+    return -(-(dh + 1) // SINK_WIDTH_MULTIPLE) * SINK_WIDTH_MULTIPLE
 
 
 def feature_attention(attn: MultiheadAttention) -> FeatureAttention:
@@ -235,4 +246,13 @@ def feature_attention(attn: MultiheadAttention) -> FeatureAttention:
     return attn
 
 
-__all__ = ["GATE_KINDS", "AttentionGate", "FeatureAttention", "FirstValues", "ValueMix", "feature_attention"]
+__all__ = [
+    "GATE_KINDS",
+    "SINK_WIDTH_MULTIPLE",
+    "AttentionGate",
+    "FeatureAttention",
+    "FirstValues",
+    "ValueMix",
+    "feature_attention",
+    "sink_head_width",
+]

@@ -22,7 +22,8 @@ every stream::
   eps)`` (``216-259``), ``H_pre = sigmoid(h_pre)``, ``H_post = 2 sigmoid(h_post)``, ``H_res = Sinkhorn(h_res)``
   (:func:`sinkhorn`, ``54-146``); ``x_in = sum_i H_pre_i x_i``, ``R = H_res x``, ``w = H_post`` (``370-418,
   600-642``). Init (``182-214``): ``phi`` xavier-uniform, ``alpha`` 0.01 each, ``b`` 0. The mapping is computed
-  in float32 (autocast off; float64 stays float64), the mixing in the activation dtype.
+  in float32 (autocast off; float64 stays float64; this project's choice, where Megatron's runs in the
+  activation dtype: docs/schemes.md, "Precision"), the mixing in the activation dtype.
 
 Everything is per token, so incremental decoding and beam reordering need nothing new. Formulas, the paper
 equations and the encoder-decoder design: docs/schemes.md, "Hyper-connections and mHC".
@@ -194,7 +195,7 @@ def sinkhorn(logits: Tensor, iters: int, eps: float, recompute: bool = True) -> 
 
 
 def _full_precision(device: torch.device):
-    """Autocast off on ``device`` (the mapping runs in float32, as every release keeps it)."""
+    """Autocast off on ``device`` (the mapping runs in float32: docs/schemes.md, "Precision")."""
     if device.type in AUTOCAST_DEVICES:
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
@@ -215,11 +216,15 @@ class ManifoldHyperConnection(StreamResidual):
         self.alpha_res = nn.Parameter(torch.full((1,), float(gating_init)))
         self.bias = nn.Parameter(torch.zeros(n * n + 2 * n))
         self.observers: list = []  # fn(H_res) on each call: the diagnostics' (``diagnostics/depth_hooks.py``)
+        # None: the mapping in at least float32 (this project's choice, docs/schemes.md "Precision"); a dtype: in
+        # that one, for measuring what the choice costs and buys (benchmarks/mhc_precision.py)
+        self.mapping_dtype: torch.dtype | None = None
 
     def mappings(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """``(H_pre (..., n), H_post (..., n), H_res (..., n, n))`` from ``x`` ``(..., n, d)``, in at least float32."""
+        """``(H_pre (..., n), H_post (..., n), H_res (..., n, n))`` from ``x`` ``(..., n, d)``, in at least float32
+        (``mapping_dtype``, where set: in that dtype), autocast off."""
         n = self.n
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = self.mapping_dtype or torch.promote_types(x.dtype, torch.float32)
         with _full_precision(x.device):
             flat = x.reshape(*x.shape[:-2], n * self.dim).to(dtype)
             r = 1.0 / (flat.norm(dim=-1, keepdim=True) / math.sqrt(n * self.dim) + self.eps)

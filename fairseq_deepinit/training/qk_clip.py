@@ -10,8 +10,9 @@ so that every logit of the head scales by ``eta_h`` (Kimi K2, arXiv 2507.20534, 
 ``clamp(tau / S, max=1)`` this replaces by the ``where`` above: no ``any`` read on the host, and a head whose
 largest logit is negative keeps 1 instead of a NaN). fairseq's ``q_proj`` / ``k_proj`` have biases: they scale
 with their rows, which Megatron's bias-free QKV does not need (``tests/ports/qk_clip.py`` ``clip_with_bias``).
-A head at or under ``tau`` is multiplied by exactly 1.0, so it stays bit for bit; a non-finite ``S_h`` (a broken
-forward, which the loss shows) clips nothing.
+The rows are scaled in the weights' dtype, at least float32 (float64 weights in float64, ``eta`` too): a head at or
+under ``tau`` is multiplied by exactly 1.0, so it stays bit for bit; a non-finite ``S_h`` (a broken forward, which
+the loss shows) clips nothing.
 
 The tap (:class:`QKClip`): a forward pre-hook on each clipped attention recomputes its ``q`` and ``k`` from the
 call's inputs with the module's own projections (:func:`fairseq_deepinit.diagnostics.depth_hooks.project_qk`)
@@ -107,38 +108,52 @@ class QKClip:
         self.maxima.fill_(-math.inf)
 
     def factors(self) -> Tensor:
-        """``eta`` per head, all ranks' maxima first combined (one all-reduce, no host read)."""
+        """``eta`` per head in float32 (the maxima's dtype), all ranks' maxima first combined (one all-reduce, no
+        host read)."""
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             from fairseq.distributed import utils as dist_utils
 
             dist_utils.all_reduce(self.maxima, group=dist_utils.get_data_parallel_group(), op="max")
-        m = self.maxima
-        return torch.where(torch.isfinite(m) & (m > self.tau), self.tau / m, torch.ones_like(m))
+        return eta_of(self.maxima, self.tau)
 
     def clip(self, masters: Dict[int, Tensor]) -> Tensor:
-        """Rescale every clipped head's q/k rows (in ``masters``' fp32 copies where given); returns ``eta``. The
-        maxima are kept until the next update's ``zero_grad`` (:func:`attach`)."""
+        """Rescale every clipped head's q/k rows (in ``masters``' fp32 copies where given) in the weights' dtype, at
+        least float32 (:func:`scale_rows`); returns ``eta``. The maxima are kept until the next update's
+        ``zero_grad`` (:func:`attach`)."""
         eta = self.factors()
-        f_q, f_k = eta.pow(self.alpha), eta.pow(1.0 - self.alpha)
+        powers: Dict[torch.dtype, Tuple[Tensor, Tensor]] = {}  # per computing dtype: (eta^alpha, eta^(1 - alpha))
         with torch.no_grad():
             for _name, attn, where in self.attentions:
-                for proj, f in ((attn.q_proj, f_q[where]), (attn.k_proj, f_k[where])):
+                for proj, side in ((attn.q_proj, 0), (attn.k_proj, 1)):
                     for param in (proj.weight, proj.bias):
-                        if param is not None:
-                            scale_rows(param, masters.get(id(param)), f)
+                        if param is None:
+                            continue
+                        master = masters.get(id(param))
+                        dtype = torch.promote_types((param if master is None else master).dtype, torch.float32)
+                        if dtype not in powers:
+                            e = eta if dtype == eta.dtype else eta_of(self.maxima.to(dtype), self.tau)
+                            powers[dtype] = (e.pow(self.alpha), e.pow(1.0 - self.alpha))
+                        scale_rows(param, master, powers[dtype][side][where])
         metrics.log_scalar("qk_clip_heads", (eta < 1).sum(), weight=1, round=2)
         metrics.log_scalar("qk_clip_max_logit", self.maxima.max(), weight=1, round=3)
         return eta
 
 
+def eta_of(maxima: Tensor, tau: float) -> Tensor:
+    """``tau / S_h`` where ``S_h > tau`` (finite), else exactly 1 (Kimi K2, Algorithm 1), in ``maxima``'s dtype."""
+    return torch.where(torch.isfinite(maxima) & (maxima > tau), tau / maxima, torch.ones_like(maxima))
+
+
 def scale_rows(param: Tensor, master: Tensor | None, f: Tensor) -> None:
-    """``param``'s rows of head ``h`` times ``f[h]`` (``param`` ``(H * dh, ...)``); with a ``master`` (fp32, the
-    weights the optimizer steps from), the master is scaled and copied into ``param``."""
+    """``param``'s rows of head ``h`` times ``f[h]`` (``param`` ``(H * dh, ...)``), computed in ``f``'s dtype (the
+    weights', at least float32: float64 weights are not rounded through float32, so a head with ``f = 1`` stays
+    bit for bit); with a ``master`` (fp32, the weights the optimizer steps from), the master is scaled and copied
+    into ``param``."""
     heads = f.numel()
     target = param.data if master is None else master
     rows = target.view(heads, -1)
-    rows.copy_(rows.float().mul(f.view(heads, 1)))
+    rows.copy_(rows.to(f.dtype).mul(f.view(heads, 1)))
     if master is not None:
         param.data.copy_(master.view_as(param))
 
