@@ -6,7 +6,14 @@ mapping's deviation from float64.
 The command line only; the code is :mod:`deepinit_tools.bench.mhc_precision`.
 """
 
-from deepinit_tools.bench.mhc_precision import main
+import sys
+from pathlib import Path
+
+# the checkout first, so that `python benchmarks/mhc_precision.py` runs from any folder without PYTHONPATH and
+# imports this checkout's tools and plugin, never an installed copy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepinit_tools.bench.mhc_precision import main  # noqa: E402
 
 if __name__ == "__main__":
     main()
