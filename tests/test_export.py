@@ -165,3 +165,40 @@ def test_every_named_family_is_in_a_case():
     from fairseq_deepinit.architectures import FAMILIES
 
     assert {c[0] for c in ALL} == set(FAMILIES)
+
+
+@pytest.mark.kernel_independent
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_method_without_an_export_declaration_is_refused(monkeypatch, declared):
+    """A record added without ``export`` is refused by the route, naming its option, for both targets; the same
+    record declaring that it changes nothing an export carries is exported as the model without it."""
+    from fairseq_deepinit.methods import METHODS
+    from fairseq_deepinit.methods.exporting import EXPORT_NEUTRAL
+    from fairseq_deepinit.methods.record import Method, Option
+
+    new = Method(
+        name="brand_new",
+        title="Brand New",
+        paper="-",
+        summary="-",
+        enabled_by="brand_new",
+        options=(Option("brand_new", bool, False, "a method the exporters were not taught"),),
+        export=EXPORT_NEUTRAL if declared else None,
+    )
+    monkeypatch.setitem(METHODS, new.name, new)
+    args = resolved(("preln", (), False))
+    args.brand_new = True
+    route = classify(args)
+    if declared:
+        assert route.reasons == {} and route.fairseq == "stock"
+        return
+    want = "--brand-new (Brand New): the export does not carry this option yet"
+    assert route.reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+
+
+@pytest.mark.kernel_independent
+def test_every_declared_fold_step_has_its_function_in_order():
+    from fairseq_deepinit.export.fold import STEPS
+    from fairseq_deepinit.methods.exporting import FOLD_STEPS
+
+    assert tuple(STEPS) == FOLD_STEPS
