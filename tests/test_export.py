@@ -168,12 +168,12 @@ def test_every_named_family_is_in_a_case():
 
 
 @pytest.mark.kernel_independent
-@pytest.mark.parametrize("declared", [False, True])
-def test_a_method_without_an_export_declaration_is_refused(monkeypatch, declared):
-    """A record added without ``export`` is refused by the route, naming its option, for both targets; the same
-    record declaring that it changes nothing an export carries is exported as the model without it."""
+def test_a_method_without_an_export_declaration_is_refused(monkeypatch):
+    """A record added without ``export`` is refused by the route for both targets, naming its option; so is a
+    record whose declaration is taken away (the declaration decides, not a table of the exporter's)."""
+    import dataclasses
+
     from fairseq_deepinit.methods import METHODS
-    from fairseq_deepinit.methods.exporting import EXPORT_NEUTRAL
     from fairseq_deepinit.methods.record import Method, Option
 
     new = Method(
@@ -183,17 +183,18 @@ def test_a_method_without_an_export_declaration_is_refused(monkeypatch, declared
         summary="-",
         enabled_by="brand_new",
         options=(Option("brand_new", bool, False, "a method the exporters were not taught"),),
-        export=EXPORT_NEUTRAL if declared else None,
     )
     monkeypatch.setitem(METHODS, new.name, new)
     args = resolved(("preln", (), False))
     args.brand_new = True
-    route = classify(args)
-    if declared:
-        assert route.reasons == {} and route.fairseq == "stock"
-        return
     want = "--brand-new (Brand New): the export does not carry this option yet"
-    assert route.reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+    assert classify(args).reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+
+    args = resolved(("lnscale", (), False))
+    assert classify(args).fairseq == "fold"
+    monkeypatch.setitem(METHODS, "lnscale", dataclasses.replace(METHODS["lnscale"], export=None))
+    want = "--layernorm-scaling (LayerNorm Scaling): the export does not carry this option yet"
+    assert classify(args).reasons == {FAIRSEQ: want, CTRANSLATE2: want}
 
 
 @pytest.mark.kernel_independent

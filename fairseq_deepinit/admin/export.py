@@ -46,7 +46,7 @@ ALIAS = cli.Alias(
 def check_exportable(args) -> None:
     """Refuse, with :class:`~fairseq_deepinit.errors.AdminExportError`, resolved model arguments that are not an
     Admin model a stock transformer can hold (:func:`fairseq_deepinit.export.run.check_only`)."""
-    run.check_only(classify(args), run.Only(residual=ADMIN, label=ONLY.label, error=ONLY.error), "")
+    run.check_only(classify(args), ONLY)
 
 
 def export_checkpoint(src: str, dst: str, check: bool = True, tolerance: float = 1e-4, force: bool = False) -> dict:

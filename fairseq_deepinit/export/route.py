@@ -184,14 +184,14 @@ def _ct2_eps(spec: ModelSpec, qk: QKNorm | None) -> Tuple[float | None, str | No
     )
 
 
-def _ct2_facts(args) -> str | None:
+def _ct2_facts(args, spec: ModelSpec) -> str | None:
     """fairseq's options CTranslate2's spec has no field for."""
     act = getattr(args, "activation_fn", "relu") or "relu"
     if act not in CT2_ACTIVATIONS:
         return f"--activation-fn {act}: CTranslate2's fairseq activations are {', '.join(CT2_ACTIVATIONS)}"
     if getattr(args, "no_token_positional_embeddings", False):
         return "--no-token-positional-embeddings: CTranslate2 adds sinusoidal positions when a model has none"
-    dec = int(args.decoder_embed_dim)
+    dec = int(spec.decoder.dim)
     ins = int(getattr(args, "decoder_input_dim", None) or dec)
     outs = int(getattr(args, "decoder_output_dim", None) or dec)
     if (ins != dec) != (outs != dec):
@@ -242,5 +242,5 @@ def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
         return Route(**route, reasons={FAIRSEQ: never, CTRANSLATE2: never})
     refused = {t: next((r[t] for r, _e, _p in everything if t in r), None) for t in TARGETS}
     eps, eps_reason = _ct2_eps(spec, qk)
-    refused[CTRANSLATE2] = refused[CTRANSLATE2] or eps_reason or _ct2_facts(args)
+    refused[CTRANSLATE2] = refused[CTRANSLATE2] or eps_reason or _ct2_facts(args, spec)
     return Route(**route, reasons={t: why for t, why in refused.items() if why}, ct2_eps=eps)

@@ -59,12 +59,19 @@ class Only:
     error: type = ExportError
 
 
-def check_only(route: Route, only: Only, src: str) -> None:
-    """Refuse, in one line, a model that ``only`` does not take (``src``: the checkpoint, for the messages)."""
-    if only.lm is False and route.lm:
+def check_kind(args, only: Only, src: str) -> None:
+    """Refuse, in one line, a language model where ``only`` takes translation models, or the other way round
+    (read from the stored arguments before anything else: ``src`` is the checkpoint, for the messages)."""
+    lm = source.is_language_model(args)
+    if only.lm is False and lm:
         raise ExportError(f"{src} is a deepinit language model; use {only.other} for it")
-    if only.lm is True and not route.lm:
+    if only.lm is True and not lm:
         raise ExportError(f"{src} is not a deepinit language model; use {only.other} for translation")
+
+
+def check_only(route: Route, only: Only) -> None:
+    """Refuse, in one line, a model whose residual scaling is not ``only``'s, or whose fold to a stock
+    transformer the route refuses."""
     if only.residual is None:
         return
     if route.residual != only.residual:
@@ -87,9 +94,11 @@ def prepare(src: str, dst: str, target: str, only: Only | None = None, force: bo
     if target == routes.CTRANSLATE2:
         _require_ctranslate2()
     state, args = source.load_checkpoint(src)
+    if only is not None:
+        check_kind(args, only, src)
     route = routes.classify(args, source.model_spec(args))
     if only is not None:
-        check_only(route, only, src)
+        check_only(route, only)
     route.check(target)
     source.check_profiled(state, src, "decoder" if route.lm else "encoder")
     source.check_finite(state["model"], src)
