@@ -59,8 +59,16 @@ def model_args(state: dict) -> argparse.Namespace:
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The :class:`~fairseq_deepinit.spec.ModelSpec` of a checkpoint's model arguments, resolved as its model's
-    build resolves them (the arguments are only read)."""
-    return resolve.resolve(args)
+    build resolves them (the arguments are only read); arguments no build could resolve (an edited file) are
+    one line."""
+    try:
+        return resolve.resolve(args)
+    except errors.DeepInitError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a stored value of the wrong kind, or none
+        raise ExportError(
+            f"the checkpoint's model arguments do not describe a deepinit model ({errors.one_line(e)}); {MISFIT_FIX}"
+        ) from e
 
 
 def is_language_model(args) -> bool:
