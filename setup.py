@@ -31,6 +31,7 @@ setup(
         "console_scripts": [
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",
             "deepinit-export = fairseq_deepinit.export.cli:main",
+            # aliases of deepinit-export --to fairseq, narrowed to Admin models (fairseq_deepinit.export.cli.Alias)
             "deepinit-export-admin = fairseq_deepinit.admin.export:main",
             "deepinit-export-admin-lm = fairseq_deepinit.lm.export:main",
         ]

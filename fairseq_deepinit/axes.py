@@ -5,7 +5,9 @@ add (:data:`~fairseq_deepinit.methods.INIT_SCHEMES`, :data:`~fairseq_deepinit.me
 :data:`~fairseq_deepinit.methods.LAYER_TYPES`); ``--norm-type`` / ``--norm-eps`` pick the norm of every norm
 layer; ``--force-norm-with-scheme`` lets an ablation keep a norm its scheme removes; ``--attention-impl``
 picks the attention's kernel path. :func:`all_options` lists these options, then every record's, in method
-order.
+order. :func:`norm_export` is what an exporter needs to know about each ``--norm-type``
+(:class:`~fairseq_deepinit.methods.exporting.Export`): the plain norms' declarations are
+:data:`NORM_EXPORTS`, a point-wise norm's is its method's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from typing import List, Tuple
 
 from .methods import INIT_SCHEMES, LAYER_TYPES, METHODS, RESIDUAL_SCALINGS
+from .methods.exporting import FAIRSEQ, Export
 from .methods.record import Method, Option
 from .modules.attention import ATTENTION_IMPLS
 from .modules.norms import NORM_TYPES
@@ -100,3 +103,37 @@ def all_options() -> List[Tuple[Option, Method | None]]:
             seen.add(option.name)
             out.append((option, method))
     return out
+
+
+#: fairseq's LayerNorm eps (fairseq/modules/layer_norm.py: ``eps=1e-5``), which a stock transformer cannot change
+FAIRSEQ_LN_EPS = 1e-5
+
+
+def _fairseq_layernorm(p, spec, args) -> str | None:
+    if float(spec.norm.eps) != FAIRSEQ_LN_EPS:
+        return f"--norm-eps {spec.norm.eps:g}: fairseq's LayerNorm has eps 1e-5 and no option to change it"
+    return None
+
+
+def _not_layernorm(what: str) -> Export:
+    return Export(refuses={FAIRSEQ: f"{what}: a stock fairseq transformer has LayerNorms"})
+
+
+#: the plain norms for an exporter: a stock transformer has LayerNorms of eps 1e-5, CTranslate2 LayerNorm and
+#: RMSNorm (ScaleNorm ``g x / sqrt(||x||^2 + eps^2)`` is the RMSNorm of weight ``g / sqrt(d)`` and eps
+#: ``eps^2 / d``; no norm at all is an RMSNorm made the identity, :data:`fairseq_deepinit.export.route.IDENTITY_EPS`)
+NORM_EXPORTS = {
+    "layernorm": Export(refuses={FAIRSEQ: _fairseq_layernorm}),
+    "rmsnorm": _not_layernorm("--norm-type rmsnorm"),
+    "scalenorm": Export(refuses=_not_layernorm("--norm-type scalenorm").refuses, steps=("scalenorm-as-rms",)),
+    "none": _not_layernorm("no norm at all"),
+}
+
+
+def norm_export(norm: str) -> Export | None:
+    """What an exporter needs to know about ``--norm-type norm``: :data:`NORM_EXPORTS`, or the declaration of the
+    method that the value turns on (DyT, Derf); None where nobody declared it."""
+    if norm in NORM_EXPORTS:
+        return NORM_EXPORTS[norm]
+    owners = [m for m in METHODS.values() if ("norm_type", norm) in m.switches]
+    return owners[0].export if owners else None

@@ -165,3 +165,41 @@ def test_every_named_family_is_in_a_case():
     from fairseq_deepinit.architectures import FAMILIES
 
     assert {c[0] for c in ALL} == set(FAMILIES)
+
+
+@pytest.mark.kernel_independent
+def test_a_method_without_an_export_declaration_is_refused(monkeypatch):
+    """A record added without ``export`` is refused by the route for both targets, naming its option; so is a
+    record whose declaration is taken away (the declaration decides, not a table of the exporter's)."""
+    import dataclasses
+
+    from fairseq_deepinit.methods import METHODS
+    from fairseq_deepinit.methods.record import Method, Option
+
+    new = Method(
+        name="brand_new",
+        title="Brand New",
+        paper="-",
+        summary="-",
+        enabled_by="brand_new",
+        options=(Option("brand_new", bool, False, "a method the exporters were not taught"),),
+    )
+    monkeypatch.setitem(METHODS, new.name, new)
+    args = resolved(("preln", (), False))
+    args.brand_new = True
+    want = "--brand-new (Brand New): the export does not carry this option yet"
+    assert classify(args).reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+
+    args = resolved(("lnscale", (), False))
+    assert classify(args).fairseq == "fold"
+    monkeypatch.setitem(METHODS, "lnscale", dataclasses.replace(METHODS["lnscale"], export=None))
+    want = "--layernorm-scaling (LayerNorm Scaling): the export does not carry this option yet"
+    assert classify(args).reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+
+
+@pytest.mark.kernel_independent
+def test_every_declared_fold_step_has_its_function_in_order():
+    from fairseq_deepinit.export.fold import STEPS
+    from fairseq_deepinit.methods.exporting import FOLD_STEPS
+
+    assert tuple(STEPS) == FOLD_STEPS

@@ -158,7 +158,8 @@ def test_every_method_module_is_one_listed_record():
     from fairseq_deepinit.methods import METHODS
     from fairseq_deepinit.methods.record import Method
 
-    helpers = ("__init__", "record", "pointwise")  # pointwise: DyT's and Derf's shared options, no record
+    # pointwise: DyT's and Derf's shared options; exporting: the records' export declarations; no record
+    helpers = ("__init__", "record", "pointwise", "exporting")
     files = sorted(p.stem for p in (ROOT / "methods").glob("*.py") if p.stem not in helpers)
     listed = []
     for stem in files:
@@ -326,3 +327,18 @@ def test_the_test_tiers_name_existing_modules():
 
     have = {p.stem for p in (REPO / "tests").glob("test_*.py")}
     assert (SLOW_MODULES | NUMERIC_MODULES) <= have, sorted((SLOW_MODULES | NUMERIC_MODULES) - have)
+
+
+def test_the_exporters_name_no_option():
+    """``export/`` decides from the spec and the records' export declarations (docs/architecture.md): no option
+    of the model (an axis's or a record's) appears in it as a string literal, so a method is taught to every
+    exporter on its record, never in an exporter's own table."""
+    from fairseq_deepinit.axes import all_options
+
+    names = {option.name for option, _method in all_options()}
+    found = []
+    for path in sorted((ROOT / "export").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not found, "option names in export/ (declare it on the record instead): " + "; ".join(found)

@@ -374,11 +374,11 @@ def test_language_model_trains(tmp_path):
 
 
 def test_admin_fold_stays_exact_with_qk_norms_and_the_export_refuses_them():
-    """Admin's omega fold (admin/fold.py) scales the q/k projections' input columns by 1/omega; the q/k
+    """Admin's omega fold (export/omega.py) scales the q/k projections' input columns by 1/omega; the q/k
     norms act on their output, so the folded weights in a plain Post-LN model *with* the same q/k norms
     give Admin's logits. The export to a stock ``transformer`` (no q/k norms) stops in one line."""
     from fairseq_deepinit.admin import admin_residuals
-    from fairseq_deepinit.admin.fold import check_exportable, fold_state_dict
+    from fairseq_deepinit.admin.export import check_exportable, fold_state_dict
     from fairseq_deepinit.errors import AdminExportError
 
     pos = ("--encoder-learned-pos", "--decoder-learned-pos")  # no sinusoid to turn into a table

@@ -11,7 +11,8 @@ its residual module is :class:`~fairseq_deepinit.modules.residual.AdminResidual`
 - :mod:`.profiling_task`: the profiling lifecycle inside fairseq-train, on every rank (one mixin for
   every profiling task);
 - :mod:`.task`: ``--task translation_admin`` (registered when the plugin imports it);
-- :mod:`.fold` and :mod:`.export`: ``deepinit-export-admin``, omega folded into a stock Post-LN checkpoint.
+- :mod:`.export`: ``deepinit-export-admin``, an alias of ``deepinit-export --to fairseq`` for Admin models
+  (the fold of omega into a stock Post-LN checkpoint is :mod:`fairseq_deepinit.export.omega`).
 """
 
 from .profile_file import apply_profile, check_profile_destination, check_profile_rows, load_profile, save_profile

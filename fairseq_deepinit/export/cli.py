@@ -3,6 +3,10 @@
 A refused family or option, a bad checkpoint, output or option is one line on stderr
 (``deepinit-export: error: ...``) and exit status 1, before anything is written; an existing output is
 refused unless ``--force`` (:func:`.output.check_destination`).
+
+An :class:`Alias` is the same command under another name, ``--to fairseq`` fixed and what it takes narrowed
+(:class:`.run.Only`): ``deepinit-export-admin`` (:mod:`fairseq_deepinit.admin.export`) and
+``deepinit-export-admin-lm`` (:mod:`fairseq_deepinit.lm.export`) are ``main(argv, alias)``.
 """
 
 from __future__ import annotations
@@ -10,16 +14,35 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Callable, List
 
 from .. import errors
-from .route import TARGETS
-from .run import QUANTIZATIONS, export
+from .route import FAIRSEQ, TARGETS
+from .run import QUANTIZATIONS, Only, export
 
 logger = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Alias:
+    """``deepinit-export --to fairseq`` under the name ``prog``, taking only what ``only`` says, with its own
+    description and help for the two positional arguments."""
+
+    prog: str
+    description: str
+    checkpoint_help: str
+    output_help: str
+    only: Only
+
+
+def build_parser(alias: Alias | None = None) -> argparse.ArgumentParser:
+    """``deepinit-export``'s command line, or an alias's (no ``--to``, ``--quantization``, ``--data``)."""
+    if alias is not None:
+        parser = argparse.ArgumentParser(prog=alias.prog, description=alias.description)
+        parser.add_argument("checkpoint", help=alias.checkpoint_help)
+        parser.add_argument("output", help=alias.output_help)
+        return _check_options(parser)
     parser = argparse.ArgumentParser(
         prog="deepinit-export",
         description="Export a checkpoint of a deepinit model (translation or language model; fairseq-train or "
@@ -43,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="ctranslate2: the fairseq-preprocess folder with the model's dictionaries (default: the training's data "
         "folder stored in the checkpoint)",
     )
+    return _check_options(parser)
+
+
+def _check_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--no-check``, ``--tolerance``, ``--force``: every form of the command has them."""
     parser.add_argument(
         "--no-check", action="store_true", help="skip reloading the export and comparing it with the model"
     )
@@ -101,8 +129,20 @@ def run_command(
     return 0
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: List[str] | None = None, alias: Alias | None = None) -> int:
+    """``deepinit-export argv`` (or ``alias``'s command); the exit status."""
+
     def work(a: argparse.Namespace) -> dict:
+        if alias is not None:
+            return export(
+                a.checkpoint,
+                a.output,
+                FAIRSEQ,
+                check=not a.no_check,
+                tolerance=a.tolerance,
+                force=a.force,
+                only=alias.only,
+            )
         return export(
             a.checkpoint,
             a.output,
@@ -114,7 +154,7 @@ def main(argv: List[str] | None = None) -> int:
             force=a.force,
         )
 
-    return run_command(build_parser(), work, argv)
+    return run_command(build_parser(alias), work, argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 :func:`plain_state_dict` turns a plugin model (built by :func:`.source.build_plugin_model` in float64,
 its route from :func:`.route.classify`) into a state dict with fairseq ``transformer`` names in which
 each sub-layer is a plain ``x + f(x)`` (Post-LN: then its norm; Pre-LN: ``x + f(N(x))``; Peri-LN:
-``x + N_out(f(N(x)))``). Every step is exact in exact arithmetic; the products are taken in float64:
+``x + N_out(f(N(x)))``). It runs the steps the route's declarations name (``route.steps``, from each
+record's :class:`~fairseq_deepinit.methods.exporting.Export`), in the order of :data:`STEPS`; every step is
+exact in exact arithmetic, the products taken in float64:
 
 - ScaleNorm ``g x / sqrt(||x||^2 + eps^2)`` (:class:`~fairseq_deepinit.modules.norms.ScaleNorm`) is the
   RMSNorm ``x / sqrt(mean(x^2) + eps^2/d) * (g / sqrt(d))``: its scalar becomes a weight vector of
@@ -11,7 +13,7 @@ each sub-layer is a plain ``x + f(x)`` (Post-LN: then its norm; Pre-LN: ``x + f(
 - FixNorm (:class:`~fairseq_deepinit.modules.fixnorm.FixNormEmbedding`): the embedding rows as the
   model uses them, ``w / max(||w||, eps)`` (the padding row 0), and the tied output layer over them with
   its per-word bias (TwT eq. 5);
-- Admin's omega, and DeepNorm's alpha as a constant omega: :func:`fairseq_deepinit.admin.fold.fold_state_dict`
+- Admin's omega, and DeepNorm's alpha as a constant omega: :func:`.omega.fold_state_dict`
   (``LN(x * w + f(x))`` -> ``LN'(x' + f'(x'))``, Liu et al. 2020 appendix C; its docstring has the derivation);
 - ReZero's ``x + a f(x)`` and depth-muP's ``x + m f(N(x))``: the scalar into the branch's last
   projection (out_proj of each attention, fc2), weight and bias: ``a (W h + b) = (a W) h + a b``;
@@ -33,10 +35,10 @@ from typing import Dict, Tuple
 import torch
 import torch.nn as nn
 
-from ..admin.fold import fold_state_dict
 from ..modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
 from ..modules.norms import ScaleNorm
 from ..modules.residual import AdminResidual, BranchScaleResidual, ConstantResidual, Residual, ReZeroResidual
+from .omega import fold_state_dict
 from .route import Route
 
 #: the last projection of each sub-layer's branch (where a branch scalar folds in)
@@ -137,21 +139,36 @@ def check_residuals(model: nn.Module) -> None:
                     raise TypeError(f"no fold for the residual {type(residual).__name__}")
 
 
+def _omega(model: nn.Module, sd: Dict[str, torch.Tensor], args) -> dict:
+    """Admin's omega (and a constant omega) folded into the norms, input projections and embeddings."""
+    folded, changes = fold_state_dict(sd, args, dtype=torch.float64)
+    sd.clear()
+    sd.update(folded)
+    return changes
+
+
+#: the function of each fold step a record may declare (:data:`~fairseq_deepinit.methods.exporting.FOLD_STEPS`,
+#: same order): ``step(model, sd, args)`` changes ``sd`` in place and returns the model arguments it changes
+STEPS = {
+    "scalenorm-as-rms": lambda model, sd, args: _scalenorms_as_rms(model, sd),
+    "unit-rows": lambda model, sd, args: _fixnorm(model, sd),
+    "constant-omega": lambda model, sd, args: _deepnorm_omegas(model, sd),
+    "omega": _omega,
+    "branch-scalar": lambda model, sd, args: _branch_scalars(model, sd),
+    "input-scale": lambda model, sd, args: _input_scales(model, sd),
+    "zero-biases": lambda model, sd, args: _zero_biases(model, sd),
+}
+
+
 def plain_state_dict(model: nn.Module, args, route: Route) -> Tuple[Dict[str, torch.Tensor], dict]:
     """``(float64 state dict, changed model arguments)`` of the plain model equal to ``model`` (module docstring)."""
     check_residuals(model)
     sd = {
         k: (v.detach().to(torch.float64) if v.is_floating_point() else v).clone() for k, v in model.state_dict().items()
     }
-    _scalenorms_as_rms(model, sd)
-    _fixnorm(model, sd)
     changes: dict = {}
-    if route.residual == "deepnorm":
-        _deepnorm_omegas(model, sd)
-    if route.residual in ("admin", "deepnorm"):
-        sd, changes = fold_state_dict(sd, args, dtype=torch.float64)
-    _branch_scalars(model, sd)
-    _input_scales(model, sd)
-    _zero_biases(model, sd)
+    for name, step in STEPS.items():
+        if name in route.steps:
+            changes.update(step(model, sd, args) or {})
     sd = {k: v for k, v in sd.items() if ".residuals." not in k}
     return sd, changes

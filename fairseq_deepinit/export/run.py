@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, List
+from dataclasses import dataclass
+from typing import List
 
 import torch
 
@@ -21,6 +22,7 @@ from ..errors import ExportError
 from . import output, scoring, source, to_ct2, to_fairseq
 from . import route as routes
 from .fold import plain_state_dict
+from .route import Route
 
 logger = logging.getLogger(__name__)
 
@@ -39,52 +41,76 @@ def _require_ctranslate2() -> None:
         ) from e
 
 
-def prepare(
-    src: str,
-    dst: str,
-    target: str,
-    stacks: str | None = None,
-    require: Callable | None = None,
-    force: bool = False,
-    tolerance: float = 1e-4,
-):
+@dataclass(frozen=True)
+class Only:
+    """What a narrower command over this same export takes (``deepinit-export-admin`` and ``-lm``, aliases of
+    ``deepinit-export --to fairseq``).
+
+    ``lm``: only language models (True) or only translation models (False), None both; ``other``: the command
+    for the other kind, named in its refusal; ``residual``: only models of this residual scaling (its name
+    in the messages: ``label``), whose fold to a stock transformer must exist; ``error``: the class of those
+    refusals.
+    """
+
+    lm: bool | None = None
+    other: str = ""
+    residual: str | None = None
+    label: str = ""
+    error: type = ExportError
+
+
+def check_kind(args, only: Only, src: str) -> None:
+    """Refuse, in one line, a language model where ``only`` takes translation models, or the other way round
+    (read from the stored arguments before anything else: ``src`` is the checkpoint, for the messages)."""
+    lm = source.is_language_model(args)
+    if only.lm is False and lm:
+        raise ExportError(f"{src} is a deepinit language model; use {only.other} for it")
+    if only.lm is True and not lm:
+        raise ExportError(f"{src} is not a deepinit language model; use {only.other} for translation")
+
+
+def check_only(route: Route, only: Only) -> None:
+    """Refuse, in one line, a model whose residual scaling is not ``only``'s, or whose fold to a stock
+    transformer the route refuses."""
+    if only.residual is None:
+        return
+    if route.residual != only.residual:
+        raise only.error(
+            f"this checkpoint uses --residual-scale {route.residual}, not {only.label}; nothing to fold (only "
+            f"{only.label} checkpoints can be exported)"
+        )
+    if routes.FAIRSEQ in route.reasons:
+        raise only.error(f"cannot fold {only.label} into a stock transformer with: {route.reasons[routes.FAIRSEQ]}")
+
+
+def prepare(src: str, dst: str, target: str, only: Only | None = None, force: bool = False, tolerance: float = 1e-4):
     """``(state, args, route)`` of ``src`` once every check before the model is built has passed.
 
-    ``stacks``: ``"lm"`` / ``"translation"`` to refuse the other kind, ``require(args)``: a check of its own
-    (both for the single-family Admin commands, :mod:`fairseq_deepinit.admin.export`); ``force``: replace an
-    existing output (:func:`.output.check_destination` says which).
+    ``only``: what a narrower command takes (:class:`Only`); ``force``: replace an existing output
+    (:func:`.output.check_destination` says which).
     """
     output.check_arguments(dst, tolerance)
     output.check_destination(src, dst, folder=target == routes.CTRANSLATE2, force=force)
     if target == routes.CTRANSLATE2:
         _require_ctranslate2()
     state, args = source.load_checkpoint(src)
-    lm = source.is_language_model(args)
-    if stacks == "translation" and lm:
-        raise ExportError(f"{src} is a deepinit language model; use deepinit-export-admin-lm for it")
-    if stacks == "lm" and not lm:
-        raise ExportError(f"{src} is not a deepinit language model; use deepinit-export-admin for translation")
-    if require is not None:
-        require(args)
-    route = routes.classify(args)
+    if only is not None:
+        check_kind(args, only, src)
+    route = routes.classify(args, source.model_spec(args))
+    if only is not None:
+        check_only(route, only)
     route.check(target)
-    if route.residual == "admin":
-        source.check_profiled(state, src, "decoder" if lm else "encoder")
+    source.check_profiled(state, src, "decoder" if route.lm else "encoder")
     source.check_finite(state["model"], src)
     return state, args, route
 
 
 def export_fairseq(
-    src: str,
-    dst: str,
-    check: bool = True,
-    tolerance: float = 1e-4,
-    stacks: str | None = None,
-    require=None,
-    force: bool = False,
+    src: str, dst: str, check: bool = True, tolerance: float = 1e-4, only: Only | None = None, force: bool = False
 ) -> dict:
-    """``--to fairseq``: a stock ``transformer`` / ``transformer_lm`` checkpoint; returns a summary."""
-    state, args, route = prepare(src, dst, routes.FAIRSEQ, stacks, require, force, tolerance)
+    """``--to fairseq``: a stock ``transformer`` / ``transformer_lm`` checkpoint (``only``: what a narrower
+    command takes); returns a summary."""
+    state, args, route = prepare(src, dst, routes.FAIRSEQ, only, force, tolerance)
     model = source.build_plugin_model(state["model"], args, torch.float64)
     plain, changes = plain_state_dict(model, args, route)
     summary = {"route": route, "changes": changes, "arch": to_fairseq.stock_args(args, changes)["_name"]}

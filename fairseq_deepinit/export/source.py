@@ -22,10 +22,11 @@ from typing import Tuple
 
 import torch
 
-from .. import errors, model_config, options
+from .. import errors, model_config, options, resolve
 from ..checkpoints import config_check
 from ..checkpoints.integrity import torch_load_checked
 from ..errors import ExportError
+from ..spec import ModelSpec
 
 
 def _hydra_model_args(node: dict) -> argparse.Namespace | None:
@@ -56,6 +57,20 @@ def model_args(state: dict) -> argparse.Namespace:
     return args
 
 
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The :class:`~fairseq_deepinit.spec.ModelSpec` of a checkpoint's model arguments, resolved as its model's
+    build resolves them (the arguments are only read); arguments no build could resolve (an edited file) are
+    one line."""
+    try:
+        return resolve.resolve(args)
+    except errors.DeepInitError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a stored value of the wrong kind, or none
+        raise ExportError(
+            f"the checkpoint's model arguments do not describe a deepinit model ({errors.one_line(e)}); {MISFIT_FIX}"
+        ) from e
+
+
 def is_language_model(args) -> bool:
     """A ``deepinit_lm`` checkpoint (its build stores ``encoder_layers = 0``, lm/model.py)."""
     return getattr(args, "encoder_layers", None) == 0
@@ -80,7 +95,8 @@ def load_checkpoint(path: str) -> Tuple[dict, argparse.Namespace]:
 
 
 def check_profiled(state: dict, src: str, stack: str) -> None:
-    """An Admin checkpoint whose first ``stack`` layer was never profiled is not a trained Admin model."""
+    """A model whose residuals are profiled (Admin's) and whose first ``stack`` layer never was is not trained
+    (its omega is the placeholder): nothing to export. Models without the flag pass."""
     flag = state["model"].get(f"{stack}.layers.0.residuals.self_attn.profiled")
     if flag is not None and not bool(flag):
         raise ExportError(f"{src}: omega was never profiled; this is not a trained Admin model")

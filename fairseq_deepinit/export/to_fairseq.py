@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..admin.fold import _primitive, export_args
 from ..checkpoints.compat import pickled_globals
 from ..errors import ExportError
+from .omega import _primitive, export_args
 from .scoring import compare_log_probs
 from .source import is_language_model
 

@@ -51,6 +51,7 @@ from ..errors import AdminConfigError
 from ..modules.init import apply_baseline
 from ..modules.residual import AdminResidual
 from ..modules.stacks import iter_layers
+from .exporting import EXPORT_NEUTRAL, folds
 from .record import FLAG, WITH_NORM, InitScheme, Method, Option, ResidualScaling, Rule, a_norm, flag, post_ln
 
 FORMULAS = ("code", "paper")  # the profiled ones (fairseq_deepinit.admin.profiling)
@@ -228,6 +229,7 @@ METHOD = Method(
             lambda stack, sublayer, p: AdminResidual(stack.dim, trainable=not p.admin_freeze_omega),
             "x * omega + f(x), omega a learned vector set by profiling",
             requires=(post_ln(), a_norm("rescales the input of a Post-LN norm and needs one")),
+            export=folds("Admin's omega (previous norm and next input projections)", "omega"),
         ),
     ),
     excludes=(
@@ -241,6 +243,7 @@ METHOD = Method(
     validate=validate_admin_args,
     describe=describe_admin,
     post_init=set_closed_form_omega,
+    export=EXPORT_NEUTRAL,  # formula, profiling, freezing: how omega is found; the fold reads omega itself
     families={
         "admin": dict(init_scheme="admin"),
         # profiling-free Admin (admin-torch's closed form, O(logn)); trains under --task translation

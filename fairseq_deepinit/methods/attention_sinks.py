@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..modules.attention_features import feature_attention
+from .exporting import never
 from .record import Method, Option, check_cross_off, own_attention_forward, standard_layer
 
 OPTIONS = (
@@ -77,6 +78,7 @@ METHOD = Method(
     validate=validate_sinks,
     describe=describe_sinks,
     layer_setup=setup_sinks_layer,
+    export=never("--attention-sinks adds a learned logit to every softmax denominator, which neither target has"),
     families={
         "sinks": dict(
             init_scheme="xavier", attention_sinks=True, encoder_normalize_before=True, decoder_normalize_before=True

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..modules.residual import B2TResidual
 from ..modules.stacks import iter_layers
+from .exporting import EXPORT_NEUTRAL, never
 from .record import Method, Option, ResidualScaling, a_norm, post_ln
 
 
@@ -63,9 +64,14 @@ METHOD = Method(
             lambda stack, sublayer, p: B2TResidual(top=sublayer == "ffn"),
             "x + f(x), plus the layer's input on its last sub-layer",
             requires=(post_ln(), a_norm("adds the layer input before the layer's last norm and needs that norm")),
+            export=never(
+                "--residual-scale b2t adds each layer's input before its last norm, a third residual path neither "
+                "target has"
+            ),
         ),
     ),
     describe=lambda p: f"b2t-init-rescale={p.b2t_init_rescale}",
     post_init=rescale_b2t_init,
+    export=EXPORT_NEUTRAL,  # its init rescale; the residual scaling is what no target carries
     families={"b2t": dict(init_scheme="fairseq", residual_scale="b2t")},
 )

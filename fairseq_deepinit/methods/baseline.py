@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..modules.init import apply_baseline
 from ..modules.layers import DeepInitDecoderLayer
 from ..modules.residual import Residual
+from .exporting import EXPORT_NEUTRAL
 from .record import InitScheme, LayerType, Method, ResidualScaling
 
 METHOD = Method(
@@ -27,8 +28,11 @@ METHOD = Method(
             "xavier", apply_baseline, "fairseq 0.8/0.9 baseline: xavier_uniform, zero biases (the papers' baseline)"
         ),
     ),
-    residual_scalings=(ResidualScaling("none", lambda stack, sublayer, p: Residual(), "x + f(x)"),),
-    layer_types=(LayerType("standard", DeepInitDecoderLayer, "fairseq's decoder layer"),),
+    residual_scalings=(
+        ResidualScaling("none", lambda stack, sublayer, p: Residual(), "x + f(x)", export=EXPORT_NEUTRAL),
+    ),
+    layer_types=(LayerType("standard", DeepInitDecoderLayer, "fairseq's decoder layer", export=EXPORT_NEUTRAL),),
+    export=EXPORT_NEUTRAL,  # init schemes
     families={
         "postln": dict(init_scheme="xavier"),
         "preln": dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True),

@@ -33,6 +33,7 @@ import torch.nn as nn
 from ..modules.init import apply_baseline
 from ..modules.residual import ConstantResidual
 from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind, iter_layers
+from .exporting import EXPORT_NEUTRAL, folds
 from .record import WITH_NORM, InitScheme, Method, Option, ResidualScaling, post_ln
 
 
@@ -165,9 +166,11 @@ METHOD = Method(
             constant=lambda p, kind, encoder_layers, decoder_layers: deepnorm_alpha(
                 kind, encoder_layers, decoder_layers
             ),
+            export=folds("DeepNorm's alpha (as Admin's omega)", "constant-omega", "omega"),
         ),
     ),
     describe=lambda p: f"deepnorm-variant={p.deepnorm_variant}",
+    export=EXPORT_NEUTRAL,  # the variant picks the init and alpha; the fold reads alpha from the built model
     families={
         "deepnorm": dict(init_scheme="deepnorm"),
         # torchscale's DeepNorm constants

@@ -32,6 +32,7 @@ from __future__ import annotations
 from ..errors import DeepInitConfigError
 from ..modules.residual import BranchScaleResidual, depth_branch_multiplier
 from ..modules.stacks import ENCODER
+from .exporting import EXPORT_NEUTRAL, folds
 from .record import DEPTH_SCALED, INIT, TAG, Method, Option, ResidualScaling, Rule, a_norm, pre_ln
 
 NAME = "depth-mup"
@@ -121,6 +122,7 @@ METHOD = Method(
             lambda stack, sublayer, p: BranchScaleResidual(stack.residual_constant),
             "x + (L/L_base)^-alpha f(LN(x)) (set by --depth-mup)",
             constant=branch_multiplier,
+            export=folds("depth-muP's (L/L_base)^-alpha (into out_proj and fc2)", "branch-scalar"),
         ),
     ),
     enabled_by="depth_mup",
@@ -138,6 +140,7 @@ METHOD = Method(
     tags={"branch-depth-scale": (), "residual-scale": ()},
     validate=validate_depth_mup_args,
     describe=describe_depth_mup,
+    export=EXPORT_NEUTRAL,  # alpha and the base depth set the multiplier its residual scaling folds
     families={
         "depth_mup": dict(PRE_LN, depth_mup_alpha=ALPHAS["depth-mup"]),
         "completep": dict(PRE_LN, depth_mup_alpha=ALPHAS["completep"]),

@@ -26,6 +26,7 @@ from fairseq.modules import MultiheadAttention
 
 from ..modules.init import apply_baseline
 from ..modules.stacks import iter_layers
+from .exporting import EXPORT_NEUTRAL
 from .record import InitScheme, Method, Option
 
 
@@ -103,4 +104,5 @@ METHOD = Method(
     ),
     describe=lambda p: f"ds-init={p.ds_init_variant},alpha={p.ds_init_alpha}",
     families={"dsinit": dict(init_scheme="ds-init")},
+    export=EXPORT_NEUTRAL,  # an init scheme
 )

@@ -26,6 +26,7 @@ import math
 import torch.nn as nn
 
 from ..modules.attention_features import GATE_KINDS, AttentionGate, FeatureAttention, feature_attention
+from .exporting import never
 from .record import Method, Option, check_cross_off, own_attention_forward, standard_layer
 
 OPTIONS = (
@@ -101,6 +102,10 @@ METHOD = Method(
     describe=describe_gated_attention,
     layer_setup=setup_gated_attention_layer,
     post_init=init_gates,
+    export=never(
+        "--gated-attention multiplies each head's attention output by a sigmoid gate before out_proj, which "
+        "neither target has"
+    ),
     families={
         # Pre-LN + gated attention with the Pre-LN baseline's init: the preln_* model plus the gates only
         "gatedattn": dict(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..modules.hyper import HyperConnection, ManifoldHyperConnection, StreamResidual, Streams
+from .exporting import EXPORT_NEUTRAL, never
 from .record import FLAG, TAG, Method, Option, ResidualScaling, Rule, a_norm, positive, pre_ln, standard_layer
 
 NAME = "hyper-connections"  # the --residual-scale value the flag sets
@@ -181,8 +182,15 @@ METHOD = Method(
             NAME,
             build_connection,
             "n streams, each sub-layer reads a learned mix and writes into every stream (set by --hyper-connections)",
+            export=never(
+                lambda p, spec, args: (
+                    f"--hyper-connections {p.hyper_connections} carries {p.hc_streams} residual streams per token, "
+                    "mixed by learned weights around every sub-layer; neither target has more than one residual stream"
+                )
+            ),
         ),
     ),
+    export=EXPORT_NEUTRAL,  # its options shape the streams, which its residual scaling declares
     sets={"residual_scale": NAME},
     requires=(
         a_norm("mixes the streams around Pre-LN sub-layers, which need their norms"),

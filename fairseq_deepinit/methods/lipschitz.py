@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..modules.init import zero_bias
 from ..modules.linear import drop_bias
+from .exporting import Export
 from .record import InitScheme, Method, Option
 
 
@@ -91,5 +92,7 @@ METHOD = Method(
     tags={"bias-free-projections": ("lipschitz_bias_free",)},
     describe=lambda p: "bias-free" if p.lipschitz_bias_free else "",
     layer_setup=setup_bias_free,
+    # the bias-free variant keeps zero biases as buffers outside the state dict: written back, nothing to fold
+    export=Export(steps=("zero-biases",)),
     families={"lipschitz": dict(init_scheme="lipschitz")},
 )

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from ..modules.stacks import iter_layers
+from .exporting import folds
 from .record import DEPTH_SCALED, INIT, TAG, InitScheme, Method, Option, Rule, a_norm, pre_ln
 
 INIT_STD = 0.02  # configs/llama_*.json "initializer_range"
@@ -136,6 +137,7 @@ METHOD = Method(
     tags={"branch-depth-scale": ()},
     describe=lambda p: "layernorm-scaling=1/sqrt(l)",
     layer_setup=setup_lns_layer,
+    export=folds("LayerNorm Scaling's 1/sqrt(l) (into each pre-norm's gain and bias)", "input-scale"),
     families={
         "lnscale": dict(
             init_scheme="xavier", layernorm_scaling=True, encoder_normalize_before=True, decoder_normalize_before=True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..errors import DeepInitConfigError
 from ..matt.layer import SELF_BRANCHES, MAttDecoderLayer
+from .exporting import EXPORT_NEUTRAL, never
 from .record import CROSS_ATTENTION, FLAG, LayerType, Method, Option, Rule
 
 
@@ -59,12 +60,18 @@ METHOD = Method(
             MAttDecoderLayer,
             "merged attention: SAAN + cross-attention, one W_o",
             requires=(Rule(CROSS_ATTENTION, (True,), "merges the self branch into the encoder-decoder attention"),),
+            export=never(
+                "--decoder-layer-type matt (MAtt): its decoder layer merges an average-attention branch into the "
+                "cross-attention through one W_o; a stock transformer and CTranslate2's TransformerSpec have "
+                "separate self- and cross-attention sub-layers"
+            ),
         ),
     ),
     excludes=(
         Rule(FLAG, ("cross_self_attention",), "it changes the standard decoder layer's sub-layers; MAtt has none such"),
     ),
     validate=validate,
+    export=EXPORT_NEUTRAL,  # its options shape the MAtt layer, which its layer type declares
     describe=lambda p: f"matt={p.matt_self_branch}" + (",shared-v" if p.matt_share_v else ""),
     families={
         # DS-Init + MAtt, the paper's model; MAtt alone (fairseq 0.8/0.9 baseline init) for its ablation rows

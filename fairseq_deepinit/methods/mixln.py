@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 from ..errors import DeepInitConfigError
+from .exporting import never
 from .record import Method, Option, a_norm, plain_residual, pre_ln
 
 POST_LN_RATIO = 0.25  # k / L of every released run (3 of 12, 6 of 24 layers)
@@ -126,6 +127,7 @@ METHOD = Method(
     tags={"post-ln-layers": ()},
     validate=validate_mixln_args,
     describe=describe_mixln,
+    export=never("--mix-ln mixes Post-LN and Pre-LN layers in one stack; both targets have one placement per stack"),
     layer_placements=layer_placements,
     families={
         "mixln": dict(init_scheme="xavier", mix_ln=True, encoder_normalize_before=True, decoder_normalize_before=True),

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..modules.stacks import ENCODER
+from .exporting import never
 from .record import INIT, Method, Option, Rule, a_norm, plain_residual, pre_ln, standard_layer
 
 NORMFORMER_FLAGS = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
@@ -82,6 +83,10 @@ METHOD = Method(
     },
     describe=lambda p: "normformer=" + "+".join(n for n in NORMFORMER_FLAGS if p[n]),
     layer_setup=setup_normformer_layer,
+    export=never(
+        "NormFormer (--scale-attn/--scale-fc/--scale-heads/--scale-resids) adds norms and scales inside the "
+        "sub-layers, which neither target has"
+    ),
     families={
         # NormFormer's paper configuration: the three extra operations (ResScale is its small-model option)
         "normformer": dict(

@@ -32,7 +32,30 @@ in its record's ``requires``).
 from __future__ import annotations
 
 from ..modules.sublayer import PLACEMENTS
+from .exporting import FAIRSEQ, Export
 from .record import Method, Option, a_norm
+
+
+def _placed(spec, placement: str) -> bool:
+    return any(stack.placement == placement for stack in spec.stacks)
+
+
+def _reordered(p, spec, args) -> str | None:
+    if _placed(spec, "reordered"):
+        return (
+            "--norm-placement reordered (OLMo 2) normalises each branch's output only, a placement neither target has"
+        )
+    return None
+
+
+def _peri(p, spec, args) -> str | None:
+    if _placed(spec, "peri"):
+        return "--norm-placement peri (Peri-LN): a stock transformer has no norm on a sub-layer's output"
+    return None
+
+
+#: CTranslate2 has Peri-LN's output norms (``external_pre_post_encoder_layers``), a stock transformer does not
+EXPORT = Export(neither=_reordered, refuses={FAIRSEQ: _peri})
 
 METHOD = Method(
     name="placement",
@@ -54,6 +77,7 @@ METHOD = Method(
         ),
     ),
     requires=(a_norm("places norms"),),
+    export=EXPORT,
     families={
         "periln": dict(init_scheme="xavier", norm_placement="peri"),
         "reordered": dict(init_scheme="xavier", norm_placement="reordered"),

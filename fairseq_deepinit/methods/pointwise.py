@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..errors import DeepInitConfigError
 from ..modules.dyt import RELEASED_ALPHA_INIT, AlphaInit, learnable_embed_scale
+from .exporting import never
 from .record import Option, flag
 
 #: released per-position presets accepted by ``--<norm>-alpha-init`` (the modules' 0.5 is the plain number)
@@ -156,4 +157,5 @@ def pointwise_hooks(norm: str, extra: Callable[[Any], Dict[str, Any]] | None = N
         describe=describe,
         norm_args=pointwise_norm_args(norm, extra),
         post_init=learnable_embed_scales(norm),
+        export=never(f"--norm-type {norm} is a point-wise tanh/erf in each norm's place, which neither target has"),
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from .exporting import EXPORT_NEUTRAL
 from .record import TAG, Method, Option, Rule, check_cross_off, standard_layer
 
 TAU = 100.0  # Kimi K2's tau; Megatron qk_clip_threshold
@@ -102,4 +103,5 @@ METHOD = Method(
     ),
     validate=validate_qk_clip,
     describe=describe_qk_clip,
+    export=EXPORT_NEUTRAL,  # rescales the q/k weights during training; the export reads them as they are
 )

@@ -26,6 +26,7 @@ import math
 from fairseq.modules.multihead_attention import MultiheadAttention
 
 from ..modules.qk_norm import QK_NORM_SCOPES, QK_NORM_TYPES, add_qk_norm, build_qk_norm
+from .exporting import CTRANSLATE2, FAIRSEQ, Export, HeadNorm
 from .record import FLAG, Method, Option, Rule, check_cross_off
 
 DEFAULT_SCOPE = "head"
@@ -98,6 +99,43 @@ def setup_qk_norm_layer(layer, p, spec) -> None:
         add_qk_norm(attn, norm, p.qk_norm_scope)
 
 
+def _ct2_head_norm(p, spec, args) -> tuple:
+    """``(HeadNorm, None)`` as CTranslate2 computes the self-attentions' q/k norms, or ``(None, why not)``.
+
+    CTranslate2 4.8 normalises self-attention queries and keys per head (src/layers/attention.cc:514-517) and
+    cross-attention queries over d_model before the head split (430-439); a ScaleNorm over ``head_dim`` is the
+    RMSNorm of eps ``eps^2 / head_dim``, one value only where every attention has one head size.
+    """
+    if p.qk_norm_cross and spec.encoder is not None:
+        return None, (
+            "--qk-norm on the cross-attention: CTranslate2 4.8 normalises cross-attention queries over d_model before "
+            "the head split (src/layers/attention.cc:430-439), not per head as the plugin; train with "
+            "--no-qk-norm-cross, or export to neither"
+        )
+    if p.qk_norm_scope != DEFAULT_SCOPE:
+        return None, (
+            "--qk-norm-scope proj: CTranslate2 normalises self-attention queries and keys per head "
+            "(src/layers/attention.cc:514-517), not over the whole projection"
+        )
+    if p.qk_norm_type != "scalenorm":
+        return HeadNorm(p.qk_norm_type, float(p.qk_norm_eps), False), None
+    head_dims = {s.dim // int(getattr(args, f"{s.kind.stack}_attention_heads")) for s in spec.stacks}
+    if len(head_dims) != 1:
+        return None, "--qk-norm-type scalenorm with two head sizes gives two epsilons (eps^2/head_dim)"
+    return HeadNorm("rmsnorm", float(p.qk_norm_eps) ** 2 / head_dims.pop(), True), None
+
+
+#: a stock transformer has no q/k norms; CTranslate2 has per-head ones in its self-attentions
+EXPORT = Export(
+    refuses={
+        FAIRSEQ: "--qk-norm: a stock transformer has no q/k norms",
+        CTRANSLATE2: lambda p, spec, args: _ct2_head_norm(p, spec, args)[1],
+    },
+    steps=("scalenorm-as-rms",),  # a q/k ScaleNorm's g as an RMSNorm weight over head_dim
+    head_norm=lambda p, spec, args: _ct2_head_norm(p, spec, args)[0],
+)
+
+
 def describe_qk_norm(p) -> str:
     cross = "" if p.qk_norm_cross else ",self-attention only"
     return f"qk-norm={p.qk_norm_scope}/{p.qk_norm_type}(eps={p.qk_norm_eps}){cross}"
@@ -127,6 +165,7 @@ METHOD = Method(
     validate=validate_qk_norm,
     describe=describe_qk_norm,
     layer_setup=setup_qk_norm_layer,
+    export=EXPORT,
     families={
         # Pre-LN + QK-Norm with the Pre-LN baseline's init: the preln_* model plus the q/k norms only
         "qknorm": dict(

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..errors import DeepInitConfigError
 from ..modules.norms import NORM_TYPES
+from .exporting import Export
 
 WITH_NORM = tuple(n for n in NORM_TYPES if n != "none")
 SAME = object()  # Option.off: the option's default
@@ -202,24 +203,28 @@ class ResidualScaling:
     """A value of ``--residual-scale``: ``constant(p, kind, encoder_layers, decoder_layers)`` is its constant
     for a stack of ``kind`` (DeepNorm's alpha, depth-muP's multiplier), resolved once into the spec;
     ``module(stack, sublayer, p)`` builds a sub-layer's :class:`~fairseq_deepinit.modules.residual.Residual`
-    (``stack``: the :class:`~fairseq_deepinit.spec.Stack`); ``requires``: its needs (Post-LN, a norm)."""
+    (``stack``: the :class:`~fairseq_deepinit.spec.Stack`); ``requires``: its needs (Post-LN, a norm);
+    ``export``: what an exporter does with it (:class:`~.exporting.Export`; None: not taught to one yet)."""
 
     name: str
     module: Callable[..., nn.Module]
     doc: str
     requires: Tuple[Rule, ...] = ()
     constant: Callable[..., float] | None = None
+    export: Export | None = None
 
 
 @dataclass(frozen=True)
 class LayerType:
     """A value of ``--decoder-layer-type``: the decoder layer class, built as ``cls(cfg, plan,
-    no_encoder_attn=...)``; ``requires``: its needs (MAtt: cross-attention)."""
+    no_encoder_attn=...)``; ``requires``: its needs (MAtt: cross-attention); ``export``: what an exporter does
+    with it (:class:`~.exporting.Export`; None: not taught to one yet)."""
 
     name: str
     cls: type
     doc: str
     requires: Tuple[Rule, ...] = ()
+    export: Export | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,9 @@ class Method:
     - ``embedding(p, dictionary, dim, path)`` / ``output_projection(p, embed_tokens)``: replacements of the
       word embedding / output layer;
     - ``families`` (``<family>_<size>`` -> axes), ``architectures`` (name -> ``(fairseq size, axes)``);
+    - ``export``: what an exporter needs (:class:`~.exporting.Export`: the targets that cannot carry it and
+      why, how its constants fold into stock weights); :data:`~.exporting.EXPORT_NEUTRAL` where it changes
+      nothing an export carries; None (not taught to the exporters yet): a model using it is refused;
     - ``error``: the error class of its checks.
     """
 
@@ -273,6 +281,7 @@ class Method:
     output_projection: Callable[..., nn.Module] | None = None
     families: Mapping[str, dict] = field(default_factory=dict)
     architectures: Mapping[str, Tuple[str, dict]] = field(default_factory=dict)
+    export: Export | None = None
     error: type = DeepInitConfigError
 
     @property

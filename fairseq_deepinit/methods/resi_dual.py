@@ -35,6 +35,7 @@ import torch.nn as nn
 from ..modules.dual_stream import STARTS, DualStream
 from ..modules.norms import build_norm
 from ..modules.residual import Residual
+from .exporting import EXPORT_NEUTRAL, never
 from .record import Method, Option, ResidualScaling, a_norm, positive, post_ln, standard_layer
 
 NAME = "resi-dual"
@@ -145,8 +146,13 @@ METHOD = Method(
                 ),
                 standard_layer("carries its second stream through the standard layers"),
             ),
+            export=never(
+                "--residual-scale resi-dual carries a second, un-normalised stream through every layer, which "
+                "neither target has"
+            ),
         ),
     ),
+    export=EXPORT_NEUTRAL,  # its options shape the second stream, which its residual scaling declares
     validate=fp16_warning,
     describe=describe_resi_dual,
     layer_setup=setup_resi_dual_layer,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..modules.init import apply_baseline
 from ..modules.residual import ReZeroResidual
+from .exporting import EXPORT_NEUTRAL, folds
 from .record import WITH_NORM, InitScheme, Method, ResidualScaling, post_ln
 
 METHOD = Method(
@@ -40,7 +41,13 @@ METHOD = Method(
         ),
     ),
     residual_scalings=(
-        ResidualScaling("rezero", lambda stack, sublayer, p: ReZeroResidual(), "x + a * f(x), a learned, from 0"),
+        ResidualScaling(
+            "rezero",
+            lambda stack, sublayer, p: ReZeroResidual(),
+            "x + a * f(x), a learned, from 0",
+            export=folds("ReZero's a (into out_proj and fc2)", "branch-scalar"),
+        ),
     ),
+    export=EXPORT_NEUTRAL,
     families={"rezero": dict(init_scheme="rezero"), "rezero_postln": dict(init_scheme="rezero+postln")},
 )

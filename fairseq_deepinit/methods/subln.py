@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..modules.linear import NormedLinear
 from ..modules.stacks import DECODER, DECODER_ONLY, ENCODER, StackKind, iter_layers
+from .exporting import never
 from .record import FLAG, INIT, TAG, Method, Option, Rule, a_norm, plain_residual, pre_ln, standard_layer
 
 
@@ -106,6 +107,7 @@ METHOD = Method(
     describe=lambda p: "subln",
     layer_setup=setup_subln_layer,
     post_init=apply_subln_gain,
+    export=never("--subln (Sub-LN) puts a norm before each out_proj and fc2, which neither target has"),
     families={
         "subln": dict(init_scheme="fairseq", subln=True, encoder_normalize_before=True, decoder_normalize_before=True)
     },

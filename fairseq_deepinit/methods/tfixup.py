@@ -23,6 +23,7 @@ import torch
 
 from ..modules.init import apply_baseline
 from ..modules.stacks import iter_layers
+from .exporting import EXPORT_NEUTRAL
 from .record import InitScheme, Method
 
 
@@ -81,6 +82,7 @@ METHOD = Method(
         ),
     ),
     families={"tfixup": dict(init_scheme="t-fixup")},
+    export=EXPORT_NEUTRAL,  # an init scheme (its norm-free model is the norm axis's)
     architectures={
         # T-Fixup Fig. 4b: 200 encoder + 200 decoder layers of d=64, FFN 128, 2 heads
         "tfixup_iwslt_de_en_200l": (

@@ -20,6 +20,7 @@ from fairseq.modules import MultiheadAttention
 from ..modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
 from ..modules.init import apply_baseline, layer_linears
 from ..modules.stacks import iter_layers
+from .exporting import FAIRSEQ, Export
 from .record import FLAG, INIT, InitScheme, Method, Option, Rule
 
 
@@ -94,6 +95,14 @@ METHOD = Method(
     describe=lambda p: "fixnorm",
     embedding=fixnorm_embedding,
     output_projection=fixnorm_output_projection,
+    export=Export(
+        refuses={
+            FAIRSEQ: "--fixnorm: its output layer adds a per-word bias, which a stock transformer's output projection "
+            "lacks"
+        },
+        fold="FixNorm's unit-norm embedding rows",
+        steps=("unit-rows",),
+    ),
     families={
         # PreNorm + ScaleNorm + FixNorm + SmallInit, tied output layer
         "twt": dict(

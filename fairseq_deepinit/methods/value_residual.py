@@ -23,6 +23,7 @@ import math
 
 from ..errors import DeepInitConfigError
 from ..modules.attention_features import FirstValues, ValueMix, feature_attention
+from .exporting import never
 from .record import FLAG, Method, Option, Rule, own_attention_forward, standard_layer
 
 DEFAULT_LAMBDA = 0.5
@@ -110,6 +111,9 @@ METHOD = Method(
     ),
     validate=validate_value_residual,
     describe=describe_value_residual,
+    export=never(
+        "--value-residual mixes every later layer's attention values with the first layer's, a path neither target has"
+    ),
     stack_setup=setup_value_residual_stack,
     families={
         "valueres": dict(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from .exporting import EXPORT_NEUTRAL
 from .record import FLAG, Method, Option, Rule
 
 DEFAULT_MULTIPLIER = 1e-4  # PaLM; OLMo-core cross_entropy_loss(z_loss_multiplier=1e-4)
@@ -70,4 +71,5 @@ METHOD = Method(
         ),
     ),
     describe=lambda p: f"z-loss={p.z_loss_multiplier:g}",
+    export=EXPORT_NEUTRAL,  # a training loss term
 )

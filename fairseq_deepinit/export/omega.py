@@ -1,8 +1,9 @@
 """Admin's omega folded into the weights of a plain Post-LN model (Liu et al. 2020, appendix C).
 
-The state-dict arithmetic of ``deepinit-export-admin`` (:mod:`.export`, the command) and
-``deepinit-export-admin-lm`` (:mod:`fairseq_deepinit.lm.export`). The derivation, per stack, for sub-layers
-k = 1..K in forward order, with LN_k the norm after sub-layer k (gamma_k, beta_k)::
+The fold step ``omega`` of :func:`.fold.plain_state_dict` (declared by Admin's and DeepNorm's residual
+scalings, :class:`~fairseq_deepinit.methods.exporting.Export`), and the stock model arguments of the export
+(:func:`export_args`). The derivation, per stack, for sub-layers k = 1..K in forward order, with LN_k the
+norm after sub-layer k (gamma_k, beta_k)::
 
     Admin:     x_k  = LN_k(x_{k-1} * w_k + f_k(x_{k-1}))
     exported:  x'_k = LN'_k(x'_{k-1} + f'_k(x'_{k-1}))       with x'_{k-1} = x_{k-1} * w_k
@@ -52,41 +53,6 @@ SUBLAYER_INPUTS = {
 def _deepinit_option_names() -> set:
     """Every option the deepinit model adds to fairseq's parser (dropped from the exported args)."""
     return {option.name for option, _method in options.all_options()}
-
-
-def check_exportable(args) -> None:
-    """Clear errors for configurations a stock ``transformer`` cannot represent."""
-    if getattr(args, "residual_scale", None) != "admin":
-        raise AdminExportError(
-            f"this checkpoint uses --residual-scale {getattr(args, 'residual_scale', None)}, not Admin; "
-            "nothing to fold (only Admin checkpoints can be exported)"
-        )
-    problems = []
-    if args.norm_type != "layernorm":
-        problems.append(f"--norm-type {args.norm_type} (stock transformer has LayerNorm)")
-    if args.norm_eps not in (None, 1e-5):  # None: a point-wise norm, already listed as --norm-type
-        problems.append(f"--norm-eps {args.norm_eps} (stock transformer's LayerNorm uses 1e-5)")
-    if args.encoder_normalize_before or args.decoder_normalize_before:
-        problems.append("Pre-LN")
-    if args.fixnorm:
-        problems.append("--fixnorm")
-    if getattr(args, "qk_norm", False):
-        # the fold itself stays exact (1/w_k scales the projections' input columns, the q/k norms act on
-        # their output), but a stock transformer has no q/k norm to load them into
-        problems.append("--qk-norm (stock transformer has no q/k norms)")
-    if args.decoder_layer_type != "standard":
-        problems.append(f"--decoder-layer-type {args.decoder_layer_type}")
-    for flag in ("adaptive_input", "cross_self_attention", "no_cross_attention", "adaptive_softmax_cutoff"):
-        if getattr(args, flag, None):
-            problems.append("--" + flag.replace("_", "-"))
-    if getattr(args, "quant_noise_pq", 0):
-        problems.append("--quant-noise-pq")
-    if getattr(args, "decoder_input_dim", args.decoder_embed_dim) != args.decoder_embed_dim:
-        problems.append("--decoder-input-dim different from --decoder-embed-dim")
-    if getattr(args, "decoder_output_dim", args.decoder_embed_dim) != args.decoder_embed_dim:
-        problems.append("--decoder-output-dim different from --decoder-embed-dim")
-    if problems:
-        raise AdminExportError("cannot fold Admin into a stock transformer with: " + "; ".join(problems))
 
 
 def _omega_groups(sd: Dict[str, torch.Tensor]) -> Dict[str, List[Tuple[str, str]]]:
@@ -177,13 +143,6 @@ def fold_state_dict(
         # one embedding for both stacks, scaled by the same omega_1 (or not at all)
         sd["decoder.embed_tokens.weight"] = sd["encoder.embed_tokens.weight"]
         sd["decoder.output_projection.weight"] = sd["encoder.embed_tokens.weight"]
-
-    if getattr(args, "lipschitz_bias_free", None):
-        # the bias-free variant keeps these biases as non-persistent zero buffers; stock layers have them
-        for key in [k for k in sd if k.endswith(("_proj.weight", "fc2.weight")) and ".layers." in k]:
-            bias = key[: -len("weight")] + "bias"
-            if bias not in sd:
-                sd[bias] = torch.zeros(sd[key].size(0), dtype=torch.float64)
 
     out = {k: v for k, v in sd.items() if ".residuals." not in k}  # omega and the profiled flags
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}, changes
