@@ -4,7 +4,9 @@ Each :class:`Patch` names what it replaces in fairseq 0.12.3 (file and lines), w
 *stock* model (fairseq's own ``transformer`` or ``transformer_lm`` trained with ``--user-dir fairseq_deepinit``).
 A patch wraps fairseq's function and calls it (nothing of its body is copied), or checks before it; the code
 it calls lives with its subject (``checkpoints/resume.py``, ``intercepts.py``, ``training/``); only this
-module assigns into fairseq (and into torch's and numpy's globals, the first and last rows).
+module assigns into fairseq (and into torch's and numpy's globals, the first and last rows), into fairseq's
+trainer and the optimizer instances it builds (the ``Trainer._build_optimizer`` row: the training hooks of the
+method records, :func:`build_optimizer`).
 ``scripts/fairseq_tests.py`` runs fairseq's own tests without the plugin and with it imported: none fails
 only with it. :func:`install` runs once, from ``fairseq_deepinit/__init__.py`` after every model and
 architecture is registered; it is idempotent.
@@ -30,7 +32,7 @@ import argparse
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -47,7 +49,9 @@ from . import input_checks, intercepts
 from .checkpoints import broadcast, resume
 from .checkpoints.atomic import AtomicCopyPathManager
 from .checkpoints.config_check import DEEPINIT_MODELS
-from .training import adam_foreach, depth_mup_trainer, distributed, launch, qk_clip, z_loss
+from .methods import enabled
+from .methods.record import StepHook
+from .training import adam_foreach, distributed, launch, loss_terms
 from .training.param_groups import check_groups_reached
 
 MARK = "_deepinit_patch"
@@ -76,22 +80,50 @@ def wrap(owner: Any, name: str, wrapper: Callable) -> None:
 
 
 def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
-    """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) between what depth-muP needs before it (the
-    training options checked, the parameters tagged with their groups: :mod:`.training.depth_mup_trainer`) and
-    after it (the groups found in the optimizer fairseq built), and the ``adam`` <-> ``adam_foreach`` state
-    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check); ``--z-loss``
-    with a criterion that would leave the term out and ``--qk-clip`` with an optimizer it cannot follow refused
-    first (:func:`.training.z_loss.check_criterion`, :func:`.training.qk_clip.check`), and QK-Clip's step
-    attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
-    z_loss.check_criterion(trainer)
-    qk_clip.check(trainer)
-    tagged = depth_mup_trainer.tag_for_training(trainer)
+    """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) in the one loop over the training hooks of the
+    methods that are on (:func:`fairseq_deepinit.methods.enabled`; the hooks: :mod:`.methods.record`). Before it:
+    each ``check_training``, a ``loss_term``'s criterion (:func:`.training.loss_terms.check_criterion`), each
+    ``param_groups``. After it: the ``adam`` <-> ``adam_foreach`` history
+    (:func:`.training.adam_foreach.accepted_history`, before fairseq's optimizer-name check), the tagged groups
+    found in the optimizer (:func:`.training.param_groups.check_groups_reached`), its ``step`` / ``zero_grad``
+    routed to the ``after_step`` hooks (:func:`hook_steps`)."""
+    spec = getattr(trainer._model, "spec", None)
+    on = enabled(spec) if spec is not None else []
+    for method, p in on:
+        if method.loss_term is not None:
+            loss_terms.check_criterion(trainer.criterion, trainer.cfg, method)
+        if method.check_training is not None:
+            method.check_training(p, spec, trainer.cfg)
+    tagged = [method.param_groups(p, spec, trainer._model) for method, p in on if method.param_groups is not None]
     out = original(trainer, *args, **kwargs)
-    adam_foreach.accept_adam_state(trainer)
+    history = adam_foreach.accepted_history(getattr(trainer, "_optim_history", None), trainer._optimizer)
+    if history is not None:
+        trainer._optim_history = history
     if tagged:
         check_groups_reached(trainer._optimizer, trainer._model)
-    qk_clip.attach(trainer)
+    steps = [method.after_step(p, spec, trainer._model, trainer._optimizer) for method, p in on if method.after_step]
+    if steps:
+        hook_steps(trainer._optimizer, steps)
     return out
+
+
+def hook_steps(optimizer: Any, hooks: List[StepHook]) -> None:
+    """Route the optimizer instance's ``step`` (each hook's ``after_step`` after fairseq's) and ``zero_grad`` (each
+    hook's ``new_update`` first: an update starts; fairseq skips an update after an fp16 overflow before it)."""
+    step, zero_grad = optimizer.step, optimizer.zero_grad
+
+    def hooked_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        for hook in hooks:
+            hook.after_step()
+        return out
+
+    def new_update() -> Any:
+        for hook in hooks:
+            hook.new_update()
+        return zero_grad()
+
+    optimizer.step, optimizer.zero_grad = hooked_step, new_update
 
 
 def guard_architectures() -> int:
@@ -217,9 +249,10 @@ PATCHES: Tuple[Patch, ...] = (
         "Trainer._build_optimizer",
         "trainer.py:289-382",
         "the one point between the checkpoint's optimizer history and fairseq's optimizer-name check (adam <-> "
-        "adam_foreach resume) and where the flat parameter list is handed over (depth-muP's groups); the optimizer "
-        "it built gets QK-Clip's step (training/qk_clip.py); --z-loss with a criterion that drops it is refused "
-        "first: build_optimizer",
+        "adam_foreach resume: Trainer._optim_history replaced) and where the flat parameter list is handed over; "
+        "the training hooks of the methods that are on run here, in one loop (check_training, a loss term's "
+        "criterion, param_groups: depth-muP's groups), and the optimizer it built gets its step and zero_grad "
+        "routed to their after_step hooks (QK-Clip's clip): build_optimizer, hook_steps",
         "none unless the optimizer is adam_foreach resuming adam's state (or the other way round)",
         lambda: wrap(Trainer, "_build_optimizer", build_optimizer),
     ),
