@@ -76,7 +76,7 @@ def test_the_term_and_its_gradient_are_the_ports(kind, smoothing):
     s = sample(kind)
     loss, nll, logits = leaf_loss(model, criterion, s)
     loss0, nll0, logits0 = leaf_loss(plain, criterion0, s)
-    got, unscaled = criterion._z_logged
+    got, unscaled = criterion._terms_logged["z_loss"], criterion._terms_logged["z_loss_unscaled"]
     ref_logits = logits.detach().clone().requires_grad_()
     term = port.fairseq_sum(ref_logits, s["target"], PAD, c)
     term.backward()
