@@ -66,7 +66,7 @@ def check_exportable(args) -> None:
         problems.append(f"--norm-type {args.norm_type} (stock transformer has LayerNorm)")
     if args.norm_eps not in (None, 1e-5):  # None: a point-wise norm, already listed as --norm-type
         problems.append(f"--norm-eps {args.norm_eps} (stock transformer's LayerNorm uses 1e-5)")
-    if args.encoder_normalize_before or args.decoder_normalize_before:
+    if any(stack.placement != "post" for stack in options.spec_of(args).stacks):
         problems.append("Pre-LN")
     if args.fixnorm:
         problems.append("--fixnorm")

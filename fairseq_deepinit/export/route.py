@@ -234,13 +234,6 @@ class Route:
         return "; ".join(parts)
 
 
-def _stack_placement(args, stack: str) -> str:
-    placement = getattr(args, "norm_placement", None) or "auto"
-    if placement != "auto":
-        return placement
-    return "pre" if getattr(args, f"{stack}_normalize_before", False) else "post"
-
-
 def _folds(args) -> Tuple[str, ...]:
     out = []
     if args.fixnorm:
@@ -320,7 +313,7 @@ def classify(args) -> Route:
     lm = getattr(args, "encoder_layers", None) == 0
     stacks = ("decoder",) if lm else ("encoder", "decoder")
     never = _unknown(args) or next((why(args) for test, why in _NEVER if test(args)), None)
-    placements = {s: _stack_placement(args, s) for s in stacks}
+    placements = {s.kind.stack: s.placement for s in options.spec_of(args).stacks}
     norm = args.norm_type
     if norm == "none":
         placements = {s: "post" for s in stacks}  # without norms both placements are x + f(x)

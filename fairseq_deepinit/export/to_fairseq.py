@@ -22,9 +22,11 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import options
 from ..admin.fold import _primitive, export_args
 from ..checkpoints.compat import pickled_globals
 from ..errors import ExportError
+from ..resolve import fairseq_flags
 from .source import is_language_model
 
 LM_STOCK = "transformer_lm"
@@ -45,7 +47,7 @@ def export_lm_args(args, changes: dict) -> dict:
         out[f.name] = value
     out.update(changes)
     out.update(_name=LM_STOCK, checkpoint_activations=False, offload_activations=False)
-    out["decoder_normalize_before"] = bool(getattr(args, "decoder_normalize_before", False))
+    out.update(fairseq_flags(options.spec_of(args)))
     return out
 
 

@@ -77,8 +77,6 @@ METHOD = Method(
     describe=describe_sinks,
     layer_setup=setup_sinks_layer,
     families={
-        "sinks": dict(
-            init_scheme="xavier", attention_sinks=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "sinks": dict(init_scheme="xavier", attention_sinks=True, norm_placement="pre"),
     },
 )

@@ -31,6 +31,6 @@ METHOD = Method(
     layer_types=(LayerType("standard", DeepInitDecoderLayer, "fairseq's decoder layer"),),
     families={
         "postln": dict(init_scheme="xavier"),
-        "preln": dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True),
+        "preln": dict(init_scheme="xavier", norm_placement="pre"),
     },
 )

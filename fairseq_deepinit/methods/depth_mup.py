@@ -70,7 +70,7 @@ def describe_depth_mup(p) -> str:
     return f"depth-mup alpha={p.depth_mup_alpha:g} base-layers={p.depth_mup_base_layers} source={p.depth_mup_source}"
 
 
-PRE_LN = dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True, depth_mup=True)
+PRE_LN = dict(init_scheme="xavier", norm_placement="pre", depth_mup=True)
 
 METHOD = Method(
     name="depth_mup",

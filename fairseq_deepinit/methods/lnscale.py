@@ -137,8 +137,6 @@ METHOD = Method(
     describe=lambda p: "layernorm-scaling=1/sqrt(l)",
     layer_setup=setup_lns_layer,
     families={
-        "lnscale": dict(
-            init_scheme="xavier", layernorm_scaling=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "lnscale": dict(init_scheme="xavier", layernorm_scaling=True, norm_placement="pre"),
     },
 )

@@ -128,6 +128,6 @@ METHOD = Method(
     describe=describe_mixln,
     layer_placements=layer_placements,
     families={
-        "mixln": dict(init_scheme="xavier", mix_ln=True, encoder_normalize_before=True, decoder_normalize_before=True),
+        "mixln": dict(init_scheme="xavier", mix_ln=True, norm_placement="pre"),
     },
 )

@@ -106,7 +106,5 @@ METHOD = Method(
     describe=lambda p: "subln",
     layer_setup=setup_subln_layer,
     post_init=apply_subln_gain,
-    families={
-        "subln": dict(init_scheme="fairseq", subln=True, encoder_normalize_before=True, decoder_normalize_before=True)
-    },
+    families={"subln": dict(init_scheme="fairseq", subln=True, norm_placement="pre")},
 )

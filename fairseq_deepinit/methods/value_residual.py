@@ -112,8 +112,6 @@ METHOD = Method(
     describe=describe_value_residual,
     stack_setup=setup_value_residual_stack,
     families={
-        "valueres": dict(
-            init_scheme="xavier", value_residual=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "valueres": dict(init_scheme="xavier", value_residual=True, norm_placement="pre"),
     },
 )
