@@ -76,8 +76,8 @@ def resolve_and_validate(args: argparse.Namespace) -> ModelSpec:
 
 
 def spec_of(args: Any) -> ModelSpec:
-    """The spec of arguments already resolved (a checkpoint's, an export's): only read, nothing logged or stored;
-    where the export and Admin's fold read the placement (:attr:`~fairseq_deepinit.spec.Stack.placement`)."""
+    """The spec of arguments already resolved (a checkpoint's, an export's): only read, nothing logged or
+    stored; where the export and Admin's fold read each :class:`~fairseq_deepinit.spec.Stack`'s ``placement``."""
     return resolution.resolve(args)
 
 

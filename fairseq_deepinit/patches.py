@@ -4,9 +4,8 @@ Each :class:`Patch` names what it replaces in fairseq 0.12.3 (file and lines), w
 *stock* model (fairseq's own ``transformer`` or ``transformer_lm`` trained with ``--user-dir fairseq_deepinit``).
 A patch wraps fairseq's function and calls it (nothing of its body is copied), or checks before it; the code
 it calls lives with its subject (``checkpoints/resume.py``, ``intercepts.py``, ``training/``); only this
-module assigns into fairseq (and into torch's and numpy's globals, the first and last rows), into fairseq's
-trainer and the optimizer instances it builds (the ``Trainer._build_optimizer`` row: the training hooks of the
-method records, :func:`build_optimizer`).
+module assigns into fairseq (torch's and numpy's globals: the first and last rows; the trainer and the optimizers
+it builds: :func:`build_optimizer`, the loop over the records' training hooks).
 ``scripts/fairseq_tests.py`` runs fairseq's own tests without the plugin and with it imported: none fails
 only with it. :func:`install` runs once, from ``fairseq_deepinit/__init__.py`` after every model and
 architecture is registered; it is idempotent.
@@ -87,29 +86,31 @@ def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: 
     (:func:`.training.adam_foreach.accepted_history`, before fairseq's optimizer-name check), the tagged groups
     found in the optimizer (:func:`.training.param_groups.check_groups_reached`), its ``step`` / ``zero_grad``
     routed to the ``after_step`` hooks (:func:`hook_steps`)."""
-    spec = getattr(trainer._model, "spec", None)
+    spec, model = getattr(trainer._model, "spec", None), trainer._model
     on = enabled(spec) if spec is not None else []
-    for method, p in on:
+    for method, p in on:  # every refusal before anything is changed
         if method.loss_term is not None:
             loss_terms.check_criterion(trainer.criterion, trainer.cfg, method)
         if method.check_training is not None:
             method.check_training(p, spec, trainer.cfg)
-    tagged = [method.param_groups(p, spec, trainer._model) for method, p in on if method.param_groups is not None]
+    grouped = [(method, p) for method, p in on if method.param_groups is not None]
+    for method, p in grouped:
+        method.param_groups(p, spec, model)
     out = original(trainer, *args, **kwargs)
     history = adam_foreach.accepted_history(getattr(trainer, "_optim_history", None), trainer._optimizer)
     if history is not None:
         trainer._optim_history = history
-    if tagged:
-        check_groups_reached(trainer._optimizer, trainer._model)
-    steps = [method.after_step(p, spec, trainer._model, trainer._optimizer) for method, p in on if method.after_step]
+    if grouped:
+        check_groups_reached(trainer._optimizer, model)
+    steps = [method.after_step(p, spec, model, trainer._optimizer) for method, p in on if method.after_step]
     if steps:
         hook_steps(trainer._optimizer, steps)
     return out
 
 
 def hook_steps(optimizer: Any, hooks: List[StepHook]) -> None:
-    """Route the optimizer instance's ``step`` (each hook's ``after_step`` after fairseq's) and ``zero_grad`` (each
-    hook's ``new_update`` first: an update starts; fairseq skips an update after an fp16 overflow before it)."""
+    """Route the optimizer instance's ``step`` (then each hook's ``after_step``) and ``zero_grad`` (each hook's
+    ``new_update`` first: an update starts)."""
     step, zero_grad = optimizer.step, optimizer.zero_grad
 
     def hooked_step(*args: Any, **kwargs: Any) -> Any:

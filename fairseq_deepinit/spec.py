@@ -6,7 +6,7 @@ axes inside the plugin. The model build reads it (:mod:`fairseq_deepinit.plan`),
 reads the fields it was built from (``layer.placement``, the residual modules), the resume check
 compares what it resolves to, and fairseq's own booleans (``--encoder-/--decoder-normalize-before``)
 are written from it at the fairseq boundary (:func:`fairseq_deepinit.resolve.store`) and never read back:
-every reader of the placement reads :attr:`Stack.placement` (the families set ``--norm-placement``).
+every reader of the placement reads ``Stack.placement`` (the families set ``--norm-placement``).
 
 Per stack (:class:`Stack`): its kind, depth and width, its placement and each layer's (Mix-LN makes a
 Pre-LN stack's first layers Post-LN), the residual scaling's constant. For the model: the init scheme,
