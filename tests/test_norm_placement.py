@@ -218,6 +218,24 @@ def test_a_family_placement_is_a_default_the_command_line_overrides():
     assert model.encoder.layer_norm is None and model.decoder.layer_norm is None
 
 
+def test_a_checkpoint_whose_family_gave_the_flags_resumes_under_the_family_placement():
+    """A checkpoint written while the Pre-LN families gave fairseq's normalize-before flags (``norm_placement``
+    stored as ``auto``) builds the same stacks as the family's ``--norm-placement pre`` and resumes without a
+    difference; a real change of placement is still one."""
+    import copy
+
+    from fairseq_deepinit.checkpoints import config_check
+
+    _, current = build_model("preln_iwslt_de_en", *DIMS)
+    saved = copy.copy(current)
+    saved.norm_placement = "auto"  # what the family stored when it set the flags
+    placements = [[s.placement for s in options.spec_of(a).stacks] for a in (saved, current)]
+    assert placements == [["pre", "pre"], ["pre", "pre"]]
+    assert config_check.config_differences(saved, current) == []
+    _, peri = build_model("preln_iwslt_de_en", *DIMS, "--norm-placement", "peri")
+    assert [d[0] for d in config_check.config_differences(saved, peri)] == ["norm_placement"]
+
+
 def test_a_stored_unknown_placement_stops_with_one_line():
     _, args = build_model("deepinit_tiny")
     args.norm_placement = "sandwich"
