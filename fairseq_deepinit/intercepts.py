@@ -51,6 +51,7 @@ from fairseq.tasks.translation import TranslationTask
 from .architectures import FAMILIES
 from .checkpoints.config_check import DEEPINIT_MODELS
 from .errors import DataConfigError, DeepInitConfigError
+from .training.distributed import check_ddp_backend
 
 PLUGIN_MODELS = DEEPINIT_MODELS
 PREPROCESS_FLAG = {"train": "--trainpref", "valid": "--validpref", "test": "--testpref"}
@@ -219,3 +220,18 @@ def load_indexed_dataset(original, path, dictionary=None, dataset_impl=None, com
         if not combine:
             break
     return original(path, dictionary, dataset_impl, combine, default)
+
+
+def guarded(arch_fn: Callable) -> Callable:
+    """A plugin architecture function (``ARCH_CONFIG_REGISTRY``, which fairseq calls on the parsed arguments in
+    ``options.parse_args_and_arch``) that first refuses a task of the other kind and ``--ddp-backend
+    fully_sharded``, and after its defaults an embedding dimension the heads do not divide."""
+
+    def arch(args):
+        check_task_and_arch(args)
+        check_ddp_backend(args)
+        out = arch_fn(args)
+        check_dimensions(args)  # after the architecture's defaults
+        return out
+
+    return arch

@@ -26,7 +26,7 @@ from .methods.record import Method, Option
 from .spec import ModelSpec
 
 __all__ = ["ARCH_BOOL_FLAGS", "DeepInitConfigError", "add_model_args", "all_options", "describe", "option_table",
-           "resolve_and_validate"]  # fmt: skip
+           "resolve_and_validate", "spec_of"]  # fmt: skip
 
 # fairseq store_true flags that named architectures set: their default becomes None so that an
 # architecture can tell "not given" from "given" (fairseq's own t2t arch cannot, see README)
@@ -73,6 +73,12 @@ def resolve_and_validate(args: argparse.Namespace) -> ModelSpec:
     resolution.log_notes(spec)
     resolution.store(spec, args)
     return spec
+
+
+def spec_of(args: Any) -> ModelSpec:
+    """The spec of arguments already resolved (a checkpoint's, an export's): only read, nothing logged or
+    stored; where the export and Admin's fold read each :class:`~fairseq_deepinit.spec.Stack`'s ``placement``."""
+    return resolution.resolve(args)
 
 
 def describe(args: Any) -> str:

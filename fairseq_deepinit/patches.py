@@ -4,7 +4,8 @@ Each :class:`Patch` names what it replaces in fairseq 0.12.3 (file and lines), w
 *stock* model (fairseq's own ``transformer`` or ``transformer_lm`` trained with ``--user-dir fairseq_deepinit``).
 A patch wraps fairseq's function and calls it (nothing of its body is copied), or checks before it; the code
 it calls lives with its subject (``checkpoints/resume.py``, ``intercepts.py``, ``training/``); only this
-module assigns into fairseq (and into torch's and numpy's globals, the first and last rows).
+module assigns into fairseq (torch's and numpy's globals: the first and last rows; the trainer and the optimizers
+it builds: :func:`build_optimizer`, the loop over the records' training hooks).
 ``scripts/fairseq_tests.py`` runs fairseq's own tests without the plugin and with it imported: none fails
 only with it. :func:`install` runs once, from ``fairseq_deepinit/__init__.py`` after every model and
 architecture is registered; it is idempotent.
@@ -31,7 +32,7 @@ import functools
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -48,7 +49,10 @@ from . import input_checks, intercepts
 from .checkpoints import batch_order, broadcast, model_load, resume
 from .checkpoints.atomic import AtomicCopyPathManager
 from .checkpoints.config_check import DEEPINIT_MODELS
-from .training import adam_foreach, depth_mup_trainer, distributed, launch, qk_clip, z_loss
+from .diagnostics.task_mixin import DiagnosticsTaskMixin
+from .methods import enabled
+from .methods.record import StepHook
+from .training import adam_foreach, launch, loss_terms
 from .training.param_groups import check_groups_reached
 
 MARK = "_deepinit_patch"
@@ -77,24 +81,56 @@ def wrap(owner: Any, name: str, wrapper: Callable) -> None:
 
 
 def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
-    """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) between what depth-muP needs before it (the
-    training options checked, the parameters tagged with their groups: :mod:`.training.depth_mup_trainer`) and
-    after it (the groups found in the optimizer fairseq built), and the ``adam`` <-> ``adam_foreach`` state
-    resume (:func:`.training.adam_foreach.accept_adam_state`, before fairseq's optimizer-name check) and the
-    z-loss term switched at resume (:func:`.training.z_loss.accept_criterion_state`, before its criterion-name
-    check); ``--z-loss`` with a criterion that would leave the term out and ``--qk-clip`` with an optimizer it
-    cannot follow refused first (:func:`.training.z_loss.check_criterion`, :func:`.training.qk_clip.check`), and
-    QK-Clip's step attached to the optimizer built (:func:`.training.qk_clip.attach`)."""
-    z_loss.check_criterion(trainer)
-    qk_clip.check(trainer)
-    tagged = depth_mup_trainer.tag_for_training(trainer)
+    """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) in the one loop over the training hooks of the
+    methods that are on (:func:`fairseq_deepinit.methods.enabled`; the hooks: :mod:`.methods.record`). Before it:
+    each ``check_training``, a ``loss_term``'s criterion (:func:`.training.loss_terms.check_criterion`), each
+    ``param_groups``. After it: the ``adam`` <-> ``adam_foreach`` history
+    (:func:`.training.adam_foreach.accepted_history`, before fairseq's optimizer-name check) and the loss-term
+    criterion switched at resume (:func:`.training.loss_terms.accepted_history`, before its criterion-name
+    check), the tagged groups
+    found in the optimizer (:func:`.training.param_groups.check_groups_reached`), its ``step`` / ``zero_grad``
+    routed to the ``after_step`` hooks (:func:`hook_steps`)."""
+    spec, model = getattr(trainer._model, "spec", None), trainer._model
+    on = enabled(spec) if spec is not None else []
+    for method, p in on:  # every refusal before anything is changed
+        if method.loss_term is not None:
+            loss_terms.check_criterion(trainer.criterion, trainer.cfg, method)
+        if method.check_training is not None:
+            method.check_training(p, spec, trainer.cfg)
+    grouped = [(method, p) for method, p in on if method.param_groups is not None]
+    for method, p in grouped:
+        method.param_groups(p, spec, model)
     out = original(trainer, *args, **kwargs)
-    adam_foreach.accept_adam_state(trainer)
-    z_loss.accept_criterion_state(trainer)
-    if tagged:
-        check_groups_reached(trainer._optimizer, trainer._model)
-    qk_clip.attach(trainer)
+    saved = getattr(trainer, "_optim_history", None)
+    history = adam_foreach.accepted_history(saved, trainer._optimizer) or saved
+    history = loss_terms.accepted_history(history, trainer.get_criterion()) or history
+    if history is not saved:
+        trainer._optim_history = history
+    if grouped:
+        check_groups_reached(trainer._optimizer, model)
+    steps = [method.after_step(p, spec, model, trainer._optimizer) for method, p in on if method.after_step]
+    if steps:
+        hook_steps(trainer._optimizer, steps)
     return out
+
+
+def hook_steps(optimizer: Any, hooks: List[StepHook]) -> None:
+    """Route the optimizer instance's ``step`` (then each hook's ``after_step``) and ``zero_grad`` (each hook's
+    ``new_update`` first: an update starts)."""
+    step, zero_grad = optimizer.step, optimizer.zero_grad
+
+    def hooked_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        for hook in hooks:
+            hook.after_step()
+        return out
+
+    def new_update() -> Any:
+        for hook in hooks:
+            hook.new_update()
+        return zero_grad()
+
+    optimizer.step, optimizer.zero_grad = hooked_step, new_update
 
 
 def guard_architectures() -> int:
@@ -107,20 +143,9 @@ def guard_architectures() -> int:
     for name in names:
         arch_fn = ARCH_CONFIG_REGISTRY[name]
         if not getattr(arch_fn, MARK, False):
-            ARCH_CONFIG_REGISTRY[name] = functools.wraps(arch_fn)(_guarded(arch_fn))
+            ARCH_CONFIG_REGISTRY[name] = functools.wraps(arch_fn)(intercepts.guarded(arch_fn))
             setattr(ARCH_CONFIG_REGISTRY[name], MARK, True)
     return len(names)
-
-
-def _guarded(arch_fn: Callable) -> Callable:
-    def arch(args):
-        intercepts.check_task_and_arch(args)
-        distributed.check_ddp_backend(args)
-        out = arch_fn(args)
-        intercepts.check_dimensions(args)  # after the architecture's defaults
-        return out
-
-    return arch
 
 
 def _safe_globals() -> None:
@@ -255,9 +280,10 @@ PATCHES: Tuple[Patch, ...] = (
         "Trainer._build_optimizer",
         "trainer.py:289-382",
         "the one point between the checkpoint's optimizer history and fairseq's optimizer-name check (adam <-> "
-        "adam_foreach resume) and where the flat parameter list is handed over (depth-muP's groups); the optimizer "
-        "it built gets QK-Clip's step (training/qk_clip.py); --z-loss with a criterion that drops it is refused "
-        "first: build_optimizer",
+        "adam_foreach resume: Trainer._optim_history replaced) and where the flat parameter list is handed over; "
+        "the training hooks of the methods that are on run here, in one loop (check_training, a loss term's "
+        "criterion, param_groups: depth-muP's groups), and the optimizer it built gets its step and zero_grad "
+        "routed to their after_step hooks (QK-Clip's clip): build_optimizer, hook_steps",
         "none unless the optimizer is adam_foreach resuming adam's state (or the other way round)",
         lambda: wrap(Trainer, "_build_optimizer", build_optimizer),
     ),
@@ -341,42 +367,6 @@ def install() -> None:
 
 
 # --- run-time hooks of the diagnostics criteria (the module docstring) ---------------------------
-
-
-class DiagnosticsTaskMixin:
-    """Put in front of the task's class by :func:`install_task_mixin`: reports the update number to the
-    criterion before fairseq's forward/backward, hands it the update's gradient statistics in
-    ``reduce_metrics``, and lets it veto checkpoints of a diverged model."""
-
-    _deepinit_criterion: Any  # the DiagnosticsCriterion that installed the mixin
-
-    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
-        self._deepinit_criterion.begin_update(update_num, model, optimizer, sample)
-        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
-
-    def optimizer_step(self, optimizer, model, update_num):
-        super().optimizer_step(optimizer, model, update_num)
-        self._deepinit_criterion.after_step(update_num)
-
-    def begin_epoch(self, epoch, model):
-        # the first point where the criterion sees the model outside the training step
-        self._deepinit_criterion.check_model(model)
-        super().begin_epoch(epoch, model)
-
-    def reduce_metrics(self, logging_outputs, criterion):
-        # fairseq reduces an update's logging outputs after its optimizer step: the per-layer gradient norms
-        # join them there, so one device read serves all statistics; then the maxima over depth and counters
-        grad_stats = self._deepinit_criterion.take_grad_statistics()
-        if grad_stats:
-            logging_outputs = [*logging_outputs, grad_stats]
-        depth_stats = self._deepinit_criterion.take_depth_statistics(logging_outputs)
-        if depth_stats:
-            logging_outputs = [*logging_outputs, depth_stats]
-        return super().reduce_metrics(logging_outputs, criterion)
-
-    def state_dict(self):
-        self._deepinit_criterion.check_before_save()  # fairseq asks the task for its state on every save
-        return super().state_dict()
 
 
 _MIXED: Dict[type, type] = {}  # one mixed class per task class

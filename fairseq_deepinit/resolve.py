@@ -245,13 +245,17 @@ def resolve(args: Any) -> ModelSpec:
     return ModelSpec(**{**spec.__dict__, "notes": tuple(notes)})
 
 
+def fairseq_flags(spec: ModelSpec) -> Dict[str, bool]:
+    """fairseq's ``--encoder-/--decoder-normalize-before`` of the spec's stacks (:attr:`Stack.final_norm`): what
+    fairseq builds its final norms from, and what a stock model exported from the spec needs."""
+    return {f"{stack.kind.stack}_normalize_before": stack.final_norm for stack in spec.stacks}
+
+
 def store(spec: ModelSpec, args: argparse.Namespace) -> None:
     """Write the spec's resolved options into ``args`` (what fairseq builds the model from and saves in its
     checkpoints), fairseq's ``--encoder-/--decoder-normalize-before`` derived from the stacks' placements."""
-    for name, value in spec.options.items():
+    for name, value in {**spec.options, **fairseq_flags(spec)}.items():
         setattr(args, name, value)
-    for stack in spec.stacks:
-        setattr(args, f"{stack.kind.stack}_normalize_before", stack.normalize_before)
     args.share_decoder_input_output_embed = bool(getattr(args, "share_decoder_input_output_embed", False))
 
 

@@ -5,7 +5,8 @@ checkpoint's stored arguments) into one frozen spec; it is the only representati
 axes inside the plugin. The model build reads it (:mod:`fairseq_deepinit.plan`), each layer's forward
 reads the fields it was built from (``layer.placement``, the residual modules), the resume check
 compares what it resolves to, and fairseq's own booleans (``--encoder-/--decoder-normalize-before``)
-are written from it at the fairseq boundary (:func:`fairseq_deepinit.resolve.store`) and never read back.
+are written from it at the fairseq boundary (:func:`fairseq_deepinit.resolve.store`) and never read back:
+every reader of the placement reads ``Stack.placement`` (the families set ``--norm-placement``).
 
 Per stack (:class:`Stack`): its kind, depth and width, its placement and each layer's (Mix-LN makes a
 Pre-LN stack's first layers Post-LN), the residual scaling's constant. For the model: the init scheme,
@@ -79,8 +80,9 @@ class Stack:
     residual_constant: float | None = None
 
     @property
-    def normalize_before(self) -> bool:
-        """fairseq's boolean for this stack: it ends with a final norm (every placement but Post-LN)."""
+    def final_norm(self) -> bool:
+        """The stack ends with a final norm (every placement but Post-LN): fairseq's ``--*-normalize-before``
+        for it, written by :func:`fairseq_deepinit.resolve.fairseq_flags` only."""
         return self.placement != "post"
 
 

@@ -27,7 +27,7 @@ import torch
 from conftest import USER_DIR, build_model, run_cli
 from fairseq_deepinit import errors, input_checks
 from fairseq_deepinit.checkpoints import model_load, run_lock
-from fairseq_deepinit.training import launch, z_loss
+from fairseq_deepinit.training import launch, loss_terms
 
 # --- in process -------------------------------------------------------------------------------------------------
 
@@ -136,22 +136,20 @@ def test_embeddings_of_another_dictionary_name_the_data():
 def test_the_z_loss_criterion_pair_resumes():
     from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
-    def trainer(saved, criterion):
-        history = [{"criterion_name": saved, "optimizer_name": "FairseqAdam", "num_updates": 2}]
-        return SimpleNamespace(_optim_history=history, get_criterion=lambda: criterion)
+    def history(saved):
+        return [{"criterion_name": saved, "optimizer_name": "FairseqAdam", "num_updates": 2}]
 
     task = SimpleNamespace(target_dictionary=SimpleNamespace(pad=lambda: 1))
     plain = LabelSmoothedCrossEntropyCriterion(task, False, 0.0)
-    term = z_loss.LabelSmoothedCrossEntropyZLossCriterion(task, False, 0.0)
+    term = loss_terms.LabelSmoothedCrossEntropyZLossCriterion(task, False, 0.0)
     for saved, criterion in (("LabelSmoothedCrossEntropyCriterion", term),
                              ("LabelSmoothedCrossEntropyZLossCriterion", plain)):  # fmt: skip
-        t = trainer(saved, criterion)
-        z_loss.accept_criterion_state(t)
-        assert t._optim_history[-1]["criterion_name"] == type(criterion).__name__
-        assert t._optim_history[-1]["resumed_from_criterion"] == saved
-    t = trainer("CrossEntropyCriterion", term)  # another pair: fairseq's check, made one line at the trainer
-    z_loss.accept_criterion_state(t)
-    assert t._optim_history[-1]["criterion_name"] == "CrossEntropyCriterion"
+        accepted = loss_terms.accepted_history(history(saved), criterion)
+        assert accepted[-1]["criterion_name"] == type(criterion).__name__
+        assert accepted[-1]["resumed_from_criterion"] == saved
+    # another pair: fairseq's check, made one line at the trainer
+    assert loss_terms.accepted_history(history("CrossEntropyCriterion"), term) is None
+    assert loss_terms.accepted_history(history("LabelSmoothedCrossEntropyCriterion"), plain) is None
 
 
 @pytest.fixture
@@ -267,7 +265,7 @@ def test_each_probe_is_one_line_and_what_works_works(trained, synthetic_bin):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = {n: pool.submit(run_cli, tool, *args, check=False, cwd=root) for n, (tool, args, _) in cases.items()}
-        z = pool.submit(run_cli, "train", data, *TRAIN, "--criterion", z_loss.CRITERION_NAME, "--z-loss",
+        z = pool.submit(run_cli, "train", data, *TRAIN, "--criterion", loss_terms.CRITERION_NAME, "--z-loss",
                         "--max-update", "3", "--save-dir", z_on, check=False, cwd=root)  # fmt: skip
         ro = ro_cmd and pool.submit(subprocess.run, ro_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, timeout=600)  # fmt: skip
@@ -284,7 +282,7 @@ def test_each_probe_is_one_line_and_what_works_works(trained, synthetic_bin):
     assert (root / "target.txt").read_text() == "precious\n"  # the link's target is untouched
     # the z-loss term switched on at resume: it trains on from the checkpoint's optimizer state
     assert z.returncode == 0, z.stdout[-3000:]
-    assert "LabelSmoothedCrossEntropyZLossCriterion: the z-loss term stores nothing" in z.stdout
+    assert "LabelSmoothedCrossEntropyZLossCriterion: its loss terms store nothing" in z.stdout
     assert "num_updates 3" in z.stdout and "z_loss" in z.stdout
     if ro is None:
         pytest.skip("no read-only save dir can be made here (root without user namespaces)")

@@ -3,8 +3,11 @@
 - no import cycle between the plugin's modules, function-level imports included, and counting the
   package ``__init__`` an import runs on the way (importing ``a.b`` from outside ``a`` runs ``a``);
 - ``modules/`` imports nothing above it (only torch, fairseq, ``errors`` and itself); ``methods/``
-  imports only ``modules/``, ``matt/`` (MAtt's layer) and ``errors``;
+  imports only ``modules/``, ``matt/`` (MAtt's layer), ``training/`` (the training hooks) and ``errors``;
 - no module over 400 lines;
+- fairseq's normalize-before flags named at the fairseq boundary only (the spec's placement everywhere else);
+  a method's feature looked up by name only by its record and its hooks' modules; nothing assigned into
+  fairseq's or torch's objects (their modules and classes, the trainer, the optimizer) outside ``patches.py``;
 - every method module holds one record that :data:`fairseq_deepinit.methods.METHODS` lists, and
   docs/schemes.md's method table is the one generated from the records;
 - the tools (``deepinit_tools/``): no import cycle, no module over 400 lines, the plugin never imports
@@ -130,7 +133,7 @@ def test_cycle_finder_finds_a_cycle():
     "layer, allowed",
     [
         ("modules", ("modules", "errors")),
-        ("methods", ("methods", "modules", "matt", "errors")),
+        ("methods", ("methods", "modules", "matt", "training", "errors")),
         ("matt", ("matt", "modules", "errors")),
     ],
 )
@@ -176,6 +179,124 @@ def test_docs_method_table_is_generated_from_the_records():
     assert table.current(text) == table.render(), (
         "docs/schemes.md's method table differs from the records: run python -m deepinit_tools.methods_table --write"
     )
+
+
+# --- one path for every method: the placement axis, the training hooks, fairseq patched in one place ------
+
+# where fairseq's --encoder-/--decoder-normalize-before may be named: read once into the spec's placement
+# (resolve), written back at the fairseq boundary (resolve.store), its parser default (options), the resume
+# check's list of fairseq's model options (config_check), fairseq's forced Pre-LN undone (lm/architectures)
+NORMALIZE_BEFORE_BOUNDARY = {"resolve.py", "options.py", "checkpoints/config_check.py", "lm/architectures.py"}
+
+
+def test_fairseq_normalize_before_is_named_at_the_boundary_only():
+    named = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if "normalize_before" in p.read_text()}
+    assert named <= NORMALIZE_BEFORE_BOUNDARY, (
+        f"fairseq's normalize-before flags named in {sorted(named - NORMALIZE_BEFORE_BOUNDARY)}: read the spec's "
+        "Stack.placement (families set norm_placement)"
+    )
+
+
+def _feature_lookups(tree: ast.AST) -> list:
+    """``(line, name)`` of every ``<x>.features.get("<name>")`` / ``<x>.features["<name>"]`` (or bare ``features``)."""
+
+    def is_features(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "features") or (
+            isinstance(node, ast.Name) and node.id == "features"
+        )
+
+    out = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and is_features(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if is_features(node.func.value) and node.args else None
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            out.append((node.lineno, key.value))
+    return out
+
+
+def test_a_feature_is_looked_up_by_name_only_by_its_own_record_and_hooks():
+    import dataclasses
+    import inspect
+
+    from fairseq_deepinit.methods import METHODS
+
+    own = {}
+    for m in METHODS.values():
+        hooks = [getattr(m, f.name) for f in dataclasses.fields(m) if inspect.isfunction(getattr(m, f.name))]
+        own[m.name] = {Path(inspect.getsourcefile(h)).resolve() for h in hooks}
+    bad = [
+        f"{path.relative_to(REPO)}:{line} looks up {name!r}"
+        for path in ROOT.rglob("*.py")
+        if path.parent != ROOT / "methods"
+        for line, name in _feature_lookups(ast.parse(path.read_text()))
+        if path.resolve() not in own.get(name, set())
+    ]
+    assert not bad, "a training-time method decides from the spec and its record's hooks: " + "; ".join(bad)
+
+
+FOREIGN = ("fairseq", "torch", "numpy")
+FOREIGN_INSTANCES = ("trainer", "optimizer")  # fairseq's Trainer and the optimizers it builds, by their names
+
+
+def foreign_assignments(tree: ast.AST) -> list:
+    """``(line, target)`` of every assignment (``=``, ``setattr``) into an attribute of a name imported from
+    fairseq / torch / numpy, or of ``trainer`` / ``optimizer``."""
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in FOREIGN}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in FOREIGN:
+            imported |= {a.asname or a.name for a in node.names}
+
+    def foreign(target) -> bool:
+        while isinstance(target, (ast.Attribute, ast.Subscript)):
+            target = target.value
+        return isinstance(target, ast.Name) and (target.id in imported or target.id in FOREIGN_INSTANCES)
+
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets = [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else targets
+        for target in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
+            if isinstance(target, ast.Attribute) and foreign(target):
+                out.append((node.lineno, ast.unparse(target)))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and foreign(node.args[0]):
+            out.append((node.lineno, f"setattr({ast.unparse(node.args[0])}, ...)"))
+    return out
+
+
+def test_fairseq_and_torch_are_assigned_into_by_patches_only():
+    bad = [
+        f"{path.relative_to(REPO)}:{line} assigns {target}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path != ROOT / "patches.py"
+        for line, target in foreign_assignments(ast.parse(path.read_text()))
+    ]
+    assert not bad, "a change to fairseq or torch is a row of patches.PATCHES, with its reason: " + "; ".join(bad)
+
+
+def test_the_assignment_finder_finds_them():
+    code = "import torch\nfrom fairseq.trainer import Trainer\ntorch.x = 1\nTrainer.y = 2\ntrainer.z, a = 3, 4\n"
+    code += "setattr(optimizer, 'step', f)\nself.w = 5\nmodel.v = 6\n"
+    assert [t for _line, t in foreign_assignments(ast.parse(code))] == [
+        "torch.x", "Trainer.y", "trainer.z", "setattr(optimizer, ...)"
+    ]  # fmt: skip
+
+
+def test_training_time_methods_declare_typed_hooks_on_their_records():
+    from fairseq_deepinit.methods import METHODS
+    from fairseq_deepinit.methods.record import Method
+
+    hooks = {"check_training": "CheckTraining", "param_groups": "ParamGroups", "after_step": "AfterStep",
+             "loss_term": "LossTerm"}  # fmt: skip
+    assert {name: Method.__dataclass_fields__[name].type for name in hooks} == {
+        name: f"{protocol} | None" for name, protocol in hooks.items()
+    }
+    training = {m.name for m in METHODS.values() if any(getattr(m, name) for name in hooks)}
+    assert training == {"depth_mup", "z_loss", "qk_clip"}
 
 
 # --- the tools: deepinit_tools/, and scripts/ and benchmarks/ as its command lines -----------------

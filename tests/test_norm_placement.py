@@ -193,7 +193,6 @@ def test_families_and_matt():
 BAD = [
     ("deepinit_tiny", ["--norm-placement", "peri", "--init-scheme", "deepnorm"], "remove --norm-placement peri"),
     ("b2t_iwslt_de_en", ["--norm-placement", "reordered"], "Post-LN only"),
-    ("preln_iwslt_de_en", ["--norm-placement", "post"], "contradicts"),
     ("deepinit_tiny", ["--norm-placement", "post", "--decoder-normalize-before"], "contradicts"),
     ("periln_iwslt_de_en", ["--norm-type", "none"], "--norm-type none"),
     ("reordered_iwslt_de_en", ["--subln"], "use --norm-placement pre"),
@@ -206,6 +205,35 @@ def test_bad_combinations_stop_with_one_line(arch, cli, says):
     with pytest.raises(DeepInitConfigError) as e:
         build_model(arch, *DIMS, *cli)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_family_placement_is_a_default_the_command_line_overrides():
+    """The Pre-LN families set ``--norm-placement pre`` (the spec's placement axis, not fairseq's booleans): a given
+    ``--norm-placement`` wins, as every other value of a family does."""
+    _, args = build_model("preln_iwslt_de_en", *DIMS)
+    assert args.norm_placement == "pre" and args.encoder_normalize_before and args.decoder_normalize_before
+    model, args = build_model("preln_iwslt_de_en", *DIMS, "--norm-placement", "post")
+    assert args.norm_placement == "post" and not (args.encoder_normalize_before or args.decoder_normalize_before)
+    assert all(lay.placement == "post" for lay in (*model.encoder.layers, *model.decoder.layers))
+    assert model.encoder.layer_norm is None and model.decoder.layer_norm is None
+
+
+def test_a_checkpoint_whose_family_gave_the_flags_resumes_under_the_family_placement():
+    """A checkpoint written while the Pre-LN families gave fairseq's normalize-before flags (``norm_placement``
+    stored as ``auto``) builds the same stacks as the family's ``--norm-placement pre`` and resumes without a
+    difference; a real change of placement is still one."""
+    import copy
+
+    from fairseq_deepinit.checkpoints import config_check
+
+    _, current = build_model("preln_iwslt_de_en", *DIMS)
+    saved = copy.copy(current)
+    saved.norm_placement = "auto"  # what the family stored when it set the flags
+    placements = [[s.placement for s in options.spec_of(a).stacks] for a in (saved, current)]
+    assert placements == [["pre", "pre"], ["pre", "pre"]]
+    assert config_check.config_differences(saved, current) == []
+    _, peri = build_model("preln_iwslt_de_en", *DIMS, "--norm-placement", "peri")
+    assert [d[0] for d in config_check.config_differences(saved, peri)] == ["norm_placement"]
 
 
 def test_a_stored_unknown_placement_stops_with_one_line():

@@ -15,14 +15,14 @@ from ports import z_loss as port
 
 from conftest import TINY_DIMS, USER_DIR, make_dictionary, run_cli
 from fairseq_deepinit.errors import DeepInitConfigError
-from fairseq_deepinit.training import z_loss
+from fairseq_deepinit.training import loss_terms, z_loss
 
 PAD = 1
 TOL = dict(rtol=1e-12, atol=1e-12)
 F32 = dict(rtol=16 * torch.finfo(torch.float32).eps, atol=0)  # a sum of positive float32 terms
 
 
-def setup(kind: str, *cli: str, criterion: str = z_loss.CRITERION_NAME):
+def setup(kind: str, *cli: str, criterion: str = loss_terms.CRITERION_NAME):
     """``(model, criterion, args)`` built in-process as fairseq-train builds them, in float64."""
     import fairseq_deepinit  # noqa: F401
 
@@ -76,7 +76,7 @@ def test_the_term_and_its_gradient_are_the_ports(kind, smoothing):
     s = sample(kind)
     loss, nll, logits = leaf_loss(model, criterion, s)
     loss0, nll0, logits0 = leaf_loss(plain, criterion0, s)
-    got, unscaled = criterion._z_logged
+    got, unscaled = criterion._terms_logged["z_loss"], criterion._terms_logged["z_loss_unscaled"]
     ref_logits = logits.detach().clone().requires_grad_()
     term = port.fairseq_sum(ref_logits, s["target"], PAD, c)
     term.backward()
@@ -102,7 +102,7 @@ def test_plain_cross_entropy_with_the_term_is_olmo_cores_loss():
     torch.testing.assert_close((loss / s["ntokens"]).double(), ce + z, **F32)
 
 
-@pytest.mark.parametrize("criterion", ["label_smoothed_cross_entropy_diagnostics", z_loss.CRITERION_NAME])
+@pytest.mark.parametrize("criterion", ["label_smoothed_cross_entropy_diagnostics", loss_terms.CRITERION_NAME])
 def test_logged_values_are_olmo_cores(criterion):
     """``z_loss`` and ``z_loss_unscaled`` in the logging outputs (sums) and as metrics (means over the target
     tokens of two batches): OLMo-core's "Z loss" and "Z loss unscaled"; ``loss`` includes the term."""
@@ -165,7 +165,7 @@ def test_a_criterion_that_drops_the_term_is_refused_before_training():
     with pytest.raises(DeepInitConfigError) as e:
         _trainer("--z-loss", criterion="label_smoothed_cross_entropy").optimizer  # noqa: B018
     msg = str(e.value)
-    assert "--criterion label_smoothed_cross_entropy would leave it out" in msg and z_loss.CRITERION_NAME in msg
+    assert "--criterion label_smoothed_cross_entropy would leave it out" in msg and loss_terms.CRITERION_NAME in msg
     assert "\n" not in msg
     assert _trainer("--z-loss", criterion="cross_entropy_diagnostics").optimizer is not None
     assert _trainer(criterion="label_smoothed_cross_entropy").optimizer is not None
@@ -204,7 +204,7 @@ def test_fairseq_train_logs_the_term(synthetic_bin, tmp_path):
     """Two updates of fairseq-train with --z-loss: the log line has z_loss and z_loss_unscaled, their ratio the
     multiplier."""
     log = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
-                  "--arch", "preln_iwslt_de_en", *TINY_DIMS, "--criterion", z_loss.CRITERION_NAME, "--z-loss",
+                  "--arch", "preln_iwslt_de_en", *TINY_DIMS, "--criterion", loss_terms.CRITERION_NAME, "--z-loss",
                   "--z-loss-multiplier", "1e-3", "--optimizer", "adam", "--lr", "1e-3", "--cpu", "--max-tokens", "500",
                   "--max-update", "2", "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
                   "--save-dir", tmp_path, "--no-save", "--disable-validation", forked=True).stdout  # fmt: skip

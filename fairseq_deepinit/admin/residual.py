@@ -30,8 +30,8 @@ unless ``--admin-freeze-omega``) and each residual module carries a ``profiled``
 hold everything: generation needs no profile file and a resumed run does not profile again.
 
 Profiling is :mod:`.profiling`, profile files :mod:`.profile_file`, profiling inside fairseq-train
-:mod:`.profiling_task` and :mod:`.task`, folding omega into a plain Post-LN checkpoint :mod:`.fold` and
-:mod:`.export`.
+:mod:`.profiling_task` and :mod:`.task`, folding omega into a plain Post-LN checkpoint
+:mod:`fairseq_deepinit.export.omega` and :mod:`.export`.
 """
 
 from __future__ import annotations

@@ -72,12 +72,16 @@ def _is_deepinit(args: argparse.Namespace | None) -> bool:
 
 
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the deepinit ``auto`` values resolved as the model build resolves them (a copy)."""
+    """``args`` with the deepinit ``auto`` values resolved as the model build resolves them (a copy): the
+    placement as the stacks have it, so that a checkpoint whose family gave fairseq's normalize-before flags
+    and a run whose family gives ``--norm-placement pre`` compare equal."""
 
     out = copy.copy(args)
     if _is_deepinit(out):
         with contextlib.suppress(Exception):  # an invalid stored combination: compare as stored
-            options.resolve_and_validate(out)
+            placements = {stack.placement for stack in options.resolve_and_validate(out).stacks}
+            if len(placements) == 1:  # --norm-placement auto and the flags it reads compare as the placement given
+                out.norm_placement = placements.pop()
     return out
 
 

@@ -1,7 +1,7 @@
 """Training-time diagnostics and a divergence guard: ``--criterion label_smoothed_cross_entropy_diagnostics``.
 
-fairseq's label-smoothed cross-entropy (plus the z-loss term under the model's ``--z-loss``:
-:mod:`fairseq_deepinit.training.z_loss`), and two things for any ``deepinit`` architecture:
+fairseq's label-smoothed cross-entropy (plus the loss terms of the model's methods, ``--z-loss``:
+:mod:`fairseq_deepinit.training.loss_terms`), and two things for any ``deepinit`` architecture:
 
 1. every ``--diagnostics-interval`` updates, per-sub-layer statistics go into fairseq's metrics, so
    they appear in the training log and under ``--tensorboard-logdir``:
@@ -61,7 +61,7 @@ from fairseq.logging import metrics
 from ..errors import DeepInitConfigError, DivergenceError
 from ..patches import install_task_mixin, wrap_optimizer
 from ..training.autocast_state import AutocastState
-from ..training.z_loss import ZLossMixin
+from ..training.loss_terms import LossTermsMixin
 from . import depth_hooks, hooks, training_counters
 from .criterion_config import DEFAULT_STATS, STATS, DiagnosticsCriterionConfig
 from .depth_criterion import DepthDiagnostics
@@ -96,7 +96,7 @@ def _drop_printed_meters() -> bool:
 
 
 @register_criterion("label_smoothed_cross_entropy_diagnostics", dataclass=DiagnosticsCriterionConfig)
-class DiagnosticsCriterion(ZLossMixin, LabelSmoothedCrossEntropyCriterion):
+class DiagnosticsCriterion(LossTermsMixin, LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed cross-entropy with per-sub-layer diagnostics and a divergence guard (module docstring)."""
 
     def __init__(
@@ -311,7 +311,7 @@ class DiagnosticsCriterion(ZLossMixin, LabelSmoothedCrossEntropyCriterion):
 
     def _grad_norm_statistics(self, grad_norm, sharded: bool) -> Dict[str, torch.Tensor] | None:
         """Per-layer gradient norms as a logging output, on the device (the task reduces them with the
-        update's other statistics, :meth:`fairseq_deepinit.patches.DiagnosticsTaskMixin.reduce_metrics`)."""
+        update's other statistics, :meth:`.task_mixin.DiagnosticsTaskMixin.reduce_metrics`)."""
         run = self._run
         if sharded:  # FSDP: each rank holds a shard of every gradient
             if not run.warned_sharded:

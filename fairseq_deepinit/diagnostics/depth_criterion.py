@@ -7,7 +7,7 @@ and the instability counters (:mod:`.training_counters`) at each point of a trai
 - ``clip_grad_norm`` (routed through the criterion by :func:`fairseq_deepinit.patches.wrap_optimizer`):
   :meth:`DepthDiagnostics.loss_scale` before fairseq's own, :meth:`DepthDiagnostics.clipped` after it,
   which counts a loss-scale drop;
-- ``reduce_metrics`` (:class:`fairseq_deepinit.patches.DiagnosticsTaskMixin`): :meth:`DepthDiagnostics.take` feeds the
+- ``reduce_metrics`` (:class:`.task_mixin.DiagnosticsTaskMixin`): :meth:`DepthDiagnostics.take` feeds the
   update's reduced loss and gradient norm to the spike counters on every training update, and on an
   update that measures returns the maxima (all-reduced with MAX over the ranks) and the counts.
 

@@ -109,9 +109,8 @@ class GradientFlow:
         for name in self.residuals:
             parent = name.rsplit(".residuals.", 1)[0]
             layer = model.get_submodule(parent) if ".residuals." in name else None
-            # the layer's norm placement (modules/sublayer.py); fairseq's flag for a layer without one
-            placement = getattr(layer, "placement", None)
-            self._post_ln[name] = placement == "post" if placement else not getattr(layer, "normalize_before", False)
+            # the layer's norm placement (modules/sublayer.py); a residual outside a layer counts as Post-LN
+            self._post_ln[name] = getattr(layer, "placement", "post") == "post"
         self.order: List[str] = []
         # per sub-layer: squared gradient norms of x, r, y and moments of r (count, sum, sum of squares)
         self.acc: Dict[str, Dict[str, float]] = {}

@@ -24,9 +24,10 @@ import torch
 
 from ..checkpoints.compat import pickled_globals
 from ..errors import ExportError
+from ..resolve import fairseq_flags
 from .omega import _primitive, export_args
 from .scoring import compare_log_probs
-from .source import is_language_model
+from .source import is_language_model, model_spec
 
 LM_STOCK = "transformer_lm"
 TRANSLATION_STOCK = "transformer"
@@ -46,7 +47,7 @@ def export_lm_args(args, changes: dict) -> dict:
         out[f.name] = value
     out.update(changes)
     out.update(_name=LM_STOCK, checkpoint_activations=False, offload_activations=False)
-    out["decoder_normalize_before"] = bool(getattr(args, "decoder_normalize_before", False))
+    out.update(fairseq_flags(model_spec(args)))
     return out
 
 

@@ -190,7 +190,6 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
         self.quant_noise = cfg.quant_noise.pq
         self.quant_noise_block_size = cfg.quant_noise.pq_block_size
         self.cross_self_attention = False
-        self.normalize_before = cfg.decoder.normalize_before
         self.activation_fn = utils.get_activation_fn(activation=cfg.activation_fn)
         activation_dropout_p = cfg.activation_dropout or cfg.relu_dropout or 0
         self.activation_dropout_module = FairseqDropout(

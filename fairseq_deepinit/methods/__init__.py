@@ -10,7 +10,7 @@ and post-inits, of the rules' checks, of the architecture families and of docs/s
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, List, Tuple
 
 from . import (
     admin,
@@ -95,4 +95,12 @@ def declaring(value: InitScheme | ResidualScaling | LayerType) -> Method:
     return next(m for m in METHODS.values() if value in (*m.init_schemes, *m.residual_scalings, *m.layer_types))
 
 
-__all__ = ["INIT_SCHEMES", "LAYER_TYPES", "METHODS", "RESIDUAL_SCALINGS", "Method", "Option", "declaring"]
+def enabled(spec: Any) -> List[Tuple[Method, Any]]:
+    """``(method, its resolved options)`` for every method that is on in ``spec`` (a
+    :class:`~fairseq_deepinit.spec.ModelSpec`: its ``features``), in :data:`METHODS` order: the one list the
+    training hooks are looked up in (:func:`fairseq_deepinit.patches.build_optimizer`,
+    :mod:`fairseq_deepinit.training.loss_terms`)."""
+    return [(METHODS[name], p) for name, p in spec.features.items()]
+
+
+__all__ = ["INIT_SCHEMES", "LAYER_TYPES", "METHODS", "RESIDUAL_SCALINGS", "Method", "Option", "declaring", "enabled"]

@@ -80,8 +80,6 @@ METHOD = Method(
     layer_setup=setup_sinks_layer,
     export=never("--attention-sinks adds a learned logit to every softmax denominator, which neither target has"),
     families={
-        "sinks": dict(
-            init_scheme="xavier", attention_sinks=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "sinks": dict(init_scheme="xavier", attention_sinks=True, norm_placement="pre"),
     },
 )

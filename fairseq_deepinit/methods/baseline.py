@@ -35,6 +35,6 @@ METHOD = Method(
     export=EXPORT_NEUTRAL,  # init schemes
     families={
         "postln": dict(init_scheme="xavier"),
-        "preln": dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True),
+        "preln": dict(init_scheme="xavier", norm_placement="pre"),
     },
 )

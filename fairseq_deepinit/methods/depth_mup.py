@@ -10,10 +10,9 @@ Released code: EleutherAI/nanoGPT-mup @ 6f8bc3b (branch ``completep``) ``model.p
 (``residual_scaling = 1 / depth_multiplier ** depth_alpha_exp``); Megatron-LM PR 4999
 ``residual_branch_multiplier`` (``depth_mult ** -1``, alpha fixed to 1). The matching learning-rate and
 Adam-eps multipliers per parameter group are the optimizer's side
-(:mod:`fairseq_deepinit.training.depth_mup`, installed on fairseq's ``Trainer`` by
-:mod:`fairseq_deepinit.training.depth_mup_trainer`: it reads this record's options from the model's
-arguments, tags every parameter with its group and refuses optimizers and precision paths that cannot carry
-per-group rates).
+(:mod:`fairseq_deepinit.training.depth_mup`), reached through this record's training hooks
+(:mod:`fairseq_deepinit.training.depth_mup_trainer`): ``check_training`` refuses optimizers and precision
+paths that cannot carry per-group rates, ``param_groups`` tags every parameter with its group.
 
 Defaults: alpha 1 (CompleteP, the newer paper's recommendation and the only value Megatron's recipe
 ships, ``residual_branch_depth_power = -1``), L_base 6 (a learning rate tuned at 6 layers, reused at 48),
@@ -32,6 +31,7 @@ from __future__ import annotations
 from ..errors import DeepInitConfigError
 from ..modules.residual import BranchScaleResidual, depth_branch_multiplier
 from ..modules.stacks import ENCODER
+from ..training.depth_mup_trainer import check_training, tag_groups
 from .exporting import EXPORT_NEUTRAL, folds
 from .record import DEPTH_SCALED, INIT, TAG, Method, Option, ResidualScaling, Rule, a_norm, pre_ln
 
@@ -71,7 +71,7 @@ def describe_depth_mup(p) -> str:
     return f"depth-mup alpha={p.depth_mup_alpha:g} base-layers={p.depth_mup_base_layers} source={p.depth_mup_source}"
 
 
-PRE_LN = dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True, depth_mup=True)
+PRE_LN = dict(init_scheme="xavier", norm_placement="pre", depth_mup=True)
 
 METHOD = Method(
     name="depth_mup",
@@ -141,6 +141,8 @@ METHOD = Method(
     validate=validate_depth_mup_args,
     describe=describe_depth_mup,
     export=EXPORT_NEUTRAL,  # alpha and the base depth set the multiplier its residual scaling folds
+    check_training=check_training,
+    param_groups=tag_groups,
     families={
         "depth_mup": dict(PRE_LN, depth_mup_alpha=ALPHAS["depth-mup"]),
         "completep": dict(PRE_LN, depth_mup_alpha=ALPHAS["completep"]),

@@ -43,5 +43,5 @@ METHOD = Method(
         ),
     ),
     **pointwise_hooks("derf", lambda p: {"shift_init": float(p.derf_shift_init)}),
-    families={"derf": dict(norm_type="derf", encoder_normalize_before=True, decoder_normalize_before=True)},
+    families={"derf": dict(norm_type="derf", norm_placement="pre")},
 )

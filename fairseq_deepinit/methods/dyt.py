@@ -43,5 +43,5 @@ METHOD = Method(
     options=pointwise_options("dyt", DYT_ALPHA_INIT, "DyT"),
     **pointwise_hooks("dyt"),
     # Pre-LN, the released language models' placement
-    families={"dyt": dict(norm_type="dyt", encoder_normalize_before=True, decoder_normalize_before=True)},
+    families={"dyt": dict(norm_type="dyt", norm_placement="pre")},
 )

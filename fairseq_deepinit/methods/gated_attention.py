@@ -108,8 +108,6 @@ METHOD = Method(
     ),
     families={
         # Pre-LN + gated attention with the Pre-LN baseline's init: the preln_* model plus the gates only
-        "gatedattn": dict(
-            init_scheme="xavier", gated_attention=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "gatedattn": dict(init_scheme="xavier", gated_attention=True, norm_placement="pre"),
     },
 )

@@ -110,7 +110,7 @@ def describe(p) -> str:
     return f"hc streams={p.hc_streams} {'dynamic' if p.hc_dynamic else 'static'}"
 
 
-PRE_LN = dict(init_scheme="xavier", encoder_normalize_before=True, decoder_normalize_before=True)
+PRE_LN = dict(init_scheme="xavier", norm_placement="pre")
 
 METHOD = Method(
     name="hyper_connections",

@@ -139,8 +139,6 @@ METHOD = Method(
     layer_setup=setup_lns_layer,
     export=folds("LayerNorm Scaling's 1/sqrt(l) (into each pre-norm's gain and bias)", "input-scale"),
     families={
-        "lnscale": dict(
-            init_scheme="xavier", layernorm_scaling=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "lnscale": dict(init_scheme="xavier", layernorm_scaling=True, norm_placement="pre"),
     },
 )

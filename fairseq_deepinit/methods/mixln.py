@@ -130,6 +130,6 @@ METHOD = Method(
     export=never("--mix-ln mixes Post-LN and Pre-LN layers in one stack; both targets have one placement per stack"),
     layer_placements=layer_placements,
     families={
-        "mixln": dict(init_scheme="xavier", mix_ln=True, encoder_normalize_before=True, decoder_normalize_before=True),
+        "mixln": dict(init_scheme="xavier", mix_ln=True, norm_placement="pre"),
     },
 )

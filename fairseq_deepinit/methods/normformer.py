@@ -94,8 +94,7 @@ METHOD = Method(
             scale_attn=True,
             scale_fc=True,
             scale_heads=True,
-            encoder_normalize_before=True,
-            decoder_normalize_before=True,
+            norm_placement="pre",
         ),
     },
 )

@@ -14,7 +14,7 @@ Each residual sub-layer ``F`` (self-attention, cross-attention, FFN) of every la
 The output norm comes before the residual dropout (OLMo-core ``src/olmo_core/nn/residual_stream.py:18-19``
 drops out the normalised branch). ``pre``, ``peri`` and ``reordered`` end each stack with a final norm (OLMo-core's
 LM head norm, ``src/olmo_core/nn/lm_head.py:230``; fairseq's ``layer_norm``, built with
-``normalize_before``); ``post`` has none. The embedding norm (OLMo-core ``model.py:110-136``, applied at
+``--*-normalize-before``); ``post`` has none. The embedding norm (OLMo-core ``model.py:110-136``, applied at
 588-592) is fairseq's ``--layernorm-embedding`` slot, of ``--norm-type``. The encoder-decoder (cross-attention
 under the same rule) is this project's extension: the released blocks are decoder-only.
 

@@ -8,7 +8,8 @@ Moonshot released no code; the maintained implementation is Megatron-LM @ d98e8a
 ``megatron/core/transformer/attention.py:1975-2070`` (``clip_qk``, ``_clip_linear_qkv``), defaults
 ``transformer_config.py:265-272``, the data-parallel MAX ``megatron/core/optimizer/qk_clip.py:8-52``. The rule as
 the plugin applies it (biases scaled with their rows, no host read, every attention of an encoder-decoder) is
-:mod:`fairseq_deepinit.training.qk_clip`; the record holds the options and what the method rules out. Megatron
+:mod:`fairseq_deepinit.training.qk_clip`; the record holds the options, what the method rules out and its
+training hooks there (``check_training``: the set-ups it refuses; ``after_step``: the clip). Megatron
 clips self-attention only; clipping the encoder-decoder attention too is this project's extension
 (``--no-qk-clip-cross`` leaves it).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from ..training.qk_clip import check_training, step_hook
 from .exporting import EXPORT_NEUTRAL
 from .record import TAG, Method, Option, Rule, check_cross_off, standard_layer
 
@@ -104,4 +106,6 @@ METHOD = Method(
     validate=validate_qk_clip,
     describe=describe_qk_clip,
     export=EXPORT_NEUTRAL,  # rescales the q/k weights during training; the export reads them as they are
+    check_training=check_training,
+    after_step=step_hook,
 )

@@ -168,8 +168,6 @@ METHOD = Method(
     export=EXPORT,
     families={
         # Pre-LN + QK-Norm with the Pre-LN baseline's init: the preln_* model plus the q/k norms only
-        "qknorm": dict(
-            init_scheme="xavier", qk_norm=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "qknorm": dict(init_scheme="xavier", qk_norm=True, norm_placement="pre"),
     },
 )

@@ -14,15 +14,22 @@ when it is off they are refused if given, and stored as their ``off`` value. Wha
 of the model and what it rules out are :class:`Rule` declarations on the spec's axes
 (``requires``, ``excludes``, ``cautions``), which one checker turns into one-line errors naming both
 flags (:func:`fairseq_deepinit.checks.check_rules`); ``validate`` is left for what concerns its own options.
+
+A method that acts while the model trains declares it with its training hooks (:class:`CheckTraining`,
+:class:`ParamGroups`, :class:`AfterStep`, :class:`LossTerm`); fairseq's trainer reaches them through one loop
+over the methods that are on (:func:`fairseq_deepinit.patches.build_optimizer`) and the plugin's criteria
+(:class:`fairseq_deepinit.training.loss_terms.LossTermsMixin`). The hooks' code lives with its subject
+(:mod:`fairseq_deepinit.training`), as the model's lives in :mod:`fairseq_deepinit.modules`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Protocol, Tuple
 
 import torch.nn as nn
+from torch import Tensor
 
 from ..errors import DeepInitConfigError
 from ..modules.norms import NORM_TYPES
@@ -227,6 +234,50 @@ class LayerType:
     export: Export | None = None
 
 
+class CheckTraining(Protocol):
+    """``check_training(p, spec, cfg)``: before fairseq's trainer builds its optimizer, refuse (one line) a
+    training set-up the method cannot follow; ``cfg`` is fairseq's ``Trainer.cfg`` (its sections)."""
+
+    def __call__(self, p: Any, spec: Any, cfg: Any) -> None: ...
+
+
+class ParamGroups(Protocol):
+    """``param_groups(p, spec, model)``: tag every trained parameter of ``model`` with its optimizer group and
+    its lr / eps / weight-decay multipliers (:func:`fairseq_deepinit.training.param_groups.tag_parameter`),
+    right before fairseq hands the optimizer its flat parameter list; the groups are then checked to have
+    reached the optimizer built (:func:`~fairseq_deepinit.training.param_groups.check_groups_reached`)."""
+
+    def __call__(self, p: Any, spec: Any, model: nn.Module) -> None: ...
+
+
+class StepHook(Protocol):
+    """What an :class:`AfterStep` hook returns for one optimizer: ``new_update()`` runs before each of its
+    ``zero_grad`` (an update starts), ``after_step()`` after each of its ``step``."""
+
+    def new_update(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
+class AfterStep(Protocol):
+    """``after_step(p, spec, model, optimizer) -> StepHook``: called once for every optimizer fairseq's trainer
+    builds (``optimizer``: fairseq's, wrapped or not by its fp16 / AMP optimizer); the hook it returns follows
+    that optimizer's updates (QK-Clip's clip after each step)."""
+
+    def __call__(self, p: Any, spec: Any, model: nn.Module, optimizer: Any) -> StepHook: ...
+
+
+class LossTerm(Protocol):
+    """``loss_term(p, logits, lprobs, target, padding_idx) -> (c, values)``: a term of the training loss, for
+    the ``(N, V)`` output ``logits``, their float32 ``lprobs`` and the ``(N,)`` ``target``: ``values`` per
+    target position (0 at padding), of which the criterion's summed loss gains ``c * sum``; logged as
+    ``<method name>`` (``c * mean``) and ``<method name>_unscaled`` (``mean``) over target tokens."""
+
+    def __call__(
+        self, p: Any, logits: Tensor, lprobs: Tensor, target: Tensor, padding_idx: int
+    ) -> Tuple[float, Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Method:
     """Everything about one method (see the module docstring). Hooks get ``p``, the method's resolved
@@ -247,6 +298,8 @@ class Method:
     - ``norm_args(p, position)``: keyword arguments of every norm at ``position`` (DyT/Derf's alpha);
     - ``embedding(p, dictionary, dim, path)`` / ``output_projection(p, embed_tokens)``: replacements of the
       word embedding / output layer;
+    - training hooks: ``check_training`` (:class:`CheckTraining`), ``param_groups`` (:class:`ParamGroups`),
+      ``after_step`` (:class:`AfterStep`), ``loss_term`` (:class:`LossTerm`);
     - ``families`` (``<family>_<size>`` -> axes), ``architectures`` (name -> ``(fairseq size, axes)``);
     - ``export``: what an exporter needs (:class:`~.exporting.Export`: the targets that cannot carry it and
       why, how its constants fold into stock weights); :data:`~.exporting.EXPORT_NEUTRAL` where it changes
@@ -279,6 +332,10 @@ class Method:
     norm_args: Callable[..., Dict[str, Any]] | None = None
     embedding: Callable[..., nn.Module] | None = None
     output_projection: Callable[..., nn.Module] | None = None
+    check_training: CheckTraining | None = None
+    param_groups: ParamGroups | None = None
+    after_step: AfterStep | None = None
+    loss_term: LossTerm | None = None
     families: Mapping[str, dict] = field(default_factory=dict)
     architectures: Mapping[str, Tuple[str, dict]] = field(default_factory=dict)
     export: Export | None = None

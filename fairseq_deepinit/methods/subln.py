@@ -108,7 +108,5 @@ METHOD = Method(
     layer_setup=setup_subln_layer,
     post_init=apply_subln_gain,
     export=never("--subln (Sub-LN) puts a norm before each out_proj and fc2, which neither target has"),
-    families={
-        "subln": dict(init_scheme="fairseq", subln=True, encoder_normalize_before=True, decoder_normalize_before=True)
-    },
+    families={"subln": dict(init_scheme="fairseq", subln=True, norm_placement="pre")},
 )

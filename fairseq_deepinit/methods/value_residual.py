@@ -116,8 +116,6 @@ METHOD = Method(
     ),
     stack_setup=setup_value_residual_stack,
     families={
-        "valueres": dict(
-            init_scheme="xavier", value_residual=True, encoder_normalize_before=True, decoder_normalize_before=True
-        ),
+        "valueres": dict(init_scheme="xavier", value_residual=True, norm_placement="pre"),
     },
 )

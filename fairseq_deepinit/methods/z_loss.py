@@ -8,14 +8,16 @@ z_squared``, default ``1e-4``) and ``nn/lm_head.py:255-266`` (``loss = ce_loss +
 OLMo 3's official scripts pass ``1e-5`` (``src/scripts/official/OLMo2/OLMo-2-0325-32B-train.py:90``).
 
 Nothing of the model changes: the record holds the options (so they reach ``fairseq-train`` and the
-``model`` node of ``fairseq-hydra-train`` like every other) and its refusal; the plugin's criteria read
-``model.spec.features["z_loss"]`` and add the term (:mod:`fairseq_deepinit.training.z_loss`).
+``model`` node of ``fairseq-hydra-train`` like every other), its refusal and its ``loss_term`` hook
+(:func:`fairseq_deepinit.training.z_loss.loss_term`), which the plugin's criteria add while it is on
+(:mod:`fairseq_deepinit.training.loss_terms`, which also refuses any other criterion).
 """
 
 from __future__ import annotations
 
 import math
 
+from ..training.z_loss import loss_term
 from .exporting import EXPORT_NEUTRAL
 from .record import FLAG, Method, Option, Rule
 
@@ -72,4 +74,5 @@ METHOD = Method(
     ),
     describe=lambda p: f"z-loss={p.z_loss_multiplier:g}",
     export=EXPORT_NEUTRAL,  # a training loss term
+    loss_term=loss_term,
 )

@@ -73,7 +73,6 @@ class DeepInitLayer:
         self.layer_idx = plan.index  # 1-based depth within the stack (DS-Init's l)
         self.kind = plan.kind
         self.placement = check_placement(plan.placement)
-        self.normalize_before = self.placement == "pre"  # fairseq's attribute, read by fairseq's tools
         self._norm_builder = plan.norm
         for attr in self.NORMS:
             if getattr(self, attr, None) is not None:  # in fairseq's slot: the parameter order stays

@@ -14,7 +14,7 @@ operations over every parameter of a group that share a step count, so the numbe
 launches no longer grows with the number of tensors. The options are ``adam``'s (``--adam-betas``,
 ``--adam-eps``, ``--weight-decay``) and so is the layout of the optimizer state (``exp_avg``,
 ``exp_avg_sq``, ``step`` per parameter), so a run trained with ``adam`` resumes with ``adam_foreach``
-and the other way round (:func:`accept_adam_state`, run by
+and the other way round (:func:`accepted_history`, run by
 :func:`fairseq_deepinit.patches.build_optimizer`). Gradient clipping (and the norm fairseq logs as
 ``gnorm``) is taken the same way, with one ``_foreach_norm`` instead of a norm per tensor
 (:meth:`FairseqAdamForeach.clip_grad_norm`).
@@ -39,7 +39,6 @@ import torch
 from fairseq.optim import register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
-from fairseq.trainer import Trainer
 from omegaconf import OmegaConf
 
 from ..errors import DeepInitConfigError
@@ -211,24 +210,25 @@ class FairseqAdamForeach(ScaledParamGroups, _FairseqAdamForeach):
     and state dict as fairseq's ``adam``."""
 
 
-def accept_adam_state(trainer: Trainer) -> None:
-    """Let a run resume ``adam``'s optimizer state with ``adam_foreach`` (or the other way round).
+def accepted_history(history: Any, optimizer: Any) -> List[dict] | None:
+    """The optimizer history under which a run resumes ``adam``'s optimizer state with ``adam_foreach`` (or
+    the other way round), or None where fairseq's own check stays.
 
     fairseq's ``Trainer.load_checkpoint`` (fairseq 0.12.3 ``trainer.py``, lines 604-615) rebuilds
     the optimizer and then asserts that the class name saved in the checkpoint's last
     ``optimizer_history`` entry equals the new optimizer's. ``FairseqAdam`` and
     ``FairseqAdamForeach`` keep the same state and apply the same update, so for this pair the entry
     is replaced by a copy naming the new optimizer (the saved name is kept under
-    ``resumed_from_optimizer``), and fairseq then loads the state as usual. Any other pair keeps
-    fairseq's check. Under ``--fp16`` / ``--amp`` both are wrapped by the same fairseq class, whose
+    ``resumed_from_optimizer``), and fairseq then loads the state as usual (the trainer's
+    ``_optim_history`` is replaced by :func:`fairseq_deepinit.patches.build_optimizer`). Any other pair
+    keeps fairseq's check. Under ``--fp16`` / ``--amp`` both are wrapped by the same fairseq class, whose
     name already matches.
     """
-    history = getattr(trainer, "_optim_history", None)
-    optimizer = getattr(trainer, "_optimizer", None)
     if not history or optimizer is None or not isinstance(history[-1], dict):
-        return
+        return None
     saved, current = history[-1].get("optimizer_name"), type(optimizer).__name__
-    if saved != current and {saved, current} <= SAME_ADAM_STATE:
-        logger.info(f"resuming the optimizer state of {saved} with {current}: the same state and update rule")
-        entry = {**history[-1], "optimizer_name": current, "resumed_from_optimizer": saved}
-        trainer._optim_history = [*history[:-1], entry]
+    if saved == current or not {saved, current} <= SAME_ADAM_STATE:
+        return None
+    logger.info(f"resuming the optimizer state of {saved} with {current}: the same state and update rule")
+    entry = {**history[-1], "optimizer_name": current, "resumed_from_optimizer": saved}
+    return [*history[:-1], entry]

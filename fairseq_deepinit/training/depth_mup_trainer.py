@@ -1,8 +1,9 @@
-"""Depth-muP / CompleteP on fairseq's trainer: the training options that cannot carry per-group rates are
-refused, and every parameter is tagged with its group (:mod:`.depth_mup`) right before fairseq's
-``Trainer._build_optimizer`` (``fairseq/trainer.py:289-382``) hands the optimizer its flat parameter list
-(:func:`fairseq_deepinit.patches.build_optimizer`, the one wrapper of that method). Why the trainer and not the
-model build: docs/schemes.md, "Depth-muP and CompleteP".
+"""Depth-muP / CompleteP on fairseq's trainer, the record's training hooks: the training options that cannot
+carry per-group rates are refused (:func:`check_training`), and every parameter is tagged with its group
+(:mod:`.depth_mup`, :func:`tag_groups`) right before fairseq's ``Trainer._build_optimizer``
+(``fairseq/trainer.py:289-382``) hands the optimizer its flat parameter list
+(:func:`fairseq_deepinit.patches.build_optimizer`, the one wrapper of that method, calls both). Why the trainer
+and not the model build: docs/schemes.md, "Depth-muP and CompleteP".
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
-from fairseq.trainer import Trainer
+import torch.nn as nn
 
 from ..errors import DeepInitConfigError
 from .depth_mup import describe, param_groups, tag_parameters
@@ -76,16 +77,15 @@ def training_args(cfg: Any) -> SimpleNamespace:
     )  # fmt: skip
 
 
-def tag_for_training(trainer: Trainer) -> bool:
-    """Before fairseq's trainer builds its optimizer: under ``--depth-mup`` (the model's spec) refuse training
-    options that cannot carry per-group rates, tag every parameter with its group and log the groups; False
-    when the model does not use depth-muP."""
-    spec = getattr(trainer._model, "spec", None)
-    p = spec.features.get("depth_mup") if spec is not None else None
-    if p is None:
-        return False
-    check_training_config(training_args(trainer.cfg))
-    groups = param_groups(trainer._model, p.depth_mup_base_layers, p.depth_mup_alpha, p.depth_mup_source)
-    tag_parameters(trainer._model, groups)
+def check_training(p: Any, spec: Any, cfg: Any) -> None:
+    """Depth-muP's :class:`~fairseq_deepinit.methods.record.CheckTraining`: :func:`check_training_config` of
+    fairseq's ``Trainer.cfg``."""
+    check_training_config(training_args(cfg))
+
+
+def tag_groups(p: Any, spec: Any, model: nn.Module) -> None:
+    """Depth-muP's :class:`~fairseq_deepinit.methods.record.ParamGroups`: tag every parameter of ``model`` with
+    its group (``p``: the record's options) and log the groups."""
+    groups = param_groups(model, p.depth_mup_base_layers, p.depth_mup_alpha, p.depth_mup_source)
+    tag_parameters(model, groups)
     logger.info("depth-muP optimizer groups: " + describe(groups))
-    return True

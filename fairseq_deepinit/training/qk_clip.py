@@ -22,15 +22,16 @@ read on the host. Neither fairseq's fused training path (``F.multi_head_attentio
 ``F.scaled_dot_product_attention`` (``--attention-impl sdpa``) exposes the scores, so both pay one more ``q``/``k``
 projection and score product per attention and forward (in float32 under ``--fp16`` / bf16).
 
-The step: fairseq's ``Trainer._build_optimizer`` (:func:`fairseq_deepinit.patches.build_optimizer`) hands the
-optimizer it built to :func:`attach`, which wraps that instance's ``step`` (the clip after fairseq's step) and
-``zero_grad`` (the start of an update: the maxima start again; an update fairseq skips after an fp16 overflow
-clips nothing). Where the step continues from fp32 master weights other than the model's (``--fp16``'s
-``FP16Optimizer``, flat or not), the clip scales the master rows and copies them into the model, as
+The step: the record's ``after_step`` hook (:func:`step_hook`) is called for every optimizer fairseq's trainer
+builds (:func:`fairseq_deepinit.patches.build_optimizer`, which routes that instance's ``step`` and ``zero_grad``
+to the hooks of the methods that are on): :class:`ClipAfterStep` clips after each step, and resets the maxima at
+each ``zero_grad`` (the start of an update; an update fairseq skips after an fp16 overflow clips nothing).
+Where the step continues from fp32 master weights other than the model's (``--fp16``'s ``FP16Optimizer``, flat
+or not), the clip scales the master rows and copies them into the model, as
 ``_sync_fp32_params_to_fp16`` does (``fairseq/optim/fp16_optimizer.py:148-170``), or the next step would undo it;
 ``--memory-efficient-fp16``, ``--amp`` and fp32 update the model's weights in place. Adam's moments are left as
-they are (Kimi K2, Megatron). Refused: ``--zero-sharding os`` and ``--use-bmuf``, whose optimizers keep state of
-the weights outside the step this hook sees.
+they are (Kimi K2, Megatron). Refused (the record's ``check_training`` hook, :func:`check_training`):
+``--zero-sharding os`` and ``--use-bmuf``, whose optimizers keep state of the weights outside the step this hook sees.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class QKClip:
     def clip(self, masters: Dict[int, Tensor]) -> Tensor:
         """Rescale every clipped head's q/k rows (in ``masters``' fp32 copies where given) in the weights' dtype, at
         least float32 (:func:`scale_rows`); returns ``eta``. The maxima are kept until the next update's
-        ``zero_grad`` (:func:`attach`)."""
+        ``zero_grad`` (:class:`ClipAfterStep`)."""
         eta = self.factors()
         powers: Dict[torch.dtype, Tuple[Tensor, Tensor]] = {}  # per computing dtype: (eta^alpha, eta^(1 - alpha))
         with torch.no_grad():
@@ -182,8 +183,9 @@ def master_weights(optimizer: Any) -> Dict[int, Tensor]:
     return out
 
 
-def check_training(cfg: Any) -> None:
-    """Refuse the training set-ups whose optimizers hold the weights' state outside the step the clip follows."""
+def check_training(p: Any, spec: Any, cfg: Any) -> None:
+    """QK-Clip's :class:`~fairseq_deepinit.methods.record.CheckTraining`: refuse the training set-ups whose
+    optimizers hold the weights' state outside the step the clip follows (``cfg``: fairseq's ``Trainer.cfg``)."""
     if getattr(cfg.distributed_training, "zero_sharding", "none") == "os":
         raise DeepInitConfigError(
             "--qk-clip does not combine with --zero-sharding os (each rank's optimizer shard keeps its own fp32 "
@@ -196,41 +198,29 @@ def check_training(cfg: Any) -> None:
         )
 
 
-def _params(trainer: Any) -> Any:
-    spec = getattr(trainer._model, "spec", None)
-    return spec.features.get("qk_clip") if spec is not None else None
+class ClipAfterStep:
+    """QK-Clip's :class:`~fairseq_deepinit.methods.record.StepHook` for one optimizer: the clip after each
+    ``step``, the maxima reset at each ``zero_grad``; the fp32 masters found once, at the first step (they live
+    as long as the optimizer)."""
+
+    def __init__(self, clip: QKClip, optimizer: Any) -> None:
+        self.clip, self.optimizer = clip, optimizer
+        self.masters: Dict[int, Tensor] | None = None
+
+    def new_update(self) -> None:
+        self.clip.reset()
+
+    def after_step(self) -> None:
+        if self.masters is None:
+            self.masters = master_weights(self.optimizer)
+        self.clip.clip(self.masters)
 
 
-def check(trainer: Any) -> None:
-    """Before fairseq's trainer builds its optimizer: under ``--qk-clip``, :func:`check_training`."""
-    if _params(trainer) is not None:
-        check_training(trainer.cfg)
-
-
-def attach(trainer: Any) -> QKClip | None:
-    """Under ``--qk-clip`` (the model's spec): the tap on the model (once) and the clip after every ``step`` of the
-    optimizer fairseq's trainer just built, the maxima reset by its ``zero_grad``. None without ``--qk-clip``."""
-    p, model = _params(trainer), trainer._model
-    if p is None:
-        return None
+def step_hook(p: Any, spec: Any, model: nn.Module, optimizer: Any) -> ClipAfterStep:
+    """QK-Clip's :class:`~fairseq_deepinit.methods.record.AfterStep`: the tap on ``model`` (once, whatever
+    rebuilds the optimizer) and the clip that follows ``optimizer``."""
     clip = model.__dict__.get(ATTR)
     if clip is None:
         clip = QKClip(model, p.qk_clip_threshold, p.qk_clip_alpha, p.qk_clip_cross)
         model.__dict__[ATTR] = clip
-    optimizer = trainer._optimizer
-    step, zero_grad = optimizer.step, optimizer.zero_grad
-    masters: List[Dict[int, Tensor]] = []  # found once, at the first step (the master copies live as long)
-
-    def clipped_step(*args, **kwargs):
-        out = step(*args, **kwargs)
-        if not masters:
-            masters.append(master_weights(optimizer))
-        clip.clip(masters[0])
-        return out
-
-    def new_update():
-        clip.reset()
-        return zero_grad()
-
-    optimizer.step, optimizer.zero_grad = clipped_step, new_update
-    return clip
+    return ClipAfterStep(clip, optimizer)
