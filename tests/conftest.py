@@ -73,6 +73,20 @@ def run_cli(
     return proc
 
 
+def not_one_line(results: dict, expected: dict) -> list:
+    """The probes of ``results`` (name -> finished process, stdout and stderr together) that did not end in exit
+    status 1 with exactly one ``fairseq-deepinit: error:`` line holding ``expected[name]`` and no traceback."""
+    from fairseq_deepinit.errors import PREFIX
+
+    failed = []
+    for name, proc in results.items():
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PREFIX)]
+        ok = proc.returncode == 1 and "Traceback" not in proc.stdout and len(lines) == 1 and expected[name] in lines[0]
+        if not ok:
+            failed.append(f"{name}: status {proc.returncode}\n{proc.stdout[-1500:]}")
+    return failed
+
+
 def run_script(script: str | os.PathLike, *args, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python <script> args...`` (a benchmark script) with one torch thread, stdout and stderr merged into
     ``.stdout``; asserts exit status 0, showing the output's tail otherwise."""

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, USER_DIR, build_model, make_dictionary, run_cli
+from conftest import REPO, USER_DIR, build_model, make_dictionary, not_one_line, run_cli
 from fairseq_deepinit import errors, input_checks, intercepts
 from fairseq_deepinit.checkpoints import config_check
 from fairseq_deepinit.diagnostics import diagnose
@@ -254,12 +254,7 @@ def test_each_probe_is_one_line(trained, synthetic_bin, lm_bin):
             n: pool.submit(run_cli, tool, *args, check=False, cwd=trained.root) for n, (tool, args, _) in cases.items()
         }
         results = {n: f.result() for n, f in runs.items()}
-    failed = []
-    for name, proc in results.items():
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(errors.PREFIX)]
-        ok = proc.returncode == 1 and "Traceback" not in proc.stdout and len(lines) == 1 and cases[name][2] in lines[0]
-        if not ok:
-            failed.append(f"{name}: status {proc.returncode}\n{proc.stdout[-1500:]}")
+    failed = not_one_line(results, {name: case[2] for name, case in cases.items()})
     assert not failed, "\n\n".join(failed)
     assert not (trained.root / "generate-test.txt").exists()
 

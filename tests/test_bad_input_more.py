@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import USER_DIR, build_model, run_cli
+from conftest import USER_DIR, build_model, not_one_line, run_cli
 from fairseq_deepinit import errors, input_checks
 from fairseq_deepinit.checkpoints import model_load, run_lock
 from fairseq_deepinit.training import launch, loss_terms
@@ -272,12 +272,7 @@ def test_each_probe_is_one_line_and_what_works_works(trained, synthetic_bin):
         results = {n: f.result() for n, f in runs.items()}
         z, ro = z.result(), ro and ro.result()
     finished.chmod(0o755)
-    failed = []
-    for name, proc in results.items():
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(errors.PREFIX)]
-        ok = proc.returncode == 1 and "Traceback" not in proc.stdout and len(lines) == 1 and cases[name][2] in lines[0]
-        if not ok:
-            failed.append(f"{name}: status {proc.returncode}\n{proc.stdout[-1500:]}")
+    failed = not_one_line(results, {name: case[2] for name, case in cases.items()})
     assert not failed, "\n\n".join(failed)
     assert (root / "target.txt").read_text() == "precious\n"  # the link's target is untouched
     # the z-loss term switched on at resume: it trains on from the checkpoint's optimizer state

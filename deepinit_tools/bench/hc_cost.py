@@ -23,7 +23,8 @@ No target is asserted: this prints ratios. Usage::
 
 from __future__ import annotations
 
-from typing import Dict, List
+import argparse
+from typing import Dict, List, Tuple
 
 from deepinit_tools import harness
 from deepinit_tools.bench import readiness_build as rb
@@ -93,8 +94,10 @@ def vs(value: float, reference: float) -> str:
     return f"{value / reference:.2f}" if reference > 0 else "-"
 
 
-def main(argv: List[str] | None = None) -> None:
-    parser = harness.Parser(description=__doc__)
+def parse(argv: List[str] | None, description: str) -> Tuple[argparse.Namespace, Shape, int, int]:
+    """The command line of the hyper-connection benchmarks (this one and ``mhc_precision.py``): ``(args, shape,
+    sentences, tokens)``, the plugin imported."""
+    parser = harness.Parser(description=description)
     parser.add_argument("--kind", default="mt", choices=("mt", "lm"), help="translation (mt) or decoder-only (lm)")
     parser.add_argument("--shape", default="6x256x1024x4", help="LAYERSxDIMxFFNxHEADS (each stack)")
     parser.add_argument("--streams", type=harness.positive_int, default=4, help="the expansion rate n")
@@ -107,8 +110,12 @@ def main(argv: List[str] | None = None) -> None:
         bsz, length = (int(v) for v in args.batch.lower().split("x"))
     except ValueError as e:
         harness.fail(f"--shape / --batch: {e}")
-
     rb.plugin()
+    return args, shape, bsz, length
+
+
+def main(argv: List[str] | None = None) -> None:
+    args, shape, bsz, length = parse(argv, __doc__)
     sample = batch(args.kind, bsz, length)
     built = {case: build(args.kind, case, shape, args.streams) for case in CASES}
     for b in built.values():  # a warm-up update each (first-call costs, Adam's state)

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List
 
 from deepinit_tools import harness
 from deepinit_tools.bench import readiness_build as rb
-from deepinit_tools.bench.hc_cost import batch, vs
+from deepinit_tools.bench.hc_cost import batch, parse, vs
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -192,21 +192,7 @@ def accuracy_rows(streams: int, dim: int, tokens: int) -> List[list]:
 
 
 def main(argv: List[str] | None = None) -> None:
-    parser = harness.Parser(description=__doc__)
-    parser.add_argument("--kind", default="mt", choices=("mt", "lm"), help="translation (mt) or decoder-only (lm)")
-    parser.add_argument("--shape", default="6x256x1024x4", help="LAYERSxDIMxFFNxHEADS (each stack)")
-    parser.add_argument("--streams", type=harness.positive_int, default=4, help="the expansion rate n")
-    parser.add_argument("--batch", default="16x32", help="SENTENCESxTOKENS of the batch")
-    parser.add_argument("--updates", type=harness.positive_int, default=2, help="updates per timed trial")
-    parser.add_argument("--rounds", type=harness.positive_int, default=7, help="interleaved rounds")
-    args = parser.parse_args(argv)
-    try:
-        shape = Shape.parse(args.shape)
-        bsz, length = (int(v) for v in args.batch.lower().split("x"))
-    except ValueError as e:
-        harness.fail(f"--shape / --batch: {e}")
-
-    rb.plugin()
+    args, shape, bsz, length = parse(argv, __doc__)
     update = update_figures(args, shape, bsz, length)
     mapping = mapping_figures(args, shape, bsz * length)
     accuracy = accuracy_rows(args.streams, shape.dim, bsz * length)
