@@ -213,9 +213,9 @@ def test_every_deepinit_architecture_checks_the_backend():
     lm_names = [n for n, cls in ARCH_MODEL_REGISTRY.items() if cls is MODEL_REGISTRY["deepinit_lm"]]
     assert patches.guard_architectures() == len(names) + len(lm_names)  # idempotent: nothing wrapped twice
     chain, fn = [], ARCH_CONFIG_REGISTRY[names[0]]
-    while fn is not None:  # the wrappers around the architecture function (one: patches.py's)
-        chain.append(Path(fn.__code__.co_filename).as_posix())
+    while fn is not None:  # the wrappers around the architecture function (one: intercepts.guarded, which
+        chain.append(Path(fn.__code__.co_filename).as_posix())  # patches.guard_architectures installs)
         fn = getattr(fn, "__wrapped__", None)
-    assert sum(f.endswith("fairseq_deepinit/patches.py") for f in chain) == 1, chain
+    assert sum(f.endswith("fairseq_deepinit/intercepts.py") for f in chain) == 1, chain
     with pytest.raises(DeepInitConfigError, match="fully_sharded"):
         MODEL_REGISTRY["deepinit"].build_model(Namespace(ddp_backend="fully_sharded"), task=None)
