@@ -197,6 +197,6 @@ def check_rules(spec: ModelSpec, args: Any, on: List[Method]) -> List[Tuple[str,
             for rule in method.cautions
             for what, why in check.matches(rule, method)
         ]
-        warning = method.validate(spec.features[method.name], spec, args) if method.validate else None
+        warning = method.validate(spec.features[method.name], spec) if method.validate else None
         notes += [(logger, warning)] if warning else []
     return notes

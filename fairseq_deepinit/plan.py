@@ -62,6 +62,14 @@ def params_of(spec: ModelSpec, value: Any) -> Any:
     return spec.features.get(method.name) if method is not None else None
 
 
+def layer_options(spec: ModelSpec) -> Any:
+    """The decoder layer type's typed options (its :class:`~fairseq_deepinit.methods.record.LayerType`'s
+    ``options`` of its method's resolved options), or None."""
+    layer_type = LAYER_TYPES[spec.layer_type]
+    p = params_of(spec, layer_type)
+    return layer_type.options(p) if layer_type.options is not None and p is not None else None
+
+
 def norm_builder(spec: ModelSpec) -> Callable[..., nn.Module]:
     """``build(dim, position=None)``: a norm of the spec's type over ``dim`` with the keyword arguments the
     methods give a norm at ``position`` (``attn``, ``ffn``, ``final`` or None)."""
@@ -94,7 +102,7 @@ def layer_plan(spec: ModelSpec, kind: StackKind, index: int) -> LayerPlan:
         residual=lambda sublayer: residual.module(stack, sublayer, p),
         attention_impl=spec.attention,
         setup=tuple(lambda layer, m=m, q=q: m.layer_setup(layer, q, spec) for m, q in _on(spec, "layer_setup")),
-        params=params_of(spec, LAYER_TYPES[spec.layer_type]) or {},
+        params=layer_options(spec),
     )
 
 

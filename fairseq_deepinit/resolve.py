@@ -31,7 +31,7 @@ from .axes import AXES
 from .checks import check_rules, who
 from .errors import DeepInitConfigError
 from .methods import INIT_SCHEMES, METHODS, RESIDUAL_SCALINGS, declaring
-from .methods.record import Method, flag
+from .methods.record import Method, Option, flag
 from .modules.norms import POINTWISE_NORMS
 from .modules.stacks import DECODER, DECODER_ONLY, ENCODER
 from .spec import ModelSpec, Norm, Params, Stack
@@ -61,6 +61,7 @@ def _method_options(args: Any, v: Dict[str, Any], methods: List[Method]) -> None
                 problem = None if value is None else option.problem(value)
                 if problem:
                     raise method.error(problem)
+            _only_with(args, v, method, options)
             continue
         given, owners = [], []
         for option in options:
@@ -79,6 +80,18 @@ def _method_options(args: Any, v: Dict[str, Any], methods: List[Method]) -> None
         if given:
             enabler, one = " or ".join(flag(name) for name in enablers), len(given) == 1
             raise method.error(f"{' '.join(given)} need{'s' * one} {enabler}; add it or drop {'it' if one else 'them'}")
+
+
+def _only_with(args: Any, v: Dict[str, Any], method: Method, options: List[Option]) -> None:
+    """An option given for another ``enabled_by`` value of its method than the one chosen (mHC's options under
+    ``--hyper-connections hc``) is refused, naming the value it belongs to."""
+    for option in options:
+        if option.only_with is None or _get(args, option.name) is None:
+            continue
+        name, value = option.only_with.split("=", 1)
+        if v[name] != value:
+            use = f"{flag(name)} {value}"
+            raise method.error(f"{option.flag} only applies to {use}, not {v[name]}; drop it or use {use}")
 
 
 def _own_switch(method: Method) -> bool:
@@ -236,6 +249,8 @@ def resolve(args: Any) -> ModelSpec:
         decoder=decoder,
         features=Params(features),
         options=Params({**v, **{f"{s}_normalize_before": b for s, b in before.items()}}),
+        task=_get(args, "task"),
+        fp16=bool(_get(args, "fp16") or _get(args, "memory_efficient_fp16")),
     )
     notes += check_rules(spec, args, on)
     if _get(args, "layernorm_embedding") and spec.norm.type == "none":

@@ -89,7 +89,8 @@ class Stack:
 @dataclass(frozen=True)
 class ModelSpec:
     """The resolved model (see the module docstring). ``options``: every option's resolved value, what a
-    checkpoint stores; ``notes``: ``(logger, warning)`` pairs the build logs once."""
+    checkpoint stores; ``task``: fairseq's ``--task`` the model is built under; ``fp16``: ``--fp16`` or
+    ``--memory-efficient-fp16`` given; ``notes``: ``(logger, warning)`` pairs the build logs once."""
 
     init: str
     norm: Norm
@@ -100,6 +101,10 @@ class ModelSpec:
     decoder: Stack
     features: Params
     options: Params
+    # what the run around the model gives that a method's validate reads (Admin's profiling options need a
+    # profiling task; ResiDual warns for fp16), so that validate gets the spec and never fairseq's arguments
+    task: str | None = None
+    fp16: bool = False
     notes: Tuple[Tuple[str, str], ...] = ()
 
     @property

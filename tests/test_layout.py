@@ -2,8 +2,10 @@
 
 - no import cycle between the plugin's modules, function-level imports included, and counting the
   package ``__init__`` an import runs on the way (importing ``a.b`` from outside ``a`` runs ``a``);
-- ``modules/`` imports nothing above it (only torch, fairseq, ``errors`` and itself); ``methods/``
-  imports only ``modules/``, ``matt/`` (MAtt's layer), ``training/`` (the training hooks) and ``errors``;
+- the layer map (:data:`LAYER_MAP`): which parts of the package each subpackage may import; ``modules/``
+  imports nothing above it (only torch, fairseq, ``errors`` and itself); ``methods/`` imports only
+  ``modules/``, ``matt/`` (MAtt's layer), ``training/`` (the training hooks) and ``errors``; an import across
+  the periphery's rules (:data:`NOT_IMPORTED`) is one of the recorded exceptions (:data:`EXCEPTIONS`);
 - no module over 400 lines;
 - fairseq's normalize-before flags named at the fairseq boundary only (the spec's placement everywhere else);
   a method's feature looked up by name only by its record and its hooks' modules; nothing assigned into
@@ -84,9 +86,9 @@ def graph(package: str = PACKAGE) -> dict:
         for target in imports_of(name, path, known, package):
             parts = target.split(".")
             for i in range(2, len(parts) + 1):
-                package = ".".join(parts[:i])
-                if not (name == package or name.startswith(package + ".")):
-                    targets.add(package)
+                runs = ".".join(parts[:i])  # a package whose __init__ the import runs, or the module itself
+                if not (name == runs or name.startswith(runs + ".")):
+                    targets.add(runs)
         targets.discard(name)
         edges[name] = targets
     return edges
@@ -129,25 +131,62 @@ def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-@pytest.mark.parametrize(
-    "layer, allowed",
-    [
-        ("modules", ("modules", "errors")),
-        ("methods", ("methods", "modules", "matt", "training", "errors")),
-        ("matt", ("matt", "modules", "errors")),
-    ],
-)
-def test_building_blocks_import_nothing_above_them(layer, allowed):
-    edges = graph()
-    prefix = f"{PACKAGE}.{layer}"
-    bad = [
-        f"{src} -> {dst}"
-        for src, targets in edges.items()
-        if src == prefix or src.startswith(prefix + ".")
-        for dst in targets
-        if not any(dst == f"{PACKAGE}.{a}" or dst.startswith(f"{PACKAGE}.{a}.") for a in allowed)
-    ]
-    assert not bad, f"{layer}/ may import only {', '.join(allowed)}: " + "; ".join(bad)
+# subpackage -> the parts of the package (subpackages and top-level modules) its modules may import; an
+# import that this map does not hold is a new upward edge, to be moved down or argued for here
+LAYER_MAP = {
+    "modules": ("errors",),
+    "matt": ("modules", "errors"),
+    "methods": ("modules", "matt", "training", "errors"),
+    "training": ("modules", "methods", "diagnostics", "errors"),
+    "checkpoints": ("options", "model_config", "errors"),
+    "diagnostics": ("modules", "training", "checkpoints", "options", "admin", "patches", "errors"),
+    "export": ("modules", "methods", "spec", "axes", "resolve", "options", "model_config", "model", "architectures",
+               "checkpoints", "lm", "errors"),
+    "admin": ("modules", "methods", "training", "diagnostics", "export", "errors"),
+    "lm": ("modules", "methods", "training", "diagnostics", "admin", "export", "checkpoints", "plan", "decoder",
+           "resolve", "options", "model_config", "architectures", "errors"),
+}  # fmt: skip
+# the periphery's rules: a subpackage never imports these ...
+NOT_IMPORTED = {
+    "export": ("admin", "lm", "diagnostics"),
+    "diagnostics": ("patches", "training", "lm", "export"),
+    "training": ("diagnostics", "admin", "lm", "export", "patches"),
+    "checkpoints": ("diagnostics", "admin", "lm", "export", "training", "patches"),
+}
+# ... but for these, each with its reason
+EXCEPTIONS = {
+    ("export", "lm"): "the exporters read deepinit_lm checkpoints, so they build the language model and its families",
+    ("diagnostics", "patches"): "the diagnostics criterion installs its task mixin and optimizer wrapper at fairseq's "
+    "boundary",
+    ("diagnostics", "training"): "the diagnostics criterion adds the records' loss terms (LossTermsMixin)",
+    ("training", "diagnostics"): "QK-Clip's tap takes the batch's real positions and the per-head logit maximum the "
+    "depth diagnostics compute",
+}
+
+
+def _edges_between() -> dict:
+    """(subpackage, part it imports) -> the module imports that make the edge."""
+    out: dict = {}
+    for src, targets in graph().items():
+        layer = src.split(".")[1] if src.count(".") >= 2 else None
+        for dst in targets:
+            part = dst.split(".")[1] if dst != PACKAGE else None
+            if layer in LAYER_MAP and part is not None and part != layer:
+                out.setdefault((layer, part), []).append(f"{src} -> {dst}")
+    return out
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_MAP))
+def test_each_subpackage_imports_only_what_the_layer_map_allows(layer):
+    bad = [e for (src, part), edges in _edges_between().items() if src == layer and part not in LAYER_MAP[layer]
+           for e in edges]  # fmt: skip
+    assert not bad, f"{layer}/ may import only {', '.join(LAYER_MAP[layer])}: " + "; ".join(bad)
+
+
+def test_the_periphery_crosses_its_rules_only_where_recorded():
+    crossing = {(src, part) for src, part in _edges_between() if part in NOT_IMPORTED.get(src, ())}
+    assert crossing == set(EXCEPTIONS), f"new: {crossing - set(EXCEPTIONS)}; gone: {set(EXCEPTIONS) - crossing}"
+    assert all(part in LAYER_MAP[src] for src, part in EXCEPTIONS)
 
 
 def test_no_module_over_400_lines():

@@ -5,7 +5,8 @@
 - the spec's fields: each layer's placement (Mix-LN), the residual scaling's constants per stack (DeepNorm,
   depth-muP), no encoder for a language model, only the methods that are on in ``features``;
 - a conflict between two declarations names both flags; a method's option given while it is off is refused;
-- no method module imports another method's module.
+- no method module imports another method's module;
+- every record's ``validate`` takes the options and the spec only (:class:`~fairseq_deepinit.methods.record.Validate`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import inspect
 
 import pytest
 
@@ -98,3 +100,12 @@ def test_no_method_module_imports_another():
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 names = {node.module} if node.module else {a.name for a in node.names}
                 assert not names & methods, f"methods/{path.name} imports {names & methods}"
+
+
+def test_every_validate_takes_the_options_and_the_spec():
+    from fairseq_deepinit.methods import METHODS
+    from fairseq_deepinit.methods.record import Method
+
+    assert Method.__dataclass_fields__["validate"].type == "Validate | None"
+    hooks = {m.name: list(inspect.signature(m.validate).parameters) for m in METHODS.values() if m.validate}
+    assert hooks and {name: len(params) for name, params in hooks.items()} == dict.fromkeys(hooks, 2), hooks

@@ -59,8 +59,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.logging import metrics
 
 from ..errors import DeepInitConfigError, DivergenceError
+from ..modules.autocast_state import AutocastState
 from ..patches import install_task_mixin, wrap_optimizer
-from ..training.autocast_state import AutocastState
 from ..training.loss_terms import LossTermsMixin
 from . import depth_hooks, hooks, training_counters
 from .criterion_config import DEFAULT_STATS, STATS, DiagnosticsCriterionConfig

@@ -8,7 +8,8 @@ Hooks only observe; none changes an output:
   input stream ``x`` (its first argument) and its output (the first element of a tuple output);
 - a forward pre-hook on every fairseq :class:`~fairseq.modules.MultiheadAttention` inside those layers
   sees the attention's inputs (``query``, ``key``, ``key_padding_mask``, ``attn_mask``) and recomputes the
-  scaled ``q`` and ``k`` from them with the module's own projections (:func:`project_qk`): neither
+  scaled ``q`` and ``k`` from them with the module's own projections
+  (:func:`~fairseq_deepinit.modules.probe.project_qk`): neither
   fairseq's fused path (``F.multi_head_attention_forward``) nor ``F.scaled_dot_product_attention`` exposes
   the scores, and recomputing them costs one extra ``q``/``k`` projection and one score product per head,
   on the updates that measure only. An attention class that forms ``q`` or ``k`` differently (QK-Norm)
@@ -27,7 +28,6 @@ the device; :class:`DepthStatistics` hands summable moments (:meth:`~DepthStatis
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 from collections import OrderedDict
@@ -40,6 +40,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from ..modules.hyper import ManifoldHyperConnection
+from ..modules.probe import bound_arguments, project_qk
 from . import depth_stats
 from .hooks import clean_name
 
@@ -82,29 +83,6 @@ def mhc_connections(layer: nn.Module) -> List[Tuple[str, ManifoldHyperConnection
 def attention_modules(layer: nn.Module) -> List[Tuple[str, MultiheadAttention]]:
     """``[(name in the layer, module)]`` of every fairseq attention of ``layer`` (``self_attn``, ``encoder_attn``)."""
     return [(clean_name(n), m) for n, m in layer.named_modules() if isinstance(m, MultiheadAttention)]
-
-
-def project_qk(attn: MultiheadAttention, query: Tensor, key: Tensor | None) -> Tuple[Tensor, Tensor]:
-    """``(q * scaling, k)`` as fairseq's explicit attention path forms them
-    (fairseq/modules/multihead_attention.py:575-602): keys from the query for self-attention, else from
-    ``key``. A module with its own ``project_qk`` (a method) is asked instead."""
-    own = getattr(attn, "project_qk", None)
-    if callable(own):
-        return own(query, key)
-    q = attn.q_proj(query) * attn.scaling
-    k = attn.k_proj(query if attn.self_attention or key is None else key)
-    return q, k
-
-
-_SIGNATURES: Dict[type, inspect.Signature] = {}
-
-
-def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> Dict[str, object]:
-    cls = type(module)
-    if cls not in _SIGNATURES:
-        _SIGNATURES[cls] = inspect.signature(cls.forward)
-    bound = _SIGNATURES[cls].bind(module, *args, **kwargs)
-    return bound.arguments
 
 
 def _merge_max(into: Dict[str, Tensor], key: str, value: Tensor) -> None:
@@ -219,7 +197,7 @@ class DepthStatistics:
 
     def _attention_hook(self, name: str, real: Tensor):
         def hook(module: MultiheadAttention, args: tuple, kwargs: dict) -> None:
-            a = _bound_arguments(module, args, kwargs)
+            a = bound_arguments(module, args, kwargs)
             if a.get("incremental_state") is not None:
                 return  # a decoding step, not a training forward
             query = a["query"]

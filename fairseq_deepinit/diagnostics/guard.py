@@ -20,7 +20,7 @@ import torch.nn as nn
 from fairseq.models import BaseFairseqModel
 
 from ..errors import DeepInitConfigError
-from ..training.autocast_state import AutocastState
+from ..modules.autocast_state import AutocastState
 from . import hooks
 from .stats import first_nonfinite_output, grad_norms_per_layer, layer_key, nonfinite_parameters
 

@@ -30,6 +30,7 @@ encoder keys/values. The norms, residual scaling and init schemes are the plugin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict
 
 import torch
@@ -148,6 +149,15 @@ class AverageBranch(nn.Module):
         return incremental_state
 
 
+@dataclass(frozen=True)
+class MAttOptions:
+    """The layer's options, resolved from ``--matt-self-branch`` and ``--matt-share-v`` by MAtt's record
+    (:mod:`fairseq_deepinit.methods.matt`); the defaults are the paper's (the released code's shared W_v)."""
+
+    self_branch: str = "aan"
+    share_v: bool = True
+
+
 class MAttDecoderLayer(DeepInitDecoderLayer):
     """A MAtt decoder layer: sub-layers ``matt`` (self branch + cross-attention, shared W_o) and ``ffn``.
 
@@ -182,10 +192,10 @@ class MAttDecoderLayer(DeepInitDecoderLayer):
             )
         self._attention_impl = plan.attention_impl
         self.embed_dim = cfg.decoder.embed_dim
-        # the record's options (plan.params; the paper's defaults where a plan carries none)
-        self.self_branch_type = plan.params.get("matt_self_branch") or "aan"
-        share_v = plan.params.get("matt_share_v")
-        self.share_v = True if share_v is None else bool(share_v)
+        # the record's options (the paper's defaults where a plan carries none)
+        options: MAttOptions = plan.params or MAttOptions()
+        self.self_branch_type = options.self_branch
+        self.share_v = options.share_v
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         self.quant_noise = cfg.quant_noise.pq
         self.quant_noise_block_size = cfg.quant_noise.pq_block_size

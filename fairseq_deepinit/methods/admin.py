@@ -165,7 +165,7 @@ def set_closed_form_omega(model: nn.Module, p, spec) -> None:
             res.mark_profiled()
 
 
-def validate_admin_args(p, spec, args) -> None:
+def validate_admin_args(p, spec) -> None:
     """Admin's options among themselves: ``--admin-output-change`` only with closed-form, which never profiles;
     the profiling options only under a profiling task, and ``--admin-profile-only`` with a path to write."""
     given = [n for n in _PROFILING_OPTIONS if p[n] not in (None, False, _DEFAULTS[n])]
@@ -181,7 +181,7 @@ def validate_admin_args(p, spec, args) -> None:
         )
     if p.admin_profile_only and not p.admin_profile_path:
         raise AdminConfigError("--admin-profile-only writes the profile to --admin-profile-path; add it")
-    task = getattr(args, "task", None)
+    task = spec.task
     if given and task is not None and task not in PROFILING_TASKS:
         profiling_task = TRANSLATION_TASK if spec.encoder is not None else LM_TASK
         raise AdminConfigError(

@@ -45,7 +45,7 @@ OPTIONS = (
 )
 
 
-def validate_sinks(p, spec, args) -> None:
+def validate_sinks(p, spec) -> None:
     check_cross_off(p, spec, "attention_sinks_cross")
 
 

@@ -58,7 +58,7 @@ def branch_multiplier(p, kind, encoder_layers: int, decoder_layers: int) -> floa
     return depth_branch_multiplier(layers, p.depth_mup_base_layers, p.depth_mup_alpha)
 
 
-def validate_depth_mup_args(p, spec, args) -> None:
+def validate_depth_mup_args(p, spec) -> None:
     """Megatron-LM's recipe fixes alpha."""
     if p.depth_mup_source == "megatron" and p.depth_mup_alpha != 1.0:
         raise DeepInitConfigError(

@@ -56,7 +56,7 @@ OPTIONS = (
 )
 
 
-def validate_gated_attention(p, spec, args) -> None:
+def validate_gated_attention(p, spec) -> None:
     check_cross_off(p, spec, "gated_attention_cross")
 
 

@@ -93,17 +93,6 @@ def other_kind_options(p, layers) -> dict:
     return dict.fromkeys(MHC_ONLY if p.hyper_connections == "hc" else HC_ONLY)
 
 
-def validate_kind_options(p, spec, args) -> None:
-    """mHC's options only with ``mhc``, HC's ``--no-hc-dynamic`` only with ``hc``."""
-    given = [n for n in (MHC_ONLY if p.hyper_connections == "hc" else HC_ONLY) if getattr(args, n, None) is not None]
-    if given:
-        other = "mhc" if p.hyper_connections == "hc" else "hc"
-        raise METHOD.error(
-            f"--{given[0].replace('_', '-')} only applies to --hyper-connections {other}, not "
-            f"{p.hyper_connections}; drop it or use --hyper-connections {other}"
-        )
-
-
 def describe(p) -> str:
     if p.hyper_connections == "mhc":
         return f"mhc streams={p.hc_streams} sinkhorn-iters={p.mhc_sinkhorn_iters} gating-init={p.mhc_gating_init:g}"
@@ -203,7 +192,6 @@ METHOD = Method(
         Rule(FLAG, ("cross_self_attention",), "the self-attention's keys would mix the encoder output into one stream"),
     ),
     derive=other_kind_options,
-    validate=validate_kind_options,
     describe=describe,
     layer_setup=number_connections,
     stack_setup=setup_streams,

@@ -10,12 +10,12 @@ through one shared W_o, then the FFN (the layer: :mod:`fairseq_deepinit.matt.lay
 from __future__ import annotations
 
 from ..errors import DeepInitConfigError
-from ..matt.layer import SELF_BRANCHES, MAttDecoderLayer
+from ..matt.layer import SELF_BRANCHES, MAttDecoderLayer, MAttOptions
 from .exporting import EXPORT_NEUTRAL, never
 from .record import CROSS_ATTENTION, FLAG, LayerType, Method, Option, Rule
 
 
-def validate(p, spec, args) -> None:
+def validate(p, spec) -> None:
     """W_v shared with the cross-attention needs its value projection to map into the decoder's width."""
     if p.matt_share_v and spec.encoder is not None:
         enc, dec = spec.encoder.dim, spec.decoder.dim
@@ -65,6 +65,7 @@ METHOD = Method(
                 "cross-attention through one W_o; a stock transformer and CTranslate2's TransformerSpec have "
                 "separate self- and cross-attention sub-layers"
             ),
+            options=lambda p: MAttOptions(p.matt_self_branch, bool(p.matt_share_v)),
         ),
     ),
     excludes=(

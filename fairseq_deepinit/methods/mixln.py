@@ -59,7 +59,7 @@ def _k_problem(value: int) -> str | None:
     return None if value >= 0 else f"--mixln-post-layers must be >= 0; got {value}"
 
 
-def validate_mixln_args(p, spec, args) -> None:
+def validate_mixln_args(p, spec) -> None:
     """k given once (``--mixln-post-layers`` or ``--mixln-ratio``: an explicit 0.25 means the default and
     cannot be told from none), and within every stack."""
     k = p.mixln_post_layers

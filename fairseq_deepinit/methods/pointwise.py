@@ -13,7 +13,7 @@ import torch.nn as nn
 from ..errors import DeepInitConfigError
 from ..modules.dyt import RELEASED_ALPHA_INIT, AlphaInit, learnable_embed_scale
 from .exporting import never
-from .record import Option, flag
+from .record import Option, Validate, flag
 
 #: released per-position presets accepted by ``--<norm>-alpha-init`` (the modules' 0.5 is the plain number)
 ALPHA_PRESETS = tuple(name for name in RELEASED_ALPHA_INIT if name not in ("dyt", "derf"))
@@ -95,10 +95,10 @@ def embed_scale(norm: str) -> Callable[[Any, Dict[str, int]], Dict[str, Any]]:
     return derive
 
 
-def validate_pointwise(norm: str) -> Callable[..., None]:
+def validate_pointwise(norm: str) -> Validate:
     """``validate``: per-position alphas refused on a Post-LN stack."""
 
-    def validate(p, spec, args) -> None:
+    def validate(p, spec) -> None:
         name = f"{norm}_alpha_init"
         post = any(s.placement == "post" for s in spec.stacks)
         if post and not uniform(parse_alpha_init(p[name])):

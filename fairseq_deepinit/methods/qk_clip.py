@@ -38,7 +38,7 @@ def _alpha_problem(alpha) -> str | None:
     return f"--qk-clip-alpha is the query's share of the factor, between 0 and 1 (default {ALPHA}), got {alpha}"
 
 
-def validate_qk_clip(p, spec, args) -> None:
+def validate_qk_clip(p, spec) -> None:
     """``--no-qk-clip-cross`` needs an encoder-decoder attention to leave unclipped."""
     check_cross_off(p, spec, "qk_clip_cross")
 

@@ -84,7 +84,7 @@ OPTIONS = (
 )
 
 
-def validate_qk_norm(p, spec, args) -> None:
+def validate_qk_norm(p, spec) -> None:
     """``--no-qk-norm-cross`` needs an encoder-decoder attention to leave without q/k norms."""
     check_cross_off(p, spec, "qk_norm_cross")
 

@@ -60,7 +60,8 @@ class Option:
     value's option: None), ``choices`` the allowed values. ``check(value)`` returns an error message for
     a bad value of the right type, or None. ``resume``: a resumed run must keep the value. ``only_with``: the
     ``enabled_by`` value the option belongs to where its method has several (``"hyper_connections=mhc"``): the
-    error for the option given while the method is off names that one. Every option's argparse default is None,
+    option is refused while another of them is chosen, and the error for it given while the method is off
+    names that one. Every option's argparse default is None,
     so that the resolution can tell "not given" from "given" (a negative twin's False is given).
     """
 
@@ -225,13 +226,23 @@ class ResidualScaling:
 class LayerType:
     """A value of ``--decoder-layer-type``: the decoder layer class, built as ``cls(cfg, plan,
     no_encoder_attn=...)``; ``requires``: its needs (MAtt: cross-attention); ``export``: what an exporter does
-    with it (:class:`~.exporting.Export`; None: not taught to one yet)."""
+    with it (:class:`~.exporting.Export`; None: not taught to one yet); ``options(p)``: the layer's typed
+    options from its method's resolved options ``p`` (the plan's ``params``, so that the layer names none)."""
 
     name: str
     cls: type
     doc: str
     requires: Tuple[Rule, ...] = ()
     export: Export | None = None
+    options: Callable[[Any], Any] | None = None
+
+
+class Validate(Protocol):
+    """``validate(p, spec) -> warning``: checks of the method's own options ``p`` against the resolved ``spec``
+    (what the run gives included: :attr:`~fairseq_deepinit.spec.ModelSpec.task`, ``fp16``), after the rules;
+    raises one line, or returns a warning to log (None: nothing to say)."""
+
+    def __call__(self, p: Any, spec: Any) -> str | None: ...
 
 
 class CheckTraining(Protocol):
@@ -298,6 +309,7 @@ class Method:
     - ``norm_args(p, position)``: keyword arguments of every norm at ``position`` (DyT/Derf's alpha);
     - ``embedding(p, dictionary, dim, path)`` / ``output_projection(p, embed_tokens)``: replacements of the
       word embedding / output layer;
+    - ``validate`` (:class:`Validate`);
     - training hooks: ``check_training`` (:class:`CheckTraining`), ``param_groups`` (:class:`ParamGroups`),
       ``after_step`` (:class:`AfterStep`), ``loss_term`` (:class:`LossTerm`);
     - ``families`` (``<family>_<size>`` -> axes), ``architectures`` (name -> ``(fairseq size, axes)``);
@@ -323,7 +335,7 @@ class Method:
     tags: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     sets: Mapping[str, Any] = field(default_factory=dict)
     derive: Callable[..., Dict[str, Any]] | None = None
-    validate: Callable[..., str | None] | None = None
+    validate: Validate | None = None
     describe: Callable[[Any], str] | None = None
     layer_placements: Callable[..., Tuple[str, ...]] | None = None
     layer_setup: Callable[..., None] | None = None

@@ -68,10 +68,9 @@ def setup_resi_dual_stack(stack: nn.Module, p, spec, stack_spec) -> None:
     stack.layer_norm = build_norm(spec.norm.type, stack_spec.dim, p.resi_dual_final_eps, spec.norm.export)
 
 
-def fp16_warning(p, spec, args) -> str | None:
+def fp16_warning(p, spec) -> str | None:
     """A warning for an unscaled stream under fp16 (the released deep fp16 run scales it)."""
-    fp16 = getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False)
-    if fp16 and p.resi_dual_scale == 1.0:
+    if spec.fp16 and p.resi_dual_scale == 1.0:
         return (
             f"--residual-scale {NAME} under --fp16 with --resi-dual-scale 1: the second stream sums every layer's "
             f"un-normalised outputs in fp16; the released 18+18-layer fp16 run uses --resi-dual-scale {OPUS_SCALE} "

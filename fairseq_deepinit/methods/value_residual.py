@@ -61,7 +61,7 @@ OPTIONS = (
 )
 
 
-def validate_value_residual(p, spec, args) -> None:
+def validate_value_residual(p, spec) -> None:
     if p.value_residual_learned and p.value_residual_lambda != DEFAULT_LAMBDA:
         raise DeepInitConfigError(
             "--value-residual-lambda sets the fixed mix and --value-residual-learned learns it; drop one of them"

@@ -10,8 +10,8 @@ both layer kinds share. The encoder and decoder layers are :mod:`fairseq_deepini
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -31,7 +31,8 @@ class LayerPlan:
     ``ffn``, ``final`` or None; DyT/Derf take their alpha by it); ``residual(sublayer)`` builds the
     :class:`~.residual.Residual` of a sub-layer; ``placement`` is one of :data:`.sublayer.PLACEMENTS`;
     ``setup``: the set-ups of the methods that are on, ``fn(layer)``, run in method order once the layer
-    is built; ``params``: the options of the method that adds the layer type (MAtt's).
+    is built; ``params``: the layer type's own options, typed by the layer type's record (MAtt's
+    :class:`~fairseq_deepinit.matt.layer.MAttOptions`), None for a layer type without options.
     """
 
     kind: StackKind
@@ -41,7 +42,7 @@ class LayerPlan:
     residual: Callable[[str], nn.Module]
     attention_impl: str = DEFAULT_IMPL
     setup: Tuple[Callable[[nn.Module], None], ...] = ()
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: Any = None
 
 
 class DeepInitLayer:

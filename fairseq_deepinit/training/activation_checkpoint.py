@@ -12,7 +12,7 @@ cores.
 
 :func:`checkpoint_wrapper` is fairseq's, with one change: the function that ``CheckpointFunction``
 stores and recomputes (fairseq's ``_checkpointed_forward``, ``:55-72``, passes it on as
-``run_function``) is the layer's forward bound to the :class:`~.autocast_state.AutocastState` of
+``run_function``) is the layer's forward bound to the :class:`~fairseq_deepinit.modules.autocast_state.AutocastState` of
 the moment the layer is called, as ``torch.utils.checkpoint`` binds its recompute to the saved
 autocast state. In the forward pass that state is the one already active, so the first run is
 unchanged; in the backward pass the recompute runs in the forward's dtypes, and with fairseq's RNG
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from fairseq.modules import checkpoint_activations as fairseq_checkpoint
 
-from .autocast_state import AutocastState
+from ..modules.autocast_state import AutocastState
 
 
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:

@@ -15,7 +15,7 @@ under ``tau`` is multiplied by exactly 1.0, so it stays bit for bit; a non-finit
 the loss shows) clips nothing.
 
 The tap (:class:`QKClip`): a forward pre-hook on each clipped attention recomputes its ``q`` and ``k`` from the
-call's inputs with the module's own projections (:func:`fairseq_deepinit.diagnostics.depth_hooks.project_qk`)
+call's inputs with the module's own projections (:func:`fairseq_deepinit.modules.probe.project_qk`)
 and keeps the per-head maximum (:func:`fairseq_deepinit.diagnostics.depth_stats.max_attention_logit`: padding
 queries, padding keys and the future mask left out) in one device buffer, with ``torch.maximum``: nothing is
 read on the host. Neither fairseq's fused training path (``F.multi_head_attention_forward``) nor
@@ -45,8 +45,9 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from ..diagnostics import depth_stats
-from ..diagnostics.depth_hooks import _bound_arguments, attention_modules, project_qk, stack_inputs
+from ..diagnostics.depth_hooks import attention_modules, stack_inputs
 from ..errors import DeepInitConfigError
+from ..modules.probe import bound_arguments, project_qk
 
 ATTR = "_deepinit_qk_clip"  # the model's QKClip (one per model, whatever rebuilds the optimizer)
 HALF = (torch.float16, torch.bfloat16)
@@ -82,7 +83,7 @@ class QKClip:
         """Which positions of this forward are real, per stack (from the batch, as the diagnostics take them)."""
         self._real.clear()
         if model.training:
-            net_input = _bound_arguments(model, args, kwargs)
+            net_input = bound_arguments(model, args, kwargs)
             self._real.update({stack: real for stack, _layers, real in stack_inputs(model, net_input)})
 
     def _tap(self, stack: str, where: slice):
@@ -90,7 +91,7 @@ class QKClip:
             real = self._real.get(stack)
             if not module.training or real is None:
                 return
-            a = _bound_arguments(module, args, kwargs)
+            a = bound_arguments(module, args, kwargs)
             if a.get("incremental_state") is not None or a["query"].shape[:2] != real.shape:
                 return
             with torch.no_grad():

@@ -2,8 +2,8 @@
 
 Code that runs a computation a second time, after the ``with torch.autocast(...)`` block of the
 first run has been left, must run it under the same state or it computes another function: the
-recompute of an activation-checkpointed layer (:mod:`.activation_checkpoint`) and the divergence
-guard's replay of a failed step (:mod:`fairseq_deepinit.diagnostics.criterion`). This is what
+recompute of an activation-checkpointed layer (:mod:`fairseq_deepinit.training.activation_checkpoint`) and the
+divergence guard's replay of a failed step (:mod:`fairseq_deepinit.diagnostics.criterion`). This is what
 ``torch.utils.checkpoint`` does for its own recompute (torch 2.13
 ``torch/utils/checkpoint.py:215-231`` ``_get_autocast_kwargs`` and ``:310-313``): per device type,
 ``enabled``, ``dtype`` and ``cache_enabled``, for the CPU and for the device of the tensors involved,
