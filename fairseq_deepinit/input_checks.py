@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from fairseq.data import Dictionary
@@ -111,14 +112,34 @@ def _sizes(value: Any) -> str:
     return str(int(value)) if value is not None else "unlimited"
 
 
+@dataclass(frozen=True)
+class GenerationOptions:
+    """fairseq's generation options the checks read, with fairseq's defaults (``GenerationConfig``,
+    ``fairseq/dataclass/configs.py``, the line in each comment), typed as fairseq declares them. The values are
+    taken as given, not converted: the checks still test each type, and leave to fairseq what they cannot compare."""
+
+    beam: int = 5  # configs.py:811
+    nbest: int = 1  # configs.py:819
+    max_len_a: float = 0  # configs.py:823
+    max_len_b: int = 200  # configs.py:829
+    min_len: int = 1  # configs.py:847
+    sampling: bool = False  # configs.py:910
+
+    @classmethod
+    def of(cls, args: Any) -> GenerationOptions:
+        """The options of ``args`` (fairseq's Namespace or its ``generation`` config); one it lacks has the default."""
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
+
+
 def check_generation(args: Any) -> None:
     """Refuse generation options that leave beam search nothing to do."""
-    beam = getattr(args, "beam", 5)
+    opts = GenerationOptions.of(args)
+    beam = opts.beam
     if isinstance(beam, int) and beam < 1:
         raise DeepInitConfigError(
             f"--beam {beam}: beam search needs at least one hypothesis; give --beam 1 (greedy) or more"
         )
-    a, b, low = getattr(args, "max_len_a", 0), getattr(args, "max_len_b", 200), getattr(args, "min_len", 1)
+    a, b, low = opts.max_len_a, opts.max_len_b, opts.min_len
     if isinstance(a, (int, float)) and isinstance(b, int) and a < 0:
         raise DeepInitConfigError(f"--max-len-a {a}: the output length limit cannot grow negatively with the source")
     if a == 0 and isinstance(b, int) and isinstance(low, int) and b < low:
@@ -132,8 +153,9 @@ def check_sampling(args: Any) -> None:
     """``--sampling``: fairseq's ``Sampling`` search (``fairseq/search.py``, line 699) draws one token per beam from
     the first step on, so each sentence gets ``--beam`` independent samples, and fairseq prints all of them
     (``--nbest`` must equal ``--beam``)."""
-    beam, nbest = getattr(args, "beam", 5), getattr(args, "nbest", 1)
-    if getattr(args, "sampling", False) and isinstance(beam, int) and isinstance(nbest, int) and nbest != beam:
+    opts = GenerationOptions.of(args)
+    beam, nbest = opts.beam, opts.nbest
+    if opts.sampling and isinstance(beam, int) and isinstance(nbest, int) and nbest != beam:
         raise DeepInitConfigError(
             f"--sampling with --beam {beam} draws {beam} independent samples per sentence, and fairseq prints all "
             f"of them (--nbest must equal --beam; got --nbest {nbest}): give --nbest {beam} --beam {beam}, or "

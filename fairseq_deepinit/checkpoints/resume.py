@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
 
 import torch
@@ -173,8 +174,31 @@ def _same(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _fine_tuning(cfg: Any) -> bool:
-    return any(bool(getattr(cfg, k, False)) for k in ("reset_optimizer", "reset_lr_scheduler", "reset_dataloader"))
+@dataclass(frozen=True)
+class ResumeOptions:
+    """fairseq's checkpoint options :func:`load_checkpoint` reads (``CheckpointConfig``,
+    ``fairseq/dataclass/configs.py``, the line in each comment), read once before anything changes the config.
+    One the config lacks is None or False (fairseq declares them all; ``save_dir``'s own default is
+    ``checkpoints``)."""
+
+    save_dir: str | None = None  # configs.py:644
+    continue_once: str | None = None  # configs.py:654
+    finetune_from_model: str | None = None  # configs.py:660
+    reset_dataloader: bool = False  # configs.py:666
+    reset_lr_scheduler: bool = False  # configs.py:672
+    reset_meters: bool = False  # configs.py:678
+    reset_optimizer: bool = False  # configs.py:682
+    no_save: bool = False  # configs.py:718
+
+    @classmethod
+    def of(cls, cfg: Any) -> ResumeOptions:
+        """The options of ``cfg`` (fairseq's ``cfg.checkpoint``)."""
+        return cls(**{f.name: getattr(cfg, f.name, f.default) for f in fields(cls)})
+
+    @property
+    def fine_tuning(self) -> bool:
+        """A reset of the optimizer, the learning-rate schedule or the data loader: the run does not continue one."""
+        return bool(self.reset_optimizer) or bool(self.reset_lr_scheduler) or bool(self.reset_dataloader)
 
 
 def _check_given(path: str, flag: str, instead: str) -> CheckpointStatus:
@@ -194,14 +218,13 @@ def _check_given(path: str, flag: str, instead: str) -> CheckpointStatus:
     return st
 
 
-def _first_launch(cfg: Any) -> None:
+def _first_launch(opts: ResumeOptions) -> None:
     """fairseq's first launch (no checkpoint in the save dir) with the checkpoint it is told to start from checked.
 
     fairseq starts from scratch, with exit status 0, when ``--continue-once`` does not exist, and
     raises a bare ``ValueError`` for a ``--finetune-from-model`` that does not exist.
     """
-    for flag, key in (("--continue-once", "continue_once"), ("--finetune-from-model", "finetune_from_model")):
-        path = getattr(cfg, key, None)
+    for flag, path in (("--continue-once", opts.continue_once), ("--finetune-from-model", opts.finetune_from_model)):
         if path and not PathManager.path_requires_pathmanager(path):
             _check_given(path, flag, f"Give an existing checkpoint, or drop {flag} to start from scratch")
             return  # fairseq uses --continue-once first
@@ -231,7 +254,8 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
     An explicit ``--restore-file`` is loaded as given (fairseq's behaviour); one that does not
     exist, is damaged or refused is an error. Temporary files of a killed save are removed first.
     """
-    save_dir = getattr(cfg, "save_dir", None)
+    opts = ResumeOptions.of(cfg)
+    save_dir = opts.save_dir
     unwritable = _unwritable.pop(os.path.abspath(save_dir), None) if isinstance(save_dir, str) else None
 
     def load() -> Any:
@@ -239,19 +263,19 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
             raise unwritable
         return original(cfg, trainer, **passthrough_args)
 
-    resets = ("reset_optimizer", "reset_lr_scheduler", "reset_meters", "reset_dataloader")
-    if getattr(cfg, "finetune_from_model", None) and any(getattr(cfg, k, False) for k in resets):
+    resets = (opts.reset_optimizer, opts.reset_lr_scheduler, opts.reset_meters, opts.reset_dataloader)
+    if opts.finetune_from_model and any(resets):
         return load()  # fairseq refuses that combination itself (line 222)
     suffix = getattr(trainer, "checkpoint_suffix", "") or ""
     if PathManager.path_requires_pathmanager(save_dir):
         return original(cfg, trainer, **passthrough_args)
-    writes = unwritable is None and not getattr(cfg, "no_save", False)
+    writes = unwritable is None and not opts.no_save
     if isinstance(save_dir, str) and _global_rank() == 0 and writes:
         run_lock.acquire(save_dir)  # before anything in the save dir is read, removed or written
     if getattr(trainer, "data_parallel_rank", 0) == 0 and unwritable is None:
         remove_stale_temporaries(save_dir)
     current = getattr(getattr(trainer, "cfg", None), "model", None)
-    fine_tuning = _fine_tuning(cfg)
+    fine_tuning = opts.fine_tuning
     max_update = getattr(getattr(getattr(trainer, "cfg", None), "optimization", None), "max_update", 0)
 
     # a run that trains; --admin-profile-only stops before the first update, and Admin's own check says why a
@@ -260,9 +284,7 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
 
     def check_finished(st: CheckpointStatus) -> None:
         if trains:
-            run_lock.check_not_finished(
-                st.path, st.num_updates, max_update, bool(getattr(cfg, "reset_optimizer", False))
-            )
+            run_lock.check_not_finished(st.path, st.num_updates, max_update, bool(opts.reset_optimizer))
 
     def check_config(st: CheckpointStatus, current: Any, fine_tuning: bool) -> None:
         if check_config_change(st, current, fine_tuning) and hasattr(trainer, "get_model"):
@@ -285,7 +307,7 @@ def load_checkpoint(original: Callable, cfg: Any, trainer: Any, **passthrough_ar
     last = os.path.join(save_dir, f"checkpoint_last{suffix}.pt")
     found = [inspect_checkpoint(p) for p in checkpoint_candidates(save_dir, suffix)]
     if not found:
-        _first_launch(cfg)
+        _first_launch(opts)
         return load()
     for st in found:
         if st.refused:

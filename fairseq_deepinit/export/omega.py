@@ -35,6 +35,7 @@ import torch
 
 from .. import options
 from ..errors import AdminExportError
+from .fairseq_args import FairseqArgs
 
 SUBLAYER_NORMS = {
     "self_attn": "self_attn_layer_norm",
@@ -104,8 +105,9 @@ def fold_state_dict(
                         sd[key] = sd[key] * w
 
     # the embeddings carry the first sub-layer's omega
-    ln_emb = bool(getattr(args, "layernorm_embedding", False))
-    shared = bool(getattr(args, "share_all_embeddings", False))  # absent for a language model
+    fs = FairseqArgs.of(args)
+    ln_emb = bool(fs.layernorm_embedding)
+    shared = bool(fs.share_all_embeddings)  # absent for a language model
     tied = bool(args.share_decoder_input_output_embed or shared)
     unshare = shared and not ln_emb and not torch.equal(first["encoder"], first["decoder"])
     if unshare:
@@ -121,9 +123,9 @@ def fold_state_dict(
             continue
         emb_key = f"{stack}.embed_tokens.weight"
         sd[emb_key] = sd[emb_key] * w[None, :]
-        if not getattr(args, "no_token_positional_embeddings", False):
+        if not fs.no_token_positional_embeddings:
             pos_key = f"{stack}.embed_positions.weight"
-            if getattr(args, f"{stack}_learned_pos", False):
+            if fs.learned_pos(stack):
                 sd[pos_key] = sd[pos_key] * w[None, :]
             else:
                 from fairseq.modules import SinusoidalPositionalEmbedding

@@ -28,6 +28,7 @@ from ..methods.record import flag
 from ..modules.norms import NORM_TYPES
 from ..resolve import resolve
 from ..spec import ModelSpec, Params
+from .fairseq_args import FairseqArgs
 
 __all__ = ["CTRANSLATE2", "FAIRSEQ", "TARGETS", "QKNorm", "Route", "classify"]
 
@@ -96,19 +97,15 @@ def _selected(spec: ModelSpec) -> List[Tuple[Export | None, Params | None]]:
     return out
 
 
-def _fairseq_facts(args, spec: ModelSpec) -> str | None:
+def _fairseq_facts(fs: FairseqArgs, spec: ModelSpec) -> str | None:
     """fairseq's own options that neither target carries (first match wins)."""
-    if getattr(args, "cross_self_attention", False):
+    if fs.cross_self_attention:
         return "--cross-self-attention attends over the encoder output and the prefix in one attention"
     if spec.encoder is not None and not spec.decoder.kind.encoder_decoder:
         return "--no-cross-attention: a translation model whose decoder ignores the encoder"
-    if (
-        getattr(args, "adaptive_input", False)
-        or getattr(args, "adaptive_softmax_cutoff", None)
-        or getattr(args, "character_embeddings", False)
-    ):
+    if fs.adaptive_input or fs.adaptive_softmax_cutoff or fs.character_embeddings:
         return "adaptive input/softmax or character embeddings replace the embedding table and output layer"
-    if getattr(args, "encoder_layers_to_keep", None) or getattr(args, "decoder_layers_to_keep", None):
+    if fs.encoder_layers_to_keep or fs.decoder_layers_to_keep:
         return "--*-layers-to-keep prunes layers at load time; export the pruned model from a checkpoint of it"
     return None
 
@@ -184,16 +181,16 @@ def _ct2_eps(spec: ModelSpec, qk: QKNorm | None) -> Tuple[float | None, str | No
     )
 
 
-def _ct2_facts(args, spec: ModelSpec) -> str | None:
+def _ct2_facts(fs: FairseqArgs, spec: ModelSpec) -> str | None:
     """fairseq's options CTranslate2's spec has no field for."""
-    act = getattr(args, "activation_fn", "relu") or "relu"
+    act = fs.activation_fn
     if act not in CT2_ACTIVATIONS:
         return f"--activation-fn {act}: CTranslate2's fairseq activations are {', '.join(CT2_ACTIVATIONS)}"
-    if getattr(args, "no_token_positional_embeddings", False):
+    if fs.no_token_positional_embeddings:
         return "--no-token-positional-embeddings: CTranslate2 adds sinusoidal positions when a model has none"
     dec = int(spec.decoder.dim)
-    ins = int(getattr(args, "decoder_input_dim", None) or dec)
-    outs = int(getattr(args, "decoder_output_dim", None) or dec)
+    ins = int(fs.decoder_input_dim or dec)
+    outs = int(fs.decoder_output_dim or dec)
     if (ins != dec) != (outs != dec):
         return (
             "only one of --decoder-input-dim / --decoder-output-dim differs from --decoder-embed-dim; CTranslate2's "
@@ -205,7 +202,8 @@ def _ct2_facts(args, spec: ModelSpec) -> str | None:
 def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
     """The :class:`Route` of the model of ``args`` (its resolved model arguments) and ``spec`` (its spec:
     resolved from ``args`` when not given). The plugin's part is read from the spec and the records'
-    declarations only; ``args`` answers fairseq's own options (activation, dims, heads, adaptive softmax, ...).
+    declarations only; fairseq's own options (activation, dims, adaptive softmax, ...) from
+    :class:`~fairseq_deepinit.export.fairseq_args.FairseqArgs` of ``args`` (the declarations get ``args`` itself).
 
     Refusals are decided per target, each the first that applies: something no record has declared for
     export, then a feature neither target has (a declaration refusing both: MAtt, B2T, ResiDual, NormFormer,
@@ -215,12 +213,13 @@ def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
     activation or an option its spec has no field for).
     """
     spec = spec if spec is not None else resolve(args)
+    fs = FairseqArgs.of(args)
     declared = [(export, p) for export, p in _selected(spec) if export is not None]
     norm = norm_export(spec.norm.type)
     reasons = [(export.reasons(p, spec, args), export, p) for export, p in declared]
     norm_reasons = [(norm.reasons(None, spec, args), norm, None)] if norm is not None else []
     nevers = (e.never(p, spec, args) for _r, e, p in reasons + norm_reasons)
-    never = _unknown(spec) or next((why for why in nevers if why), None) or _fairseq_facts(args, spec)
+    never = _unknown(spec) or next((why for why in nevers if why), None) or _fairseq_facts(fs, spec)
     placements = {s.kind.stack: s.placement for s in spec.stacks}
     if spec.norm.type == "none":
         placements = {s: "post" for s in placements}  # without norms both placements are x + f(x)
@@ -234,7 +233,7 @@ def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
         norm_eps=spec.norm.eps,
         residual=spec.residual,
         qk_norm=qk,
-        activation=getattr(args, "activation_fn", "relu") or "relu",
+        activation=fs.activation_fn,
         folds=tuple(line for _r, e, p in reasons if (line := e.fold_line(p, spec, args))),
         steps=tuple(step for step in FOLD_STEPS if step in wanted),
     )
@@ -242,5 +241,5 @@ def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
         return Route(**route, reasons={FAIRSEQ: never, CTRANSLATE2: never})
     refused = {t: next((r[t] for r, _e, _p in everything if t in r), None) for t in TARGETS}
     eps, eps_reason = _ct2_eps(spec, qk)
-    refused[CTRANSLATE2] = refused[CTRANSLATE2] or eps_reason or _ct2_facts(args, spec)
+    refused[CTRANSLATE2] = refused[CTRANSLATE2] or eps_reason or _ct2_facts(fs, spec)
     return Route(**route, reasons={t: why for t, why in refused.items() if why}, ct2_eps=eps)
