@@ -24,7 +24,7 @@ No target is asserted: this prints ratios. Usage::
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from deepinit_tools import harness
 from deepinit_tools.bench import readiness_build as rb
@@ -68,24 +68,29 @@ def build(kind: str, case: str, shape: Shape, streams: int) -> rb.Built:
     return b
 
 
-def saved_bytes(b: rb.Built, sample: dict) -> int:
-    """Bytes autograd saves for the backward of one forward and loss (each storage once, no parameters)."""
+def autograd_saved_bytes(run: Callable[[], object], exclude: set) -> int:
+    """Bytes autograd saves while ``run()`` builds its graph (each storage once, ``exclude``'s storages left out)."""
     import torch
 
-    params = {p.untyped_storage().data_ptr() for p in b.model.parameters()}
     seen: Dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in exclude:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    b.model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _, _ = b.criterion(b.model, sample)
-    del loss
+        out = run()
+    del out
     return sum(seen.values())
+
+
+def saved_bytes(b: rb.Built, sample: dict) -> int:
+    """Bytes autograd saves for the backward of one forward and loss (each storage once, no parameters)."""
+    params = {p.untyped_storage().data_ptr() for p in b.model.parameters()}
+    b.model.train()
+    return autograd_saved_bytes(lambda: b.criterion(b.model, sample)[0], params)
 
 
 def vs(value: float, reference: float) -> str:

@@ -28,11 +28,11 @@ No target is asserted: this prints ratios. Usage::
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 from deepinit_tools import harness
 from deepinit_tools.bench import readiness_build as rb
-from deepinit_tools.bench.hc_cost import batch, parse, vs
+from deepinit_tools.bench.hc_cost import autograd_saved_bytes, batch, parse, vs
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -61,24 +61,6 @@ def build(kind: str, case: str, shape: Shape, streams: int) -> rb.Built:
     return b
 
 
-def saved_bytes(run: Callable[[], object], exclude: set) -> int:
-    """Bytes autograd saves while ``run()`` builds its graph (each storage once, ``exclude``'s storages left out)."""
-    import torch
-
-    seen: Dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in exclude:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    del out
-    return sum(seen.values())
-
-
 def update_figures(args, shape: Shape, bsz: int, length: int) -> Dict[str, dict]:
     """Section 1: time, saved activations, peak RSS and ops of one update, per case."""
     import torch
@@ -98,7 +80,7 @@ def update_figures(args, shape: Shape, bsz: int, length: int) -> Dict[str, dict]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return b.criterion(b.model, sample)[0]
 
-        out[case]["saved"] = saved_bytes(forward, params)
+        out[case]["saved"] = autograd_saved_bytes(forward, params)
         with counters.OpCounter() as k:
             rb.update(b, sample, 2, autocast=True)
         out[case]["ops"] = k.total
@@ -147,7 +129,7 @@ def mapping_figures(args, shape: Shape, tokens: int) -> Dict[str, dict]:
 
         with counters.OpCounter() as k:
             step(case)
-        out[case] = {"saved": saved_bytes(forward, exclude), "ops": k.total}
+        out[case] = {"saved": autograd_saved_bytes(forward, exclude), "ops": k.total}
 
     def trial(case: str):
         def run() -> float:
