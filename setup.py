@@ -29,6 +29,7 @@ setup(
     extras_require={"test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "ruff==0.17.6"]},
     entry_points={
         "console_scripts": [
+            "deepinit-compare = fairseq_deepinit.compare.cli:main",
             "deepinit-diagnose = fairseq_deepinit.diagnostics.diagnose:main",
             "deepinit-export = fairseq_deepinit.export.cli:main",
             # aliases of deepinit-export --to fairseq, narrowed to Admin models (fairseq_deepinit.export.cli.Alias)

@@ -145,6 +145,7 @@ LAYER_MAP = {
     "admin": ("modules", "methods", "training", "diagnostics", "export", "errors"),
     "lm": ("modules", "methods", "training", "diagnostics", "admin", "export", "checkpoints", "plan", "decoder",
            "resolve", "options", "model_config", "architectures", "errors"),
+    "compare": ("methods", "errors"),
 }  # fmt: skip
 # the periphery's rules: a subpackage never imports these ...
 NOT_IMPORTED = {

@@ -10,12 +10,9 @@ import json
 import math
 import os
 import platform
-import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Sequence
 
 from deepinit_tools import prepare_bible
 from deepinit_tools.matrix import budget as est
@@ -31,6 +28,7 @@ from deepinit_tools.matrix.common import BLEU_RE, TEST_SETS, log
 from deepinit_tools.matrix.decode import DecodeDeadline, translate
 from deepinit_tools.matrix.logs import classify, train_wps, valid_curve
 from deepinit_tools.paths import REPO
+from fairseq_deepinit.compare.process import run_logged
 
 
 def device_name(device: str) -> str:
@@ -46,34 +44,6 @@ def device_name(device: str) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-_procs: Dict[int, subprocess.Popen] = {}
-_lock = threading.Lock()
-
-
-def _run_until(cmd: List[str], log_path: Path, env: dict, deadline: float | None) -> int | None:
-    """Run ``cmd`` appending to ``log_path``; None when stopped at ``deadline`` (SIGTERM, then SIGKILL)."""
-    with open(log_path, "a", encoding="utf-8") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        with _lock:
-            _procs[proc.pid] = proc
-        try:
-            while True:
-                try:
-                    return proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    if deadline is not None and time.time() > deadline:
-                        proc.send_signal(signal.SIGTERM)
-                        try:
-                            proc.wait(timeout=20)
-                        except subprocess.TimeoutExpired:
-                            proc.kill()
-                            proc.wait()
-                        return None
-        finally:
-            with _lock:
-                _procs.pop(proc.pid, None)
 
 
 EMPTY_DECODED = {"probe": None, "test2016_bleu": None, "test2017_bleu": None, "bleu_signature": None}
@@ -135,11 +105,9 @@ def run_cell(cell: rg.Cell, o: Options, device: str, stall_bits: float) -> dict 
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
         resumed = (out / "checkpoint_last.pt").exists()
         log(f"train {cell.name}" + (" (resuming from checkpoint_last.pt)" if resumed else ""))
-        start = time.time()
-        rc = _run_until(cmd, out / "train.log", env, o.deadline)
-        attempts.append(
-            {"wall_s": round(time.time() - start, 1), "resumed": resumed, "stopped_at_deadline": rc is None}
-        )
+        done = run_logged(cmd, out / "train.log", env, o.deadline, cwd=REPO)
+        rc = done.returncode
+        attempts.append({"wall_s": done.wall_s, "resumed": resumed, "stopped_at_deadline": rc is None})
         attempts_path.write_text(json.dumps(attempts, indent=1))
         if rc is None:
             log(f"{cell.name}: stopped at the deadline; resumes from checkpoint_last.pt next time")

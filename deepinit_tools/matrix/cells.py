@@ -1,5 +1,8 @@
 """The early-training study's cells (``multi30k_matrix.py matrix``): names, budgets, the fairseq-train
-command, log parsing and the status rules (diverged / stalled / source-blind / converging).
+command, and the analysis of a finished cell. The log parsing and the status rules (diverged / stalled /
+source-blind / converging) are the plugin's, shared with ``deepinit-compare``
+(:mod:`fairseq_deepinit.compare.verdict`), and so is the child-process runner
+(:func:`fairseq_deepinit.compare.process.run_logged`).
 """
 
 from __future__ import annotations
@@ -8,19 +11,14 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
-import subprocess
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 from deepinit_tools import fairseq_argv as fa
 from deepinit_tools.matrix.common import (
-    BLIND_FRACTION,
     METHODS,
-    PLATEAU_BITS,
     MatrixError,
     cell_dir,
     cell_name,
@@ -29,6 +27,8 @@ from deepinit_tools.matrix.common import (
 )
 from deepinit_tools.matrix.decode import probe_cell
 from deepinit_tools.paths import REPO
+from fairseq_deepinit.compare.process import run_logged
+from fairseq_deepinit.compare.verdict import BLIND_FRACTION, PLATEAU_BITS, classify, gnorm_profile, last_line, parse_log
 
 
 def budget_of(spec: str, depth: int) -> tuple:
@@ -65,42 +65,6 @@ def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespac
     return cmd + shlex.split(a.extra_args)
 
 
-_JSON_LINE = re.compile(r"\| (train_inner|valid|train) \| (\{.*\})\s*$")
-# the guard's message runs over several lines (stop, first non-finite layer, weights) before its advice
-_FAILURES = (
-    # the plugin prints its errors as one line (fairseq_deepinit/errors.py); a traceback with
-    # FAULTHANDLER or FAIRSEQ_DEEPINIT_TRACEBACK=1 keeps the multi-line form
-    re.compile(r"fairseq-deepinit: error: (.*?)(?: No checkpoint is written.*)?$", re.MULTILINE),
-    re.compile(r"DivergenceError: (.*?)(?:\nNo checkpoint|$)", re.DOTALL),
-    re.compile(r"FloatingPointError: (.*)"),
-)
-
-
-def parse_log(text: str) -> dict:
-    """Validation curve ``[(update, loss, nll_loss)]``, train log records and the failure message
-    of a fairseq-train ``--log-format json`` log."""
-    valid: List[tuple] = []
-    train: List[dict] = []
-    for line in text.splitlines():
-        m = _JSON_LINE.search(line)
-        if not m:
-            continue
-        rec = json.loads(m.group(2))
-        if m.group(1) == "valid":
-            update = int(float(rec["valid_num_updates"]))
-            if not valid or valid[-1][0] != update:  # fairseq validates twice when an epoch ends on an interval
-                valid.append((update, float(rec["valid_loss"]), float(rec["valid_nll_loss"])))
-        elif m.group(1) == "train_inner":
-            train.append(rec)
-    error = None
-    for pattern in _FAILURES:
-        m = pattern.search(text)
-        if m:
-            error = " ".join(m.group(1).split())
-            break
-    return {"valid": valid, "train": train, "error": error}
-
-
 def unigram_bits(bin_dir: Path, valid_target: Path) -> float:
     """Cross-entropy (bits/token, end of sentence included) of the dev targets under the training
     set's unigram distribution: what a model that ignores the source and the prefix achieves."""
@@ -120,52 +84,6 @@ def unigram_bits(bin_dir: Path, valid_target: Path) -> float:
                 bits -= math.log2(counts.get(tok, 1) / total)
                 n += 1
     return bits / n
-
-
-def classify(
-    parsed: dict,
-    returncode: int,
-    stall_bits: float,
-    target_bits: float | None,
-    plateau_bits: float = PLATEAU_BITS,
-    probe: dict | None = None,
-    blind_fraction: float = BLIND_FRACTION,
-) -> dict:
-    """Status, best dev nll and updates to ``target_bits`` of a finished cell (module docstring):
-    ``diverged`` (non-finite), ``failed`` (crashed otherwise), ``stalled`` (never below ``stall_bits``,
-    or the second half of the run improved the best dev nll by less than ``plateau_bits``: it stopped
-    learning), ``source-blind`` (its greedy dev translations, ``probe``, are fewer than
-    ``blind_fraction`` of its sentences), else ``converging``."""
-    finite = [(u, nll) for u, loss, nll in parsed["valid"] if math.isfinite(loss) and math.isfinite(nll)]
-    best = min(finite, key=lambda un: un[1]) if finite else None
-    reached = next((u for u, nll in finite if target_bits is not None and nll <= target_bits), None)
-    first_half = [nll for u, nll in finite if u <= finite[-1][0] / 2] if finite else []
-    plateau = bool(first_half) and min(first_half) - best[1] < plateau_bits
-    if parsed["error"] or len(finite) < len(parsed["valid"]):
-        status = "diverged"
-    elif returncode != 0:
-        status = "failed"
-    elif best is None or best[1] >= stall_bits or plateau:
-        status = "stalled"
-    elif probe and probe["distinct"] < blind_fraction * probe["sentences"]:
-        status = "source-blind"
-    else:
-        status = "converging"
-    return {
-        "status": status,
-        "best_dev_nll": best[1] if best else None,
-        "best_update": best[0] if best else None,
-        "updates_to_target": reached,
-    }
-
-
-def gnorm_profile(train: List[dict]) -> Dict[str, float]:
-    """Per-layer gradient norms of the last train log record that has them."""
-    for rec in reversed(train):
-        layers = {k[len("diag_gnorm/") :]: float(v) for k, v in rec.items() if k.startswith("diag_gnorm/")}
-        if layers:
-            return {"update": int(float(rec["num_updates"])), **layers}
-    return {}
 
 
 @dataclass(frozen=True)
@@ -200,17 +118,16 @@ def train_cell(bin_dir: Path, work: Path, name: str, a: argparse.Namespace) -> d
         threads = str(a.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
         log(f"train {name}")
-        start = time.time()
-        with open(out / "train.log", "w", encoding="utf-8") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        (out / "train.log").unlink(missing_ok=True)  # a cell killed before its result.json starts again
+        done = run_logged(cmd, out / "train.log", env, cwd=REPO)
         method, depth, regime = parse_cell(name)
         record = dict(
             cell=name,
             method=method,
             depth=depth,
             regime=regime,
-            returncode=proc.returncode,
-            wall_s=round(time.time() - start, 1),
+            returncode=done.returncode,
+            wall_s=done.wall_s,
             command=fa.printable(cmd),
             settings={
                 **{k: getattr(a, k) for k in ("dim", "ffn", "heads", "lr", "lr_nowarmup", "warmup", "max_tokens")},
@@ -248,11 +165,6 @@ def analyse(out: Path, rules: Rules) -> dict:
         error=parsed["error"] or (None if r["returncode"] == 0 else last_line(text)),
     )
     return r
-
-
-def last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][-300:] if lines else "no output"
 
 
 def merges_of(work: Path) -> str:

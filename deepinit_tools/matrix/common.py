@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Dict
 
+from fairseq_deepinit.compare.verdict import BLIND_FRACTION, PLATEAU_BITS  # noqa: F401  (the shared status rules)
+
 TEST_SETS = {"test": "test2016", "test1": "test2017"}
 
 # method -> (label in the tables, fairseq-train flags that select it)
@@ -50,8 +52,6 @@ METHODS: Dict[str, tuple] = {
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
-BLIND_FRACTION = 0.05  # fewer distinct dev translations than this share of sentences: the source is ignored
-PLATEAU_BITS = 0.1  # a cell whose second half gains less than this (bits/token) stopped learning
 
 
 class MatrixError(RuntimeError):

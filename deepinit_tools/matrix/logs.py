@@ -11,6 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 from deepinit_tools.matrix.cells import parse_log
 from deepinit_tools.matrix.commands import _EARLY_LR, _EARLY_PATIENCE, _TRAIN, _VALID
 from deepinit_tools.matrix.common import BLIND_FRACTION
+from fairseq_deepinit.compare.verdict import is_divergence
 
 
 def valid_curve(text: str) -> List[Tuple[int, float, float, int]]:
@@ -55,9 +56,9 @@ def classify(
     error = parse_log(text)["error"]
     finite = [c for c in curve if math.isfinite(c[1]) and math.isfinite(c[2])]
     stop = "patience" if _EARLY_PATIENCE in text else "min-lr" if _EARLY_LR in text else "epoch-cap"
-    if error or len(finite) < len(curve):
+    if is_divergence(error) or len(finite) < len(curve):
         return "diverged", "error"
-    if returncode != 0:
+    if returncode != 0 or error:
         return "failed", "error"
     if not finite or min(c[2] for c in finite) >= stall_bits:
         return "stalled", stop
