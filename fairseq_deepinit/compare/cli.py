@@ -56,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-update", type=int, default=150, help="updates per candidate (default: 150)")
     p.add_argument("--valid-every", type=int, default=None, help="validate every V updates (default: max-update/6)")
-    p.add_argument("--budget-min", type=float, default=None, help="stop training after M minutes (resumable)")
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        default=None,
+        help="stop training M minutes after the start; the next call continues (default: no limit)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="candidates trained at once (default: 1)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per job (default: cores / jobs)")
     p.add_argument(

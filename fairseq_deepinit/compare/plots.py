@@ -14,9 +14,8 @@ from .report import _layers
 def _pyplot():
     import logging
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its start-up and font search log at DEBUG otherwise
     import matplotlib
-
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font search logs at DEBUG otherwise
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -44,6 +43,8 @@ def valid_curves(ranked: Sequence[dict], path: Path, stall_bits: float) -> Path:
 
 def gradient_profiles(ranked: Sequence[dict], path: Path, stacks: List[str]) -> Path:
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, len(stacks), figsize=(6 * len(stacks), 4.5), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, stack in zip(axes[0], stacks, strict=True):
@@ -55,6 +56,7 @@ def gradient_profiles(ranked: Sequence[dict], path: Path, stacks: List[str]) -> 
                     label = f"{r['method']} {when or 'update ' + str(prof.get('update'))}"
                     ax.plot(range(1, len(g) + 1), g, style, color=colors[i % len(colors)], label=label)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(f"{stack} layer")
         ax.set_ylabel("gradient norm")
         ax.set_title(f"{stack}: gradient norm per layer")

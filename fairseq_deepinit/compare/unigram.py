@@ -21,8 +21,11 @@ from .candidates import Task
 
 def unigram_bits(data: Path, task: Task) -> float:
     """H above, in bits per token, for the validation split of ``data``."""
+    import logging
+
     from fairseq.data import Dictionary, data_utils
 
+    logging.getLogger(data_utils.__name__).setLevel(logging.WARNING)  # "loaded N examples" is not the tool's news
     dictionary = Dictionary.load(str(task.target_dict(data)))
     train = data_utils.load_indexed_dataset(str(task.prefix(data, "train")), dictionary)
     valid = data_utils.load_indexed_dataset(str(task.prefix(data, "valid")), dictionary)
