@@ -108,7 +108,7 @@ class UserArgs:
 
 def check_user_args(argv: Sequence[str], kind_of_data) -> Tuple[UserArgs, cands.Task]:
     """Refuse the options deepinit-compare sets itself, map the criterion, and detect the task
-    (``kind_of_data(user_task, source, target)`` -> :class:`candidates.Task`)."""
+    (``kind_of_data(user_task, source, target)`` -> :class:`.candidates.Task`)."""
     argv = split_equals(argv)
     for flag, why in OWNED.items():
         if flag in argv:
