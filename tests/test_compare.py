@@ -229,6 +229,7 @@ def test_bad_input_is_one_line_and_status_1(tmp_path, capsys):
             str(out),
         ],
         "--depth 0": [str(data), "--depth", "0", "--out", str(out)],
+        "--valid-every 200": [str(data), "--depth", "6", "--valid-every", "200", "--out", str(out)],
         "drop --arch": [str(data), "--depth", "6", "--out", str(out), "--", "--arch", "x"],
     }
     for says, argv in cases.items():

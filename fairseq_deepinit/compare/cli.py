@@ -157,8 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.budget_min is not None and a.budget_min <= 0:
             raise DeepInitConfigError(f"--budget-min {a.budget_min}: give a positive number of minutes")
         a.valid_every = a.valid_every or max(1, a.max_update // 6)
-        if a.valid_every < 1:
-            raise DeepInitConfigError(f"--valid-every {a.valid_every}: give at least 1")
+        if not 1 <= a.valid_every <= a.max_update:
+            raise DeepInitConfigError(
+                f"--valid-every {a.valid_every}: give 1 to --max-update ({a.max_update}), or no candidate is validated"
+            )
         if not a.data.is_dir():
             raise DeepInitConfigError(f"data-bin {a.data} not found; give a fairseq-preprocess output folder")
         user, task = check_user_args(fairseq_args, lambda t, s, g: cands.detect_task(a.data, t, s, g))
