@@ -9,9 +9,12 @@ A refactoring of the model code must leave three things exactly as they are:
 - for every translation family (``<family>_iwslt_de_en`` at tiny dims), every language-model family
   (``<family>_lm_tiny``) and the option variants below.
 
-Keys and order are compared everywhere; outputs bit for bit only on the kernel path the fixture was
-written on (they are float32 sums whose rounding depends on the CPU's vector width; another path gives
-other bits, which ``tests/test_compat_v010.py`` and the numeric tests cover with tolerances).
+Keys and order are compared everywhere; outputs bit for bit on each kernel path the fixture has them for
+(:func:`platform`: they are float32 sums whose rounding depends on the CPU's vector width and on the BLAS
+library's code path, which MKL picks by the CPU's vendor; another path gives other bits, which
+``tests/test_compat_v010.py`` and the numeric tests cover with tolerances). The fixture keeps one set of output
+digests per platform: ``--write`` replaces the keys and order of every case and the current platform's outputs,
+and keeps the other platforms' (recorded from the same code on their machines).
 
 Regenerate (only when a change of keys or outputs is intended, and say so in the commit)::
 
@@ -200,14 +203,39 @@ def measure(kind: str, arch: str, flags: list) -> dict:
     return out
 
 
+OUTPUT_KEYS = ("train_logits", "grads", "loss", "grad_norm", "eval_logits", "incremental")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor (``GenuineIntel``, ``AuthenticAMD``): MKL's kernels differ by vendor at one vector width."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def platform() -> dict:
     """What the output digests depend on besides the code."""
     return {
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_vendor": cpu_vendor(),
         "aten_env": os.environ.get("ATEN_CPU_CAPABILITY", ""),
         "mkl_env": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
     }
+
+
+def platform_key(p: dict) -> str:
+    return json.dumps(p, sort_keys=True)
+
+
+def recorded_outputs(fixture: dict) -> dict:
+    """``case -> output digests`` the fixture holds for this platform (empty: none recorded here)."""
+    return fixture.get("outputs", {}).get(platform_key(platform()), {})
 
 
 def compute_all() -> dict:
@@ -232,8 +260,13 @@ def main(argv: list | None = None) -> int:
             full[name] = {"state": list(model.state_dict()), "params": [n for n, _ in model.named_parameters()]}
         Path(args.dump).write_text(json.dumps(full, indent=1))
     if args.write:
-        FIXTURE.write_text(json.dumps({"platform": platform(), "cases": values}, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(values)} cases to {FIXTURE}")
+        old = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+        outputs = old.get("outputs", {})
+        outputs[platform_key(platform())] = {n: {k: v[k] for k in OUTPUT_KEYS} for n, v in values.items()}
+        cases_ = {n: {k: v for k, v in value.items() if k not in OUTPUT_KEYS} for n, value in values.items()}
+        fixture = {"cases": cases_, "outputs": outputs}
+        FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(values)} cases to {FIXTURE} ({len(outputs)} platforms' outputs)")
     else:
         print(json.dumps(values, indent=1))
     return 0
