@@ -191,6 +191,19 @@ def check_finite(sd: dict, src: str) -> None:
         )
 
 
+def task_options(state: dict) -> dict:
+    """The training's task options stored in the checkpoint (fairseq-train's Namespace or the ``task`` node)."""
+    task = (state.get("cfg") or {}).get("task") if isinstance(state.get("cfg"), dict) else None
+    if isinstance(task, dict):
+        return task
+    return vars(state["args"]) if isinstance(state.get("args"), argparse.Namespace) else {}
+
+
+def data_folder(state: dict, data: str | None) -> str:
+    """``data``, else the first folder of the training's ``task.data`` ("" when none is stored)."""
+    return data or str(task_options(state).get("data") or "").split(os.pathsep)[0]
+
+
 def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, object]:
     """``(source, target)`` fairseq dictionaries of the model (the same one twice for a language model).
 
@@ -199,18 +212,11 @@ def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, obje
     """
     from fairseq.data import Dictionary, data_utils
 
-    task = (state.get("cfg") or {}).get("task") if isinstance(state.get("cfg"), dict) else None
-    task = (
-        task
-        if isinstance(task, dict)
-        else vars(state["args"])
-        if isinstance(state.get("args"), argparse.Namespace)
-        else {}
-    )
-    folder = data or str(task.get("data") or "").split(os.pathsep)[0]
+    task = task_options(state)
+    folder = data_folder(state, data)
     if not folder or not os.path.isdir(folder):
         raise ExportError(
-            f"the dictionaries are needed for CTranslate2's vocabularies and the training data folder "
+            f"the dictionaries are needed for the exported vocabularies and the training data folder "
             f"{folder or '(none stored)'} is not there; give --data DIR, the fairseq-preprocess folder of the model"
         )
     if is_language_model(args):
