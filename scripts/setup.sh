@@ -16,6 +16,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" -r requirements/lock.txt
   "${PIP[@]}" --no-deps --require-hashes -r requirements/fairseq.txt
   "${PIP[@]}" --no-deps --require-hashes -r requirements/ctranslate2.txt  # deepinit-export --to ctranslate2
+  "${PIP[@]}" --no-deps --require-hashes -r requirements/huggingface.txt  # deepinit-export --to huggingface
   echo "$want" > "$stamp"
 fi
 # Non-editable on purpose: fairseq resolves `--user-dir fairseq_deepinit` next to its own

@@ -35,13 +35,12 @@ CLASSES = {
     XGLM: ("XGLMForCausalLM", "XGLMConfig", "AutoModelForCausalLM"),
 }
 #: fairseq's --activation-fn as transformers' ACT2FN names the same function (fairseq/utils.py get_activation_fn;
-#: transformers/activations.py: ``gelu_new`` is fairseq's ``gelu_accurate`` tanh form, ``silu`` its ``swish``)
+#: transformers/activations.py: ``gelu_new`` is fairseq's ``gelu_accurate`` tanh form, ``gelu_fast`` its old name)
 HF_ACTIVATIONS = {
     "relu": "relu",
     "gelu": "gelu",
     "gelu_accurate": "gelu_new",
     "gelu_fast": "gelu_new",
-    "swish": "silu",
     "tanh": "tanh",
     "linear": "linear",
 }
@@ -121,7 +120,8 @@ def generation_config(model, stock_args: dict):
     """fairseq-generate's default search as transformers' ``GenerationConfig``: beam 5 finishing when 5 hypotheses
     have ended (``early_stopping=True``), scores divided by length^1, at most 200 words then ``</s>`` (fewer where
     the model covers fewer positions), ``</s>`` never first (``min_new_tokens=1``: fairseq's ``--min-len 1``
-    masks it after the log-softmax, as transformers' logits processors do)."""
+    masks it after the log-softmax, as transformers' logits processors do; after a language model's prompt fairseq
+    allows it at once, so no minimum there)."""
     import transformers
 
     c = model.config
@@ -131,7 +131,7 @@ def generation_config(model, stock_args: dict):
         early_stopping=True,
         length_penalty=LENPEN,
         max_length=min(MAX_LEN_B, positions - 1) + 1,
-        min_new_tokens=1,
+        min_new_tokens=1 if c.is_encoder_decoder else 0,
         bos_token_id=c.bos_token_id,
         pad_token_id=c.pad_token_id,
         eos_token_id=c.eos_token_id,
