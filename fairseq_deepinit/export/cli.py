@@ -1,4 +1,4 @@
-"""``deepinit-export CHECKPOINT OUT --to fairseq|ctranslate2|huggingface``: the command line (:mod:`.run` does the work).
+"""``deepinit-export CHECKPOINT OUT --to fairseq|ctranslate2|huggingface``: the command line (:mod:`.run` works).
 
 A refused family or option, a bad checkpoint, output or option is one line on stderr
 (``deepinit-export: error: ...``) and exit status 1, before anything is written; an existing output is
@@ -65,8 +65,8 @@ def build_parser(alias: Alias | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--data",
         metavar="DIR",
-        help="ctranslate2, huggingface: the fairseq-preprocess folder with the model's dictionaries (default: the training's data "
-        "folder stored in the checkpoint)",
+        help="ctranslate2, huggingface: the fairseq-preprocess folder with the model's dictionaries (default: the "
+        "training's data folder stored in the checkpoint)",
     )
     return _check_options(parser)
 

@@ -227,8 +227,8 @@ def hf_model(kind: str, stock, stock_args: dict, dicts: List, dropout: dict, lan
         else:
             if len(src) != len(tgt):
                 raise ExportError(
-                    f"the source dictionary has {len(src)} entries and the target {len(tgt)}; M2M100 has one vocabulary "
-                    "size (train with --joined-dictionary, or use --to ctranslate2)"
+                    f"the source dictionary has {len(src)} entries and the target {len(tgt)}; M2M100 has one "
+                    "vocabulary size (train with --joined-dictionary, or use --to ctranslate2)"
                 )
             _check_positions(enc, enc_pos, "encoder")
             _check_positions(dec, dec_pos, "decoder")
