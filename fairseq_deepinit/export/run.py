@@ -191,33 +191,36 @@ def export_hf(
     src: str, dst: str, data: str | None = None, check: bool = True, tolerance: float = 1e-4, force: bool = False
 ) -> dict:
     """``--to huggingface``: a transformers model folder (FSMT, M2M100 or XGLM: :mod:`.to_hf`) with its generation
-    config, a model card and, where the data folder says how its text was made, the tokenizer; returns a summary.
+    config, the fairseq dictionaries, a model card and, where the data folder says how its text was made, the
+    tokenizer; returns a summary.
 
     The model goes through its stock fairseq form (the folds of ``--to fairseq``), is written in float32 with
     ``save_pretrained``, reloaded with transformers' auto class and compared with the plugin model in float64
     (:func:`.to_hf.check_hf_dir`) before the folder is renamed into place.
     """
     state, args, route = prepare(src, dst, routes.HUGGINGFACE, force=force, tolerance=tolerance)
-    dicts = source.load_dictionaries(state, args, data)
-    dicts = dicts[:1] if route.lm else dicts
+    files = source.dictionary_files(state, args, data)
+    dicts = list(source.load_dictionaries(state, args, data))[: len(files)]
     model = source.build_plugin_model(state["model"], args, torch.float64, dicts[0], dicts[-1])
     plain, changes = plain_state_dict(model, args, route)
     stock_args = to_fairseq.stock_args(args, changes)
     stock = to_fairseq.build_stock(stock_args, model, plain)
     task = source.task_options(state)
     langs = [task.get("source_lang") or "src", task.get("target_lang") or "tgt"]
-    hf = to_hf.hf_model(route.hf_class, stock, stock_args, list(dicts), to_hf.dropouts(stock_args), langs)
-    pipeline = model_card.text_pipeline(source.data_folder(state, data))
-    summary = {"route": route, "hf_class": to_hf.CLASSES[route.hf_class][0], "tokenizer": pipeline is not None}
+    hf = to_hf.hf_model(route.hf_class, stock, stock_args, dicts, to_hf.dropouts(stock_args), langs)
+    class_name, _config, auto = to_hf.CLASSES[route.hf_class]
+    pipeline = None
+    summary = {"route": route, "hf_class": class_name, "tokenizer": pipeline is not None}
 
     def write(tmp: str) -> None:
         hf.save_pretrained(tmp)
         to_hf.generation_config(hf, stock_args).save_pretrained(tmp)
-        if pipeline is not None:
-            model_card.write_tokenizer(tmp, dicts, pipeline)
+        names = model_card.copy_dictionaries(tmp, files)
         if check:
             summary["max_abs_diff"] = to_hf.check_hf_dir(tmp, model, tolerance)
-        model_card.write_card(tmp, src, state, args, route, hf, pipeline, summary.get("max_abs_diff"))
+        spec = source.model_spec(args)
+        diff = summary.get("max_abs_diff")
+        model_card.write_card(tmp, src, state, args, spec, route, hf, auto, pipeline is not None, names, diff)
 
     output.save_atomically(write, dst)
     return summary
