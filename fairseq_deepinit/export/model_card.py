@@ -103,8 +103,8 @@ def _usage(lm: bool, auto: str, tokenizer: bool, dict_names: Sequence[str]) -> s
     first = "`</s>` (2) and then the prompt's ids" if lm else "the source ids followed by `</s>` (2)"
     return (
         f"No tokenizer: this folder does not know how the training text was tokenised. Token ids are the fairseq "
-        f"dictionary's ({', '.join(f'`{n}`' for n in dict_names)}: the word on line k, counting from 0, has id k + 4; `<s>` 0, `<pad>` 1, `</s>` 2, "
-        f"`<unk>` 3). Tokenise and apply the training's BPE as the data was prepared, map the pieces to ids, and "
+        f"dictionary's ({', '.join(f'`{n}`' for n in dict_names)}: the word on line k, counting from 0, has id "
+        f"k + 4; `<s>` 0, `<pad>` 1, `</s>` 2, `<unk>` 3). Tokenise and apply the training's BPE as the data was prepared, map the pieces to ids, and "
         f"give the model {first}:\n\n```python\nimport torch\n" + load + "ids = torch.tensor([[...]])  # your ids\n"
         "print(model.generate(ids))\n```\n"
     )
