@@ -79,7 +79,7 @@ def test_int8_is_checked_in_float32_first_and_reported(twt_checkpoint, tmp_path,
     [
         (("--to", "fairseq"), "cannot export to fairseq: --norm-type scalenorm: a stock fairseq transformer has"),
         (("--to", "fairseq", "--quantization", "int8"), "--quantization applies to --to ctranslate2 only"),
-        (("--to", "ctranslate2", "--data", "/nonexistent"), "the dictionaries are needed for the exported vocabularies"),
+        (("--to", "ctranslate2", "--data", "/nonexistent"), "the dictionaries are needed for the exported"),
     ],
 )
 def test_bad_requests_are_one_line_and_write_nothing(twt_checkpoint, tmp_path, capsys, argv, message):

@@ -101,11 +101,12 @@ def _usage(lm: bool, auto: str, tokenizer: bool, dict_names: Sequence[str]) -> s
             "print(tokenizer.batch_decode(model.generate(ids), skip_special_tokens=True))\n```\n"
         )
     first = "`</s>` (2) and then the prompt's ids" if lm else "the source ids followed by `</s>` (2)"
+    files = ", ".join(f"`{n}`" for n in dict_names)
     return (
-        f"No tokenizer: this folder does not know how the training text was tokenised. Token ids are the fairseq "
-        f"dictionary's ({', '.join(f'`{n}`' for n in dict_names)}: the word on line k, counting from 0, has id "
-        f"k + 4; `<s>` 0, `<pad>` 1, `</s>` 2, `<unk>` 3). Tokenise and apply the training's BPE as the data was prepared, map the pieces to ids, and "
-        f"give the model {first}:\n\n```python\nimport torch\n" + load + "ids = torch.tensor([[...]])  # your ids\n"
+        "No tokenizer: this folder does not know how the training text was tokenised. Token ids are the fairseq "
+        f"dictionary's ({files}: the word on line k, counting from 0, has id k + 4; `<s>` 0, `<pad>` 1, `</s>` 2, "
+        "`<unk>` 3). Tokenise and apply the training's BPE as the data was prepared, map the pieces to ids, and give "
+        f"the model {first}:\n\n```python\nimport torch\n{load}ids = torch.tensor([[...]])  # your ids\n"
         "print(model.generate(ids))\n```\n"
     )
 

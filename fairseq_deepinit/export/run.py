@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 CT2_PIN = "ctranslate2==4.8.5"
 METADATA = "deepinit_export.json"
+#: the targets whose model is a folder
+FOLDERS = {routes.CTRANSLATE2: output.CT2_FOLDER, routes.HUGGINGFACE: output.HF_FOLDER}
 
 
 def _require_ctranslate2() -> None:
@@ -90,7 +92,7 @@ def prepare(src: str, dst: str, target: str, only: Only | None = None, force: bo
     (:func:`.output.check_destination` says which).
     """
     output.check_arguments(dst, tolerance)
-    output.check_destination(src, dst, folder=target != routes.FAIRSEQ, force=force)
+    output.check_destination(src, dst, folder=FOLDERS.get(target), force=force)
     if target == routes.CTRANSLATE2:
         _require_ctranslate2()
     if target == routes.HUGGINGFACE:
