@@ -2,7 +2,8 @@
 
 One row per named family (``<family>_iwslt_de_en`` for translation, ``<family>_lm_tiny`` for the language
 model) and per option variant of :data:`VARIANTS`: what ``--to fairseq``, ``--to ctranslate2`` and ``--to
-huggingface`` do with it (stock, folded, exact, the transformers class, refused) and why. ``python -m fairseq_deepinit.export.table`` prints it;
+huggingface`` do with it (stock, folded, exact, the transformers class, refused) and why. ``python -m
+fairseq_deepinit.export.table`` prints it;
 ``--write`` replaces the table between the markers in docs/export.md (a test checks that the committed
 table is the generated one).
 """
