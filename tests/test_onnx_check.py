@@ -49,7 +49,7 @@ def test_a_tolerance_that_is_not_a_finite_number_is_refused(capsys):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     pytest.importorskip("transformers")
-    return {f.name: oc.load(f) for f in oc.tiny_models(tmp_path_factory.mktemp("hf"), seed=1)}
+    return {f.name: oc.load(f) for f in oc.random_models(tmp_path_factory.mktemp("hf"), seed=1)}
 
 
 @pytest.mark.parametrize("kind", sorted(oc.CLASSES))

@@ -1,22 +1,24 @@
 """ONNX export of transformers model folders (FSMT, M2M100, XGLM): onnxruntime's logits against PyTorch's.
 
 For each ``--model DIR`` (a folder written by ``save_pretrained``, as ``deepinit-export --to huggingface``
-writes them; by default three tiny randomly initialised ones, :func:`tiny_models`):
+writes them; by default three randomly initialised ones, one per class, of ``--size`` :data:`SIZES`,
+:func:`random_models`):
 
 1. the model's teacher-forced forward (:class:`TeacherForced`: ``input_ids``, ``attention_mask`` and, for the
    encoder-decoders, ``decoder_input_ids`` -> ``logits``, ``use_cache=False``, float32) is exported with
    ``torch.onnx.export(..., dynamo=True)`` (torch.export, then onnxscript's translation), batch and lengths
    dynamic;
-2. onnxruntime (CPU) runs the file on the export's batch and on a batch of other shapes, both right-padded;
+2. onnxruntime (CPU) runs the file on the export's batch (2 rows, source 7 tokens, target 5) and on one of
+   other shapes (3 rows, 11, 6), both right-padded (:func:`batch`);
 3. the largest absolute difference from the PyTorch model's own forward (``model(**inputs, use_cache=False)``,
-   float32) is printed per model; exit status 1 if one exceeds ``--tolerance`` (the issue's 1e-4), is not
-   finite, or the export fails (its error in one line).
+   float32) is printed per model; exit status 1 if one exceeds ``--tolerance`` (1e-4, deepinit-export's), is
+   not finite, or the export fails (its error in one line).
 
 Why this route and not ``optimum-cli export onnx``, and why FSMT's decoder padding mask is an input of the
-traced forward: docs/onnx.md. The onnx packages are not part of the pinned stack: without them the script says
-how to install them (:data:`INSTALL`) and exits with status 1.
+traced forward: docs/export.md, "ONNX". The onnx packages are not part of the pinned stack: without them the
+script says how to install them (:data:`INSTALL`) and exits with status 1.
 
-    OMP_NUM_THREADS=1 python benchmarks/onnx_check.py
+    OMP_NUM_THREADS=1 python benchmarks/onnx_check.py                # tiny random models (--size base)
     OMP_NUM_THREADS=1 python benchmarks/onnx_check.py --model hf-fsmt --model hf-xglm --out onnx
 """
 
@@ -30,7 +32,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -54,7 +56,11 @@ INSTALL = "pip install onnx==1.23.2 onnxscript==0.7.2 onnxruntime==1.32.0 (and t
 # the data that torch.export refuses; given the mask (decoder_input_ids != pad, what that branch computes), it
 # takes the data-independent path (invert_mask). M2M100 and XGLM mask no decoder padding by default.
 DECODER_PAD_MASK = frozenset({"fsmt"})
-TINY = {"d_model": 32, "layers": 2, "heads": 4, "ffn": 64, "vocab": 50, "positions": 64}
+# the random models' dimensions: tiny for the tests, transformer-base for the logits' scale of a real model
+SIZES = {
+    "tiny": {"d_model": 32, "layers": 2, "heads": 4, "ffn": 64, "vocab": 50, "positions": 64},
+    "base": {"d_model": 512, "layers": 6, "heads": 8, "ffn": 2048, "vocab": 8000, "positions": 256},
+}
 
 
 def require_packages() -> None:
@@ -83,11 +89,12 @@ def model_type(folder: Path) -> str:
     return kind
 
 
-def tiny_models(folder: Path, seed: int) -> List[Path]:
-    """Three randomly initialised models (:data:`TINY`), one per class, saved with ``save_pretrained``."""
+def random_models(folder: Path, seed: int, size: str = "tiny") -> List[Path]:
+    """Three randomly initialised models (:data:`SIZES`), one per class, saved with ``save_pretrained``."""
     import transformers as tf
 
-    t = TINY
+    tf.utils.logging.disable_progress_bar()  # a bar per model would bury the table
+    t = SIZES[size]
     special = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
     seq2seq = {
         "d_model": t["d_model"],
@@ -127,6 +134,7 @@ def load(folder: Path):
     import transformers as tf
 
     cls = getattr(tf, CLASSES[model_type(folder)])
+    tf.utils.logging.disable_progress_bar()
     return cls.from_pretrained(folder, dtype="float32").eval()
 
 
@@ -214,15 +222,17 @@ def export(model, inputs: Dict[str, object], path: Path) -> None:
         quiet.setLevel(level)
 
 
-def max_diff(session, model, inputs: Dict[str, object]) -> float:
-    """max |onnxruntime logits - PyTorch logits| over every position; NaN if either side is not finite."""
+def max_diff(session, model, inputs: Dict[str, object]) -> Tuple[float, float]:
+    """(max |onnxruntime logits - PyTorch logits| over every position, max |PyTorch logit|: the scale); the
+    difference is NaN if either side is not finite or the shapes differ."""
     import numpy as np
 
     want = reference_logits(model, inputs).numpy()
     got = session.run(["logits"], {k: v.numpy() for k, v in inputs.items()})[0]
+    scale = float(np.abs(want).max())
     if got.shape != want.shape or not (np.isfinite(got).all() and np.isfinite(want).all()):
-        return math.nan
-    return float(np.abs(got - want).max())
+        return math.nan, scale
+    return float(np.abs(got - want).max()), scale
 
 
 def one_line(error: BaseException) -> str:
@@ -255,37 +265,29 @@ def check(folder: Path, out: Path, tolerance: float, seed: int, label: str) -> d
         }
     row["export_s"] = round(time.perf_counter() - start, 1)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    row["diff_export_shapes"] = max_diff(session, model, example)
-    row["diff_other_shapes"] = max_diff(session, model, batch(model.config, 3, 11, 6, seed + 1))
+    row["diff_export_shapes"], scale = max_diff(session, model, example)
+    row["diff_other_shapes"], other_scale = max_diff(session, model, batch(model.config, 3, 11, 6, seed + 1))
+    row["max_abs_logit"] = max(scale, other_scale)
     diffs = (row["diff_export_shapes"], row["diff_other_shapes"])
     row["ok"] = all(math.isfinite(d) and d <= tolerance for d in diffs)
-    row["error"] = None if row["ok"] else f"max |diff| {max(diffs)} > {tolerance} or not finite"
+    row["error"] = None if row["ok"] else f"max |diff| {diffs} above {tolerance} or not finite"
     return row
 
 
+def _sci(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2e}"
+
+
 def table(rows: Sequence[dict]) -> str:
-    header = [
-        "model",
-        "class",
-        "attention",
-        "export s",
-        "max abs diff (2x7 -> 5)",
-        "max abs diff (3x11 -> 6)",
-        "result",
-    ]
+    """One row per model: the export's seconds, the two batches' max |logit difference|, the logits' scale."""
+    header = ["model", "class", "attention", "export s", "max abs diff, export's shapes",
+              "max abs diff, other shapes", "max abs logit", "result"]  # fmt: skip
     cells = [
-        [
-            r["model"],
-            r["class"],
-            r["attention"],
-            r["export_s"],
-            None if r["diff_export_shapes"] is None else f"{r['diff_export_shapes']:.2e}",
-            None if r["diff_other_shapes"] is None else f"{r['diff_other_shapes']:.2e}",
-            "ok" if r["ok"] else f"FAIL: {r['error']}",
-        ]
+        [r["model"], r["class"], r["attention"], r["export_s"], _sci(r["diff_export_shapes"]),
+         _sci(r["diff_other_shapes"]), _sci(r.get("max_abs_logit")), "ok" if r["ok"] else f"FAIL: {r['error']}"]
         for r in rows
-    ]
-    return report.markdown_table(header, cells, right=(3, 4, 5))
+    ]  # fmt: skip
+    return report.markdown_table(header, cells, right=(3, 4, 5, 6))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,11 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         action="append",
         default=[],
-        help="a transformers model folder (repeatable; default: three tiny random models, one per class)",
+        help="a transformers model folder (repeatable; default: three random models of --size, one per class)",
     )
     p.add_argument("--out", type=Path, help="folder for the .onnx files (default: a temporary folder, removed)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted max |logit difference|")
-    p.add_argument("--seed", type=positive_int, default=1, help="seed of the tiny models and the batches")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="of the random models (without --model)")
+    p.add_argument("--seed", type=positive_int, default=1, help="seed of the random models and the batches")
     p.add_argument("--json", type=Path, help="write the rows and the environment here")
     return p
 
@@ -319,8 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="onnx_check.") as scratch:
         out = args.out or Path(scratch) / "onnx"
         out.mkdir(parents=True, exist_ok=True)
-        folders = args.model or tiny_models(Path(scratch) / "models", args.seed)
-        labels = [str(f) if args.model else f"tiny {f.name} (random)" for f in folders]
+        folders = args.model or random_models(Path(scratch) / "models", args.seed, args.size)
+        labels = [str(f) if args.model else f"{args.size} {f.name} (random)" for f in folders]
         rows = [check(f, out, args.tolerance, args.seed, label) for f, label in zip(folders, labels, strict=True)]
     extra = ", ".join(f"{k} {meta[k]}" for k, _ in PACKAGES)
     print(report.provenance(meta) + f"\nPackages: {extra}\n\n" + table(rows))
