@@ -59,6 +59,7 @@ def test_the_traced_forward_is_the_models_own_teacher_forced_forward(tiny, kind)
     wrapper passes is the one the model builds from the pads itself)."""
     model = tiny[kind]
     assert type(model).__name__ == oc.CLASSES[kind]
+    assert not model.training and not oc.TeacherForced(model).training  # an exporter restoring it keeps eval
     for size, source, target, seed in ((2, 7, 5, 1), (3, 11, 6, 2), (1, 4, 3, 3)):
         inputs = oc.batch(model.config, size, source, target, seed)
         with torch.no_grad():

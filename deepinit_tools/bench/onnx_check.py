@@ -146,6 +146,9 @@ class TeacherForced(torch.nn.Module):
         self.model = model
         self.seq2seq = model.config.is_encoder_decoder
         self.pad_mask = model.config.model_type in DECODER_PAD_MASK
+        # the model's mode, not a new module's (training): an exporter that restores the mode it found would
+        # otherwise leave the model in training mode, its dropout on
+        self.train(model.training)
 
     def forward(self, input_ids, attention_mask, decoder_input_ids=None):
         if not self.seq2seq:
