@@ -42,6 +42,15 @@ def test_a_folder_that_is_not_one_of_the_three_classes_is_refused_in_one_line(ca
     assert says in _one_line_error(capsys, ["--model", str(tmp_path)])
 
 
+def test_two_model_folders_of_the_same_name_are_refused(capsys, tmp_path):
+    for parent in ("a", "b"):
+        (tmp_path / parent / "m").mkdir(parents=True)
+        (tmp_path / parent / "m" / "config.json").write_text('{"model_type": "xglm"}')
+    assert "same name" in _one_line_error(
+        capsys, ["--model", str(tmp_path / "a" / "m"), "--model", str(tmp_path / "b" / "m")]
+    )
+
+
 def test_a_tolerance_that_is_not_a_finite_number_is_refused(capsys):
     assert "--tolerance" in _one_line_error(capsys, ["--tolerance", "nan"])
 

@@ -302,7 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a transformers model folder (repeatable; default: three random models of --size, one per class)",
     )
-    p.add_argument("--out", type=Path, help="folder for the .onnx files (default: a temporary folder, removed)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the <model folder name>.onnx files, replaced if there (default: a temporary folder, removed)",
+    )
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted max |logit difference|")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="of the random models (without --model)")
     p.add_argument("--seed", type=positive_int, default=1, help="seed of the random models and the batches")
@@ -320,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"onnx_check.py: --tolerance {args.tolerance} is not a finite number >= 0")
     for folder in args.model:
         model_type(folder)
+    if len({folder.name for folder in args.model}) < len(args.model):
+        fail("onnx_check.py: two --model folders of the same name would write the same <name>.onnx")
     require_packages()
     meta = {**report.environment("cpu", "onnx_check.py", argv), **versions()}
     with tempfile.TemporaryDirectory(prefix="onnx_check.") as scratch:
