@@ -15,8 +15,8 @@ writes them; by default three randomly initialised ones, one per class, of ``--s
    not finite, or the export fails (its error in one line).
 
 Why this route and not ``optimum-cli export onnx``, and why FSMT's decoder padding mask is an input of the
-traced forward: docs/export.md, "ONNX". The onnx packages are not part of the pinned stack: without them the
-script says how to install them (:data:`INSTALL`) and exits with status 1.
+traced forward: docs/export.md, "ONNX". The onnx packages are pinned in requirements/onnx.txt (scripts/setup.sh
+installs them); without them the script says how to install them (:data:`INSTALL`) and exits with status 1.
 
     OMP_NUM_THREADS=1 python benchmarks/onnx_check.py                # tiny random models (--size base)
     OMP_NUM_THREADS=1 python benchmarks/onnx_check.py --model hf-fsmt --model hf-xglm --out onnx
@@ -51,7 +51,7 @@ PACKAGES = (
     ("onnxscript", "onnxscript"),
     ("onnxruntime", "onnxruntime"),
 )
-INSTALL = "pip install onnx==1.23.2 onnxscript==0.7.2 onnxruntime==1.32.0 (and transformers==5.23.0)"
+INSTALL = "bash scripts/setup.sh (or pip install --no-deps --require-hashes -r requirements/onnx.txt)"
 # FSMT builds its decoder's padding mask with `if not mask.any()` (transformers' make_padding_mask), a branch on
 # the data that torch.export refuses; given the mask (decoder_input_ids != pad, what that branch computes), it
 # takes the data-independent path (invert_mask). M2M100 and XGLM mask no decoder padding by default.
@@ -72,7 +72,7 @@ def require_packages() -> None:
         except ImportError:
             missing.append(dist)
     if missing:
-        fail(f"onnx_check.py needs {', '.join(missing)}, not in the pinned stack: {INSTALL}")
+        fail(f"onnx_check.py needs {', '.join(missing)}, not installed: {INSTALL}")
 
 
 def model_type(folder: Path) -> str:
