@@ -42,6 +42,8 @@ SEARCHED = [
     ("admin", (), False),
     ("preln", (), False),
     ("preln", ("--activation-fn", "gelu_accurate"), False),
+    ("preln", ("--share-all-embeddings",), False),
+    ("postln", ("--share-decoder-input-output-embed",), False),
     ("postln", ("--activation-fn", "gelu"), False),
     ("preln", ("--activation-fn", "gelu_fast"), True),
 ]

@@ -97,8 +97,13 @@ def _layers(stack, out_prefix: str, sd: Dict[str, torch.Tensor], in_prefix: str,
 
 
 def _plain(stock) -> dict:
-    """The stock model's parameters in float32 (buffers such as fairseq's ``version`` dropped)."""
-    return {k: v.detach().to(torch.float32).clone() for k, v in stock.named_parameters()}
+    """The stock model's weights in float32 under every name (a tied embedding under each of its names; fairseq's
+    ``version`` and ``_float_tensor`` buffers dropped)."""
+    return {
+        k: v.detach().to(torch.float32).clone()
+        for k, v in stock.state_dict().items()
+        if v.is_floating_point() and not k.endswith("_float_tensor")
+    }
 
 
 def dropouts(stock_args: dict) -> dict:
