@@ -73,6 +73,21 @@ def _stored_options(state: dict, args) -> List[str]:
     return out
 
 
+#: what the quickstart writes beside its checkpoints: sacreBLEU of fairseq-generate's test-set translation
+BLEU_FILE = "bleu.txt"
+
+
+def _bleu(src: str) -> str:
+    """The card's BLEU line: the first line of :data:`BLEU_FILE` beside the checkpoint, where there is one."""
+    path = os.path.join(os.path.dirname(os.path.abspath(src)), BLEU_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            first = f.readline().strip()
+        if first:
+            return f"- test-set BLEU of fairseq-generate, as `{BLEU_FILE}` beside the checkpoint records it: `{first}`"
+    return "- BLEU: not recorded beside the checkpoint (the quickstart writes `bleu.txt`; `fairseq-generate` prints it)"
+
+
 def copy_dictionaries(out: str, files: Sequence[str]) -> List[str]:
     """Copy the model's fairseq dictionaries into ``out``; their names there."""
     names = []
@@ -162,7 +177,7 @@ def write_card(
         "",
         f"- data: `{task.get('data', 'not recorded')}`" + (f" ({langs[0]} -> {langs[1]})" if langs else ""),
         "- options stored in the checkpoint: " + (" ".join(f"`{o}`" for o in _stored_options(state, args)) or "none"),
-        "- BLEU: not recorded in the checkpoint (the quickstart and `fairseq-generate` print it)",
+        _bleu(src),
         "",
         "## Use",
         "",
