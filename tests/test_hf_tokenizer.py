@@ -60,7 +60,8 @@ def corpus(tmp_path_factory):
             (raw / f"{split}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     prepare_bible.learn_apply_bpe(raw, bpe, MERGES)
     dictionary = build_dictionary([bpe / "train.de", bpe / "train.en"])
-    dictionary.save(str(data / "dict.de.txt"))
+    for lang in ("de", "en"):  # joined, as the quickstart's
+        dictionary.save(str(data / f"dict.{lang}.txt"))
     assert prepare_bible.main(["mark", "--bpe", str(bpe), "--bin", str(data)]) == 0
     return root, raw, bpe, data, dictionary
 
@@ -243,3 +244,20 @@ def test_the_quickstart_marks_its_data_on_every_run():
     mark = script.index('prepare_bible.py mark --bpe "$BPE" --bin "$BIN"')
     assert script.index('touch "$BIN/.done"') < mark < script.index("step train")
     assert script.rindex("\nfi\n", 0, mark) > script.index('touch "$BIN/.done"')
+
+
+@pytest.mark.slow  # the corpus fixture runs subword-nmt's commands
+def test_the_check_tool_reports_every_line_equal(corpus, capsys):
+    """scripts/hf_tokenizer_check.py (deepinit_tools.hf_tokenizer_check): on the small corpus, every line's ids and
+    decoding equal, and the filter's effect (the reason for the remote-code tokenizer) is there to see."""
+    from deepinit_tools import hf_tokenizer_check
+
+    _, raw, _, data, _ = corpus
+    assert hf_tokenizer_check.main(["--raw", str(raw), "--bin", str(data), "--splits", "valid", "test"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == ["valid.de", "test.de", "valid.en", "test.en"]
+    for line, (_, n) in zip(lines, [SIZES["valid"], SIZES["test"]] * 2, strict=True):
+        assert f"ids == pipeline {n}/{n}; decode == remove-bpe + detokenize {n}/{n}" in line, line
+        changed = int(line.split("filter changes sentences ")[1].split("/")[0])
+        assert changed > n // 2, line
+    assert hf_tokenizer_check.main(["--raw", str(raw / "nothing"), "--bin", str(data)]) == 1
