@@ -261,3 +261,73 @@ def test_the_check_tool_reports_every_line_equal(corpus, capsys):
         changed = int(line.split("filter changes sentences ")[1].split("/")[0])
         assert changed > n // 2, line
     assert hf_tokenizer_check.main(["--raw", str(raw / "nothing"), "--bin", str(data)]) == 1
+
+
+def small_multi30k(root: Path, n: int) -> Path:
+    """The first ``n`` lines of each Multi30k file, as it is (cased), in a temporary folder of Multi30k's names."""
+    import gzip
+
+    root.mkdir(parents=True, exist_ok=True)
+    for name in multi30k.SHA256:
+        with (
+            gzip.open(MULTI30K / name, "rt", encoding="utf-8") as f,
+            gzip.open(root / name, "wt", encoding="utf-8") as g,
+        ):
+            for _, line in zip(range(n), f, strict=False):
+                g.write(line)
+    return root
+
+
+def binarised(prefix: Path, dictionary) -> list:
+    from fairseq.data import data_utils
+
+    data = data_utils.load_indexed_dataset(str(prefix), dictionary)
+    return [data[i].tolist() for i in range(len(data))]
+
+
+@pytest.mark.slow  # subword-nmt and fairseq-preprocess
+def test_the_multi30k_matrix_data_is_marked_and_its_tokenizers_give_its_ids(tmp_path):
+    """multi30k.prepare_bpe (separate dictionaries): the marker is written, the source tokenizer's ids are the
+    binarised German test set, the target tokenizer's the English one; a folder prepared before the marker
+    existed gets it on the next call, with nothing redone."""
+    from fairseq.data import Dictionary
+
+    needs_multi30k()
+    work = tmp_path / "work"
+    data = multi30k.prepare_bpe(work, 300, small_multi30k(tmp_path / "m30k", 200))
+    pipeline = ht.describe_pipeline(data)
+    assert pipeline.pretokenizer == "punct" and pipeline.vocabulary_threshold == prepare_bible.VOCAB_THRESHOLD
+    dicts = {lang: Dictionary.load(str(data / f"dict.{lang}.txt")) for lang in ("de", "en")}
+    assert ht.write_tokenizer(tmp_path / "tok", dicts["de"], dicts["en"], pipeline) == [
+        tmp_path / "tok",
+        tmp_path / "tok" / ht.TARGET_SUBDIR,
+    ]
+    for lang, folder in (("de", tmp_path / "tok"), ("en", tmp_path / "tok" / ht.TARGET_SUBDIR)):
+        raw = (work / "raw" / f"test.{lang}").read_text(encoding="utf-8").splitlines()
+        assert load(folder)(raw)["input_ids"] == binarised(data / f"test.de-en.{lang}", dicts[lang])
+    (data / ht.MARKER).unlink()
+    before = (data / "train.de-en.de.bin").stat().st_mtime_ns
+    assert multi30k.prepare_bpe(work, 300, tmp_path / "absent") == data  # not even looked up again
+    assert ht.describe_pipeline(data) == pipeline and (data / "train.de-en.de.bin").stat().st_mtime_ns == before
+
+
+@pytest.mark.slow  # fairseq-preprocess
+def test_the_word_level_data_is_marked_and_its_tokenizer_gives_its_ids(tmp_path):
+    """multi30k.binarize_multi30k: the marker names its pre-tokeniser; the tokenizer's ids are the binarised
+    validation set; a reused folder (its STAMP.json) gets the marker back."""
+    from fairseq.data import Dictionary
+
+    needs_multi30k()
+    root = small_multi30k(tmp_path / "m30k", 300)
+    splits = {"train": ("train", 250), "valid": ("val", 100)}
+    data = multi30k.binarize_multi30k(root, tmp_path / "bin", splits, tokenizer="words")
+    pipeline = ht.describe_pipeline(data)
+    assert pipeline.pretokenizer == "words" and pipeline.codes is None
+    dicts = {lang: Dictionary.load(str(data / f"dict.{lang}.txt")) for lang in ("de", "en")}
+    ht.write_tokenizer(tmp_path / "tok", dicts["de"], dicts["en"], pipeline)
+    raw = multi30k.read_lines(root, "val", "de", lambda line: line, 100)
+    ids = load(tmp_path / "tok")(raw)["input_ids"]
+    assert ids == binarised(data / "valid.de-en.de", dicts["de"]) and any(dicts["de"].unk() in x for x in ids)
+    (data / ht.MARKER).unlink()
+    assert multi30k.binarize_multi30k(root, tmp_path / "bin", splits, tokenizer="words") == data
+    assert ht.describe_pipeline(data) == pipeline
