@@ -19,7 +19,6 @@ the binarised folder with its marker, which names the codes and vocabularies) it
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import sys
 import tempfile
@@ -95,16 +94,18 @@ def check(raw_dir: Path, bin_dir: Path, splits: Sequence[str], why_not: bool = T
     dictionary = Dictionary.load(str(bin_dir / f"dict.{langs[0]}.txt"))
     if dictionary.symbols != Dictionary.load(str(bin_dir / f"dict.{langs[1]}.txt")).symbols:
         raise SystemExit(f"{bin_dir}: the dictionaries differ; this check reads joined dictionaries only")
+    if pipeline.codes is None or pipeline.pretokenizer != "punct":
+        raise SystemExit(f"{bin_dir}: not prepare_bible's text (tokenize, subword-nmt BPE), which this check reads")
     codes_text = pipeline.codes.read_text(encoding="utf-8")
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for src, tgt in (langs, langs[::-1]):
-            folder = Path(tmp) / src
-            ht.write_tokenizer(folder, dictionary, dictionary, dataclasses.replace(pipeline, source_lang=src,
-                                                                                  target_lang=tgt))  # fmt: skip
+        folders = ht.write_tokenizer(Path(tmp) / "tok", dictionary, dictionary, pipeline)
+        for src, folder in zip(langs, (folders[0], folders[-1]), strict=True):  # the source's, the target's
             tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
-            with open(pipeline.vocabularies[src], encoding="utf-8") as f:
-                vocab = read_vocabulary(f, pipeline.vocabulary_threshold)
+            vocab = None
+            if pipeline.vocabulary_threshold is not None:
+                with open(pipeline.vocabularies[src], encoding="utf-8") as f:
+                    vocab = read_vocabulary(f, pipeline.vocabulary_threshold)
             filtered = _bpe(codes_text, vocab)
             for split in splits:
                 raw = (raw_dir / f"{split}.{src}").read_text(encoding="utf-8").splitlines()
@@ -114,12 +115,12 @@ def check(raw_dir: Path, bin_dir: Path, splits: Sequence[str], why_not: bool = T
                 prefix = bin_dir / f"{split}.{langs[0]}-{langs[1]}.{src}"
                 data = (
                     data_utils.load_indexed_dataset(str(prefix), dictionary) if Path(f"{prefix}.bin").exists() else None
-                )  # noqa: E501
+                )
                 binarised = (
                     [data[i].tolist() for i in range(len(data))] if data is not None and len(data) == len(raw) else None
-                )  # noqa: E501
+                )
                 figures = tokenizer_figures(tok, raw, want, binarised, dictionary)
-                if why_not:
+                if why_not and vocab is not None:
                     figures.update(filter_figures(tokenised, codes_text, vocab, set(dictionary.symbols)))
                 out.append(f"{split}.{src} ({len(raw)} lines): " + "; ".join(f"{k} {v}" for k, v in figures.items()))
                 print(out[-1], flush=True)

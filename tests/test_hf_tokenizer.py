@@ -101,25 +101,25 @@ def test_the_pre_tokenisers_are_the_pipelines_on_every_line():
 
 @pytest.mark.slow  # the corpus fixture runs subword-nmt's commands
 def test_ids_are_the_pipelines_on_every_line(corpus, tmp_path):
-    """Every line of every split, in both languages (the English side through a tokenizer written with the
-    languages swapped): the tokenizer's ids are Dictionary.encode_line of the BPE file fairseq binarised."""
+    """Every line of every split, in both languages (German through the folder's tokenizer, English through
+    target_tokenizer/, which applies the English vocabulary filter): the tokenizer's ids are
+    Dictionary.encode_line of the BPE file fairseq binarised."""
     _, raw, bpe, data, dictionary = corpus
     pipeline = ht.describe_pipeline(data)
     assert pipeline is not None and pipeline.vocabulary_threshold == prepare_bible.VOCAB_THRESHOLD
-    for src, tgt in (("de", "en"), ("en", "de")):
-        out = tmp_path / src
-        assert ht.write_tokenizer(out, dictionary, dictionary, dataclasses.replace(pipeline, source_lang=src,
-                                                                                target_lang=tgt)) == [out]  # fmt: skip
-        tok = load(out)
+    written = ht.write_tokenizer(tmp_path / "tok", dictionary, dictionary, pipeline)
+    assert written == [tmp_path / "tok", tmp_path / "tok" / ht.TARGET_SUBDIR]
+    for lang, folder in zip(("de", "en"), written, strict=True):
+        tok = load(folder)
         for split in SIZES:
-            lines = (raw / f"{split}.{src}").read_text(encoding="utf-8").splitlines()
+            lines = (raw / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()
             want = [dictionary.encode_line(line, add_if_not_exist=False, append_eos=True).tolist()
-                    for line in (bpe / f"{split}.{src}").read_text(encoding="utf-8").splitlines()]  # fmt: skip
-            assert tok(lines)["input_ids"] == want, (src, split)
+                    for line in (bpe / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()]  # fmt: skip
+            assert tok(lines)["input_ids"] == want, (lang, split)
         extra = tok(EXTRA)["input_ids"]
-        assert extra == pipeline_ids(EXTRA, bpe, src, dictionary) and dictionary.unk() in extra
-        tok.save_pretrained(tmp_path / f"{src}-saved")  # what transformers writes back loads as the same tokenizer
-        assert load(tmp_path / f"{src}-saved")(lines)["input_ids"] == want
+        assert extra == pipeline_ids(EXTRA, bpe, lang, dictionary) and dictionary.unk() in extra
+        tok.save_pretrained(tmp_path / f"{lang}-saved")  # what transformers writes back loads as the same tokenizer
+        assert load(tmp_path / f"{lang}-saved")(lines)["input_ids"] == want
 
 
 @pytest.mark.slow  # the corpus fixture runs subword-nmt's commands

@@ -172,7 +172,9 @@ def _write_one(folder: Path, dictionary, pipeline: TextPipeline, lang: str, mode
     }
     if pipeline.codes is not None:
         shutil.copyfile(pipeline.codes, folder / "bpe.codes")
-        if pipeline.vocabulary_threshold is not None and pipeline.vocabularies is not None:
+        if pipeline.vocabulary_threshold is not None:
+            if lang not in (pipeline.vocabularies or {}):
+                raise PipelineError(f"a vocabulary threshold without the {lang} BPE vocabulary: give vocabularies")
             shutil.copyfile(pipeline.vocabularies[lang], folder / "bpe.vocab")
             config["vocabulary_threshold"] = pipeline.vocabulary_threshold
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
@@ -182,12 +184,15 @@ def write_tokenizer(
     out_dir: str | Path, src_dict, tgt_dict, pipeline: TextPipeline, model_max_length: int = 1024
 ) -> List[Path]:
     """Write the tokenizer of ``pipeline`` into ``out_dir``: the source language's (its text encodes as the
-    encoder's input), over ``src_dict``. Where ``tgt_dict`` differs (no joined dictionary), the target's goes
-    into ``out_dir/target_tokenizer`` (its ``batch_decode`` turns generated ids into text). ``src_dict`` and
-    ``tgt_dict`` are fairseq ``Dictionary`` objects (or symbol lists). Returns the folders written."""
+    encoder's input), over ``src_dict``; with a joined dictionary it also decodes generated ids. Where the target
+    language's text is made differently (another dictionary, or the BPE vocabulary filter of its own language),
+    the target's tokenizer goes into ``out_dir/target_tokenizer`` too (target text to label ids, generated ids to
+    text). ``src_dict`` and ``tgt_dict`` are fairseq ``Dictionary`` objects (or symbol lists). Returns the folders
+    written."""
     out_dir = Path(out_dir)
     _write_one(out_dir, src_dict, pipeline, pipeline.source_lang, model_max_length)
-    if _symbols_and_counts(src_dict)[0] == _symbols_and_counts(tgt_dict)[0]:
+    joined = _symbols_and_counts(src_dict)[0] == _symbols_and_counts(tgt_dict)[0]
+    if joined and (pipeline.codes is None or pipeline.vocabulary_threshold is None):
         return [out_dir]
     _write_one(out_dir / TARGET_SUBDIR, tgt_dict, pipeline, pipeline.target_lang, model_max_length)
     return [out_dir, out_dir / TARGET_SUBDIR]
