@@ -204,6 +204,10 @@ LONGEST=$(awk '{ if (NF > m) m = NF } END { print m + 1 }' "$BPE/valid.de" "$BPE
 [ "$((10#$MAX_TOKENS))" -ge "$LONGEST" ] \
   || die "MAX_TOKENS=$MAX_TOKENS: the longest dev sentence has $LONGEST tokens with its </s>; give MAX_TOKENS >= $LONGEST"
 
+# how the text was made (tokeniser, BPE codes and vocabularies), recorded beside the binarised data for
+# deepinit-export --to huggingface's tokenizer; also into a folder binarised before the record existed
+"$PY" scripts/prepare_bible.py mark --bpe "$BPE" --bin "$BIN"
+
 mkdir -p "$RUN"
 printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
 
