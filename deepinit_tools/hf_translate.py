@@ -1,8 +1,9 @@
 """Raw text through an exported Hugging Face model, with transformers alone, as the quickstart translates with fairseq.
 
 ``deepinit-export CHECKPOINT OUT --to huggingface`` writes the model and, for data prepared by this project's
-pipelines, its tokenizer; this translates raw sentences with them and nothing else: ``AutoTokenizer`` (the
-pipeline's tokenisation, BPE and dictionary ids), ``AutoModelForSeq2SeqLM.generate`` with fairseq-generate's
+pipelines, its tokenizer; this translates raw sentences with them and nothing else: ``AutoTokenizer``
+(the pipeline's tokenisation, BPE and dictionary ids; ``trust_remote_code``: docs/export_tokenizer.md),
+``AutoModelForSeq2SeqLM.generate`` with fairseq-generate's
 search (beam, ``--lenpen``, ``--max-len-a/b``: at most ``int(a n + b)`` words then ``</s>``, ``n`` the source's
 tokens with its ``</s>``; sentences of one length decoded together, so each has its own limit), and
 ``batch_decode`` (BPE removed, detokenised). Neither fairseq nor the plugin is imported (:func:`main` checks).
@@ -25,6 +26,10 @@ from typing import List, Sequence
 from deepinit_tools.decode_report import bleu, fairseq_speed
 from deepinit_tools.prepare_bible import read_hypotheses
 
+#: where the export puts the target language's tokenizer when it differs (hf_tokenizer.TARGET_SUBDIR; not imported:
+#: this tool imports nothing of the plugin)
+TARGET_TOKENIZER = "target_tokenizer"
+
 
 @dataclass
 class Translation:
@@ -45,6 +50,7 @@ class Translation:
 def translate(
     model,
     tokenizer,
+    decoder,
     lines: Sequence[str],
     beam: int = 5,
     lenpen: float = 1.0,
@@ -52,7 +58,8 @@ def translate(
     max_len_b: int = 200,
     batch_size: int = 64,
 ) -> Translation:
-    """Raw sentences -> detokenised hypotheses (module docstring)."""
+    """Raw sentences -> detokenised hypotheses (module docstring); ``tokenizer`` encodes the source, ``decoder`` (the
+    folder's target tokenizer, or the same) decodes."""
     import torch
 
     ids = tokenizer(list(lines)).input_ids
@@ -82,7 +89,7 @@ def translate(
                 tokens += len(words) + 1
                 if len(words) >= limit:
                     at_limit.append(i)
-                out[i] = tokenizer.decode(words, skip_special_tokens=True)
+                out[i] = decoder.decode(words, skip_special_tokens=True)
     return Translation([h or "" for h in out], tokens, seconds, sorted(at_limit))
 
 
@@ -136,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    if not (Path(args.model) / "tokenizer.json").is_file():
+    if not (Path(args.model) / "tokenization_deepinit.py").is_file():
         print(
             f"translate_hf.py: error: {args.model} has no tokenizer (its data folder did not say how its text was "
             "made: README.md there says how to give the model ids)",

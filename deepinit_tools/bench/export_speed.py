@@ -88,8 +88,10 @@ class Fairseq:
         from fairseq import checkpoint_utils
 
         plugin()
+        # in float32 as the exports are checked, whatever precision trained it (a --autocast-bf16 run's task would
+        # otherwise generate under bf16 autocast)
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-            [str(checkpoint)], arg_overrides={"data": str(data)}
+            [str(checkpoint)], arg_overrides={"data": str(data), "autocast_bf16": False}
         )
         self.model = models[0].float().eval()
         self.task = task

@@ -97,23 +97,32 @@ def copy_dictionaries(out: str, files: Sequence[str]) -> List[str]:
     return names
 
 
-def _usage(lm: bool, auto: str, tokenizer: bool, dict_names: Sequence[str]) -> str:
+#: why the tokenizer is code of its own (docs/export_tokenizer.md has the measurement)
+REMOTE_CODE = (
+    "The tokenizer needs `trust_remote_code=True`: it is the training pipeline's own (the pre-tokeniser, "
+    "subword-nmt's BPE with its vocabulary filter, the fairseq dictionary), carried as `tokenization_deepinit.py` "
+    "(standard library and transformers only; read it first), because no `tokenizers` BPE reproduces the "
+    "vocabulary filter: without it most sentences would get other ids than the model was trained on."
+)
+
+
+def _usage(lm: bool, auto: str, tokenizer: bool, dict_names: Sequence[str], target: Sequence[str] = ()) -> str:
     load = f'from transformers import {auto}\nmodel = {auto}.from_pretrained("OUT")\n'
-    if tokenizer and not lm:
-        return (
-            "```python\nfrom transformers import AutoTokenizer\n"
-            + load
-            + 'tokenizer = AutoTokenizer.from_pretrained("OUT")\n'
-            'batch = tokenizer(["a raw source sentence"], return_tensors="pt", padding=True)\n'
-            "print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))\n```\n"
-        )
     if tokenizer:
+        decoder = "tokenizer"
+        lines = ['tokenizer = AutoTokenizer.from_pretrained("OUT", trust_remote_code=True)\n']
+        if target:
+            decoder = "target"
+            lines.append(f'target = AutoTokenizer.from_pretrained("OUT/{target[0]}", trust_remote_code=True)\n')
+        text = "a raw prompt" if lm else "a raw source sentence"
         return (
             "```python\nfrom transformers import AutoTokenizer\n"
             + load
-            + 'tokenizer = AutoTokenizer.from_pretrained("OUT")\n'
-            'ids = tokenizer(["a raw prompt"], return_tensors="pt").input_ids\n'
-            "print(tokenizer.batch_decode(model.generate(ids), skip_special_tokens=True))\n```\n"
+            + "".join(lines)
+            + f'batch = tokenizer(["{text}"], return_tensors="pt", padding=True)\n'
+            f"print({decoder}.batch_decode(model.generate(**batch), skip_special_tokens=True))\n```\n\n"
+            + REMOTE_CODE
+            + "\n"
         )
     first = "`</s>` (2) and then the prompt's ids" if lm else "the source ids followed by `</s>` (2)"
     files = ", ".join(f"`{n}`" for n in dict_names)
@@ -138,6 +147,7 @@ def write_card(
     tokenizer: bool,
     dict_names: Sequence[str],
     max_diff: float | None,
+    target_tokenizer: Sequence[str] = (),
 ) -> None:
     """Write ``out/README.md`` (module docstring)."""
     c = hf.config
@@ -181,7 +191,7 @@ def write_card(
         "",
         "## Use",
         "",
-        _usage(lm, auto, tokenizer, dict_names),
+        _usage(lm, auto, tokenizer, dict_names, target_tokenizer),
         "`generation_config.json` is fairseq-generate's default search: beam 5, scores divided by length^1, at most "
         "200 words. On a source the two search alike; after a language model's prompt fairseq also counts the "
         "prompt in the length normalisation, so beams above 1 may rank differently (greedy search is identical).",

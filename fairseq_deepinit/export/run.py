@@ -19,7 +19,7 @@ from typing import List
 import torch
 
 from ..errors import ExportError
-from . import model_card, output, scoring, source, to_ct2, to_fairseq, to_hf
+from . import hf_tokenizer, model_card, output, scoring, source, to_ct2, to_fairseq, to_hf
 from . import route as routes
 from .fold import plain_state_dict
 from .route import Route
@@ -211,18 +211,23 @@ def export_hf(
     langs = [task.get("source_lang") or "src", task.get("target_lang") or "tgt"]
     hf = to_hf.hf_model(route.hf_class, stock, stock_args, dicts, to_hf.dropouts(stock_args), langs)
     class_name, _config, auto = to_hf.CLASSES[route.hf_class]
-    pipeline = None
+    pipeline = hf_tokenizer.describe_pipeline(source.data_folder(state, data))
     summary = {"route": route, "hf_class": class_name, "tokenizer": pipeline is not None}
 
     def write(tmp: str) -> None:
         hf.save_pretrained(tmp)
         to_hf.generation_config(hf, stock_args).save_pretrained(tmp)
         names = model_card.copy_dictionaries(tmp, files)
+        tokenizers = []
+        if pipeline is not None:
+            positions = int(hf.config.max_position_embeddings)
+            tokenizers = hf_tokenizer.write_tokenizer(tmp, dicts[0], dicts[-1], pipeline, model_max_length=positions)
         if check:
             summary["max_abs_diff"] = to_hf.check_hf_dir(tmp, model, tolerance)
         spec = source.model_spec(args)
         diff = summary.get("max_abs_diff")
-        model_card.write_card(tmp, src, state, args, spec, route, hf, auto, pipeline is not None, names, diff)
+        target = [os.path.relpath(t, tmp) for t in tokenizers[1:]]
+        model_card.write_card(tmp, src, state, args, spec, route, hf, auto, pipeline is not None, names, diff, target)
 
     output.save_atomically(write, dst)
     return summary
