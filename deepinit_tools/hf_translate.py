@@ -154,8 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with source:
         lines = [line.rstrip("\n") for line in source]
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    result = translate(model, tokenizer, lines, args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.batch_size)
+    # the folder's tokenizer is the training pipeline's own code (docs/export_tokenizer.md), hence trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    target = Path(args.model) / TARGET_TOKENIZER
+    decoder = AutoTokenizer.from_pretrained(target, trust_remote_code=True) if target.is_dir() else tokenizer
+    result = translate(
+        model, tokenizer, decoder, lines, args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.batch_size
+    )
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_deepinit"))
     if loaded:
         raise AssertionError(f"translate_hf.py imported {', '.join(loaded[:3])}; it must run on transformers alone")
