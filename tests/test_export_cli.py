@@ -213,6 +213,6 @@ def test_an_option_the_route_was_not_written_for_is_refused(monkeypatch):
     monkeypatch.setattr(route, "UNDERSTOOD", route.UNDERSTOOD - {"layernorm_scaling"})
     reasons = route.classify(args).reasons
     want = "--layernorm-scaling (LayerNorm Scaling): the export does not carry this option yet"
-    assert reasons == {route.FAIRSEQ: want, route.CTRANSLATE2: want}
+    assert reasons == {target: want for target in route.TARGETS}
     monkeypatch.setattr(route, "KNOWN_RESIDUALS", ("none",))
     assert "no fold for this residual" in route.classify(resolved(("admin", (), False))).reasons[route.FAIRSEQ]
