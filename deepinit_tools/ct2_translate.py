@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence, TextIO
 
+from deepinit_tools.decode_report import bleu, fairseq_speed
 from deepinit_tools.prepare_bible import detokenize, read_hypotheses, tokenize
 from fairseq_deepinit.export.decoding import FairseqDecoding, fairseq_batches, translate_tokens
 from fairseq_deepinit.export.run import METADATA
@@ -109,27 +109,6 @@ def translate_lines(
 ) -> Translation:
     """Raw sentences -> detokenised hypotheses (the module docstring's pipeline)."""
     return translate_bpe(translator, [bpe(tokenize(line)) for line in lines], decoding, batch_size, target_lengths)
-
-
-_FAIRSEQ_SPEED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
-
-
-def fairseq_speed(log: Path) -> float | None:
-    """fairseq-generate's tokens per second (generation time only) from its log, or None."""
-    found = _FAIRSEQ_SPEED.findall(Path(log).read_text(encoding="utf-8", errors="replace"))
-    if not found:
-        return None
-    _sentences, tokens, seconds = found[-1]
-    return int(tokens.replace(",", "")) / float(seconds)
-
-
-def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> str:
-    import sacrebleu
-
-    metric = sacrebleu.metrics.BLEU()
-    return (
-        f"{metric.corpus_score(list(hypotheses), [list(references)])} (sacrebleu signature: {metric.get_signature()})"
-    )
 
 
 def compare(result: Translation, args, out: TextIO = sys.stdout) -> None:

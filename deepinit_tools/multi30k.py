@@ -197,6 +197,7 @@ def binarize_multi30k(
     if stamp.exists():
         have = json.loads(stamp.read_text())
         if {k: have.get(k) for k in want} == want:
+            _mark_words(dest, tokenizer)  # a folder binarised before the record existed gets it now
             return dest
     if "train" not in splits:
         raise ValueError("binarize_multi30k needs a train split (the dictionaries are built on it)")
@@ -225,7 +226,15 @@ def binarize_multi30k(
         for path in dest.glob("*.tok.*"):
             path.unlink()  # never keep a text copy of the corpus
     stamp.write_text(json.dumps({**want, "raw": str(raw_dir)}))
+    _mark_words(dest, tokenizer)
     return dest
+
+
+def _mark_words(dest: Path, tokenizer: str) -> None:
+    """Record the word-level pipeline in ``dest`` for ``deepinit-export --to huggingface``'s tokenizer."""
+    from fairseq_deepinit.export.hf_tokenizer import write_marker  # the plugin's import is slow: only here
+
+    write_marker(dest, ("de", "en"), tokenizer)
 
 
 def prepare_bpe(work: Path, merges: int, multi30k_dir: str | Path | None = None) -> Path:
@@ -233,8 +242,11 @@ def prepare_bpe(work: Path, merges: int, multi30k_dir: str | Path | None = None)
     :data:`SPLITS`). The corpus is looked up (and downloaded if need be) only when ``work/bin`` is not
     there yet."""
     bin_dir = work / "bin"
+    bpe = work / f"bpe{merges}"
     if (bin_dir / ".done").exists():
         log(f"data already prepared: {bin_dir}")
+        if (bpe / "codes").exists():  # a folder prepared before the record existed gets it now
+            prepare_bible.mark(bpe, bin_dir)
         return bin_dir
     corpus = locate(multi30k_dir)
     log(f"Multi30k from {corpus}")
@@ -244,7 +256,6 @@ def prepare_bpe(work: Path, merges: int, multi30k_dir: str | Path | None = None)
         for lang in ("de", "en"):
             lines = read_lines(corpus, split, lang, spaces)
             (raw / f"{out}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    bpe = work / f"bpe{merges}"
     log(f"joint BPE ({merges} merges) on the tokenised training text")
     prepare_bible.learn_apply_bpe(raw, bpe, merges, splits=tuple(SPLITS))
     cmd = fa.preprocess(bpe / "train", bin_dir, valid=bpe / "valid", tests=[bpe / "test", bpe / "test1"], workers=2)
@@ -252,6 +263,7 @@ def prepare_bpe(work: Path, merges: int, multi30k_dir: str | Path | None = None)
     with open(log_path, "w", encoding="utf-8") as f:
         if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
             raise Multi30kError(f"fairseq-preprocess failed: see {log_path}, then re-run `prepare`")
+    prepare_bible.mark(bpe, bin_dir)  # for deepinit-export --to huggingface's tokenizer
     (bin_dir / ".done").write_text("ok\n")
     return bin_dir
 

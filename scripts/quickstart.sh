@@ -13,7 +13,8 @@
 #   SRC_BIBLE [s]  TGT_BIBLE [k]  BPE_MERGES [8000]  MAX_LEN [80]  WORK_DIR [work-data]
 #   SKIP_SETUP [0]  THREADS [auto: the cores the load average leaves idle, at least 1]
 #   PRECISION [auto: bf16 autocast on a CPU with native bf16 and AMX, else fp32] (or bf16, fp32)
-#   EXPORT [1] (0: skip the last step, the model exported to CTranslate2 and compared with fairseq-generate)
+#   EXPORT [1] (0: skip the last steps, the model exported to CTranslate2 and to transformers and compared with
+#     fairseq-generate)
 # Every knob is checked before any work (one line, exit status 1) and none is ever run as code; the
 # training options are parsed by fairseq-train right after set-up, before the corpus is fetched.
 set -euo pipefail
@@ -203,6 +204,10 @@ LONGEST=$(awk '{ if (NF > m) m = NF } END { print m + 1 }' "$BPE/valid.de" "$BPE
 [ "$((10#$MAX_TOKENS))" -ge "$LONGEST" ] \
   || die "MAX_TOKENS=$MAX_TOKENS: the longest dev sentence has $LONGEST tokens with its </s>; give MAX_TOKENS >= $LONGEST"
 
+# how the text was made (tokeniser, BPE codes and vocabularies), recorded beside the binarised data for
+# deepinit-export --to huggingface's tokenizer; also into a folder binarised before the record existed
+"$PY" scripts/prepare_bible.py mark --bpe "$BPE" --bin "$BIN"
+
 mkdir -p "$RUN"
 printf '%s\n' "${TRAIN_ARGS[@]}" > "$RUN/train.args"
 
@@ -295,4 +300,28 @@ if [ "$EXPORT" = 1 ]; then
     --batch-size 64 --target-bpe "$BPE/test.en" --threads "$THREADS" --reference "$CORPUS/raw/test.en" \
     --fairseq-output "$GEN" --fairseq-log "$RUN/generate.log" | tee "$RUN/ctranslate2.txt"
   echo "fairseq-generate: $(head -1 "$RUN/bleu.txt")"
+
+  # The same through Hugging Face transformers alone (the tokenizer written with the model), where a transformers
+  # class computes the model (docs/export.md): the default twt_iwslt_de_en (ScaleNorm) is not one, and the line
+  # says so; ARCH=preln_iwslt_de_en or a Post-LN family is.
+  echo
+  echo "==> [$(date +%H:%M:%S), +$((SECONDS - T0))s] export: the model as transformers', the test set again (beam $BEAM)"
+  HF=$RUN/huggingface
+  if [ -f "$HF/model.safetensors" ] && [ "$HF/model.safetensors" -nt "$RUN/checkpoint_last.pt" ]; then
+    echo "already exported: $HF"
+  elif "$PY" -m fairseq_deepinit.export.cli "$RUN/checkpoint_last.pt" "$HF" --to huggingface --data "$BIN" --force \
+      > "$RUN/export-hf.log" 2>&1; then
+    grep -o "wrote .*" "$RUN/export-hf.log" | tail -1
+  elif grep -q "error: cannot export to huggingface:" "$RUN/export-hf.log"; then
+    sed -n 's/.*error: cannot export to huggingface: /transformers: not exported: /p' "$RUN/export-hf.log"
+    HF=""
+  else
+    tail -3 "$RUN/export-hf.log"; echo "error: deepinit-export --to huggingface failed"; exit 1
+  fi
+  if [ -n "$HF" ]; then
+    "$PY" scripts/translate_hf.py "$HF" --input "$CORPUS/raw/test.de" --output "$RUN/transformers-test.en" \
+      --beam "$BEAM" --max-len-a 1.2 --max-len-b 20 --batch-size 64 --threads "$THREADS" \
+      --reference "$CORPUS/raw/test.en" --fairseq-output "$GEN" --fairseq-log "$RUN/generate.log" \
+      | tee "$RUN/transformers.txt"
+  fi
 fi

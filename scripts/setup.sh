@@ -16,6 +16,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" -r requirements/lock.txt
   "${PIP[@]}" --no-deps --require-hashes -r requirements/fairseq.txt
   "${PIP[@]}" --no-deps --require-hashes -r requirements/ctranslate2.txt  # deepinit-export --to ctranslate2
+  "${PIP[@]}" --no-deps --require-hashes -r requirements/huggingface.txt  # deepinit-export --to huggingface
+  "${PIP[@]}" --no-deps --require-hashes -r requirements/onnx.txt  # benchmarks/onnx_check.py
   echo "$want" > "$stamp"
 fi
 # Non-editable on purpose: fairseq resolves `--user-dir fairseq_deepinit` next to its own

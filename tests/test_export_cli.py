@@ -79,7 +79,7 @@ def test_int8_is_checked_in_float32_first_and_reported(twt_checkpoint, tmp_path,
     [
         (("--to", "fairseq"), "cannot export to fairseq: --norm-type scalenorm: a stock fairseq transformer has"),
         (("--to", "fairseq", "--quantization", "int8"), "--quantization applies to --to ctranslate2 only"),
-        (("--to", "ctranslate2", "--data", "/nonexistent"), "the dictionaries are needed for CTranslate2's"),
+        (("--to", "ctranslate2", "--data", "/nonexistent"), "the dictionaries are needed for the exported"),
     ],
 )
 def test_bad_requests_are_one_line_and_write_nothing(twt_checkpoint, tmp_path, capsys, argv, message):
@@ -213,6 +213,6 @@ def test_an_option_the_route_was_not_written_for_is_refused(monkeypatch):
     monkeypatch.setattr(route, "UNDERSTOOD", route.UNDERSTOOD - {"layernorm_scaling"})
     reasons = route.classify(args).reasons
     want = "--layernorm-scaling (LayerNorm Scaling): the export does not carry this option yet"
-    assert reasons == {route.FAIRSEQ: want, route.CTRANSLATE2: want}
+    assert reasons == {target: want for target in route.TARGETS}
     monkeypatch.setattr(route, "KNOWN_RESIDUALS", ("none",))
     assert "no fold for this residual" in route.classify(resolved(("admin", (), False))).reasons[route.FAIRSEQ]

@@ -22,6 +22,7 @@ import pytest
 
 from conftest import REPO, TINY_DIMS, USER_DIR, run_cli
 from deepinit_tools import generate_progress as gp  # noqa: E402
+from deepinit_tools import hf_tokenizer_check as htc  # noqa: E402
 from deepinit_tools import multi30k as md  # noqa: E402
 from deepinit_tools import multi30k_matrix as mm  # noqa: E402
 from deepinit_tools import prepare_bible  # noqa: E402
@@ -273,6 +274,7 @@ PARSERS = {
     "multi30k_matrix.py": mm.build_parser,
     "multi30k_data.py": md.build_parser,
     "prepare_bible.py": prepare_bible.build_parser,
+    "hf_tokenizer_check.py": htc.build_parser,
     "generate_progress.py": gp.build_parser,
     "train_progress.py": tp.build_parser,
     **console_parsers(),

@@ -1,23 +1,27 @@
 #!/usr/bin/env python
-"""fairseq-generate against the CTranslate2 export of the same model: tokens/s, ratio, BLEU, identical outputs.
+"""fairseq-generate against the CTranslate2 and transformers exports of the same model: tokens/s, ratio, BLEU,
+identical outputs.
 
 For each ``--model NAME=CHECKPOINT`` (a checkpoint of the plugin, its data in ``--data``):
 
-1. the model is exported with ``deepinit-export --to ctranslate2`` twice, float32 and ``--quantization int8``
-   (into ``--work``, reused when newer than the checkpoint);
+1. the model is exported with ``deepinit-export --to ctranslate2`` twice, float32 and ``--quantization int8``,
+   and with ``--to huggingface`` where its route allows (into ``--work``, reused when newer than the checkpoint);
 2. the first ``--limit`` sentences of the ``--subset`` split are translated, beam ``--beam``, by three systems,
    once per round for ``--rounds`` rounds, the order rotating (:func:`deepinit_tools.harness.timing.interleave`):
    ``fairseq``: fairseq-generate's generation loop in this process (``task.build_generator`` and
    ``task.inference_step`` on batches of ``--batch-size`` sentences in fairseq's length order, fairseq_cli/
    generate.py's ``gen_timer`` region: the model's forward and the search, no data loading); ``ct2-fp32`` and
    ``ct2-int8``: :func:`fairseq_deepinit.export.decoding.translate_tokens` with the same options, batches of
-   ``--batch-size``; at each of ``--threads`` (torch's threads, CTranslate2's ``intra_threads``);
+   ``--batch-size``; ``transformers``: ``generate`` of the exported folder (float32) on the same batches, right
+   padded, beam and length limit as fairseq's; at each of ``--threads`` (torch's threads, CTranslate2's
+   ``intra_threads``);
 3. per system: generated tokens per second (``</s>`` counted, as fairseq-generate counts) on the wall clock and
    per CPU second of this process, their ratio to fairseq's (paired per round, median), sacreBLEU of the
    detokenised hypotheses against ``--reference`` (raw text), and how many hypotheses are identical to fairseq's.
 
 Targets (docs/export.md): float32 >= 2x fairseq's tokens/s with identical outputs, int8 >= 4x with BLEU within
-0.5. The decoding options are fairseq-generate's defaults but the beam and ``--max-len-b`` (``--max-len-a 0``:
+0.5; transformers has none (a measurement).
+The decoding options are fairseq-generate's defaults but the beam and ``--max-len-b`` (``--max-len-a 0``:
 the limit does not depend on the batch); where a hypothesis reaches the limit the two systems end it differently
 (:mod:`fairseq_deepinit.export.decoding`), and the table says how many did.
 
@@ -37,7 +41,7 @@ from deepinit_tools.harness import report
 from deepinit_tools.harness.cli import Parser, int_list, positive_int
 from deepinit_tools.harness.timing import Stat, interleave, median
 
-SYSTEMS = ("fairseq", "ct2-fp32", "ct2-int8")
+SYSTEMS = ("fairseq", "ct2-fp32", "ct2-int8", "transformers")
 TARGETS = {"ct2-fp32": 2.0, "ct2-int8": 4.0}
 
 
@@ -48,16 +52,29 @@ def plugin():
     return decoding, run
 
 
+def _stale(marker: Path, checkpoint: Path) -> bool:
+    return not marker.exists() or marker.stat().st_mtime < checkpoint.stat().st_mtime
+
+
 def export_models(name: str, checkpoint: Path, data: Path, work: Path) -> Dict[str, str]:
-    """``{system: CTranslate2 folder}`` of the checkpoint, float32 and int8 (reused when newer than it, else
-    replaced)."""
+    """``{system: exported folder}`` of the checkpoint: CTranslate2 float32 and int8, and transformers where the
+    route takes the model (its refusal printed otherwise); reused when newer than the checkpoint, else replaced."""
+    from fairseq_deepinit.errors import ExportError
+
     _decoding, run = plugin()
     out = {}
     for system, quantization in (("ct2-fp32", None), ("ct2-int8", "int8")):
         folder = work / f"{name}-{system}"
-        if not (folder / "model.bin").exists() or (folder / "model.bin").stat().st_mtime < checkpoint.stat().st_mtime:
+        if _stale(folder / "model.bin", checkpoint):
             run.export_ct2(str(checkpoint), str(folder), quantization=quantization, data=str(data), force=True)
         out[system] = str(folder)
+    folder = work / f"{name}-transformers"
+    try:
+        if _stale(folder / "model.safetensors", checkpoint):
+            run.export_hf(str(checkpoint), str(folder), data=str(data), force=True)
+        out["transformers"] = str(folder)
+    except ExportError as e:
+        print(f"[{name}] no transformers row: {e}")
     return out
 
 
@@ -71,8 +88,10 @@ class Fairseq:
         from fairseq import checkpoint_utils
 
         plugin()
+        # in float32 as the exports are checked, whatever precision trained it (a --autocast-bf16 run's task would
+        # otherwise generate under bf16 autocast)
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-            [str(checkpoint)], arg_overrides={"data": str(data)}
+            [str(checkpoint)], arg_overrides={"data": str(data), "autocast_bf16": False}
         )
         self.model = models[0].float().eval()
         self.task = task
@@ -125,6 +144,44 @@ class CTranslate2:
         return sum(len(h) + 1 for h in self.hypotheses)
 
 
+class Transformers:
+    """The same sentences, in the same batches, through the exported transformers folder's ``generate``."""
+
+    def __init__(self, folder: str, sources, order, beam: int, max_len_b: int, source_dict, target_dict):
+        from transformers import AutoModelForSeq2SeqLM
+
+        self.model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+        eos, self.pad = self.model.config.eos_token_id, self.model.config.pad_token_id
+        self.ids = [[source_dict.index(w) for w in s] + [eos] for s in sources]
+        self.order = order
+        self.beam, self.max_len_b = beam, max_len_b
+        self.target_dict = target_dict
+        self.hypotheses: List[List[str]] = []
+        self.at_limit: List[int] = []
+
+    def __call__(self) -> int:
+        import torch
+
+        out: Dict[int, List[str]] = {}
+        with torch.no_grad():
+            for batch in self.order:
+                width = max(len(self.ids[i]) for i in batch)
+                ids = torch.tensor([self.ids[i] + [self.pad] * (width - len(self.ids[i])) for i in batch])
+                generated = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=ids.ne(self.pad).long(),
+                    num_beams=self.beam,
+                    max_length=self.max_len_b + 2,
+                    early_stopping=True,
+                )
+                for i, row in zip(batch, generated[:, 1:].tolist(), strict=True):
+                    words = [t for t in row if t not in (self.model.config.eos_token_id, self.pad)]
+                    out[i] = [self.target_dict[t] for t in words]
+        self.hypotheses = [out[i] for i in range(len(self.ids))]
+        self.at_limit = [i for i, h in enumerate(self.hypotheses) if len(h) >= self.max_len_b]
+        return sum(len(h) + 1 for h in self.hypotheses)
+
+
 def bleu(hypotheses: Sequence[Sequence[str]], references: Sequence[str]) -> float:
     import sacrebleu
 
@@ -142,13 +199,21 @@ def measure(args, name: str, checkpoint: Path, references: List[str]) -> List[di
         torch.set_num_threads(threads)
         systems = {"fairseq": fairseq}
         for system, folder in folders.items():
-            systems[system] = CTranslate2(folder, fairseq.sources, fairseq.order, args.beam, threads, args.max_len_b)
+            if system == "transformers":
+                dicts = (fairseq.task.source_dictionary, fairseq.task.target_dictionary)
+                systems[system] = Transformers(
+                    folder, fairseq.sources, fairseq.order, args.beam, args.max_len_b, *dicts
+                )
+            else:
+                systems[system] = CTranslate2(
+                    folder, fairseq.sources, fairseq.order, args.beam, threads, args.max_len_b
+                )
         load = os.getloadavg()[0]
         rounds = interleave(
             systems, args.rounds, warmup=0, on_round=lambda r, _, t=threads: print(f"[{name} x{t}] round {r + 1}")
         )
         base = [fairseq.hypotheses[i] for i in fairseq.ids]
-        for system in SYSTEMS:
+        for system in [s for s in SYSTEMS if s in systems]:
             hyps = base if system == "fairseq" else systems[system].hypotheses
             rows.append(
                 dict(

@@ -9,6 +9,8 @@
 - :mod:`.to_ct2`: the CTranslate2 spec, through CTranslate2's own spec classes;
 - :mod:`.scoring`: teacher-forced log-probabilities of the plugin model and of CTranslate2's (the check);
 - :mod:`.decoding`: fairseq-generate's decoding options as CTranslate2's, and translation of token lists;
+- :mod:`.hf_tokenizer`: a data folder's text pipeline (its marker) written as a Hugging Face tokenizer, whose code
+  is :mod:`.hf_remote_tokenizer` (copied into the export, imported there by ``transformers`` only);
 - :mod:`.run` and :mod:`.cli`: one export start to end, and the command line (and its aliases,
   ``deepinit-export-admin`` and ``deepinit-export-admin-lm``).
 

@@ -1,4 +1,4 @@
-"""``deepinit-export CHECKPOINT OUT --to fairseq|ctranslate2``: the command line (:mod:`.run` does the work).
+"""``deepinit-export CHECKPOINT OUT --to fairseq|ctranslate2|huggingface``: the command line (:mod:`.run` works).
 
 A refused family or option, a bad checkpoint, output or option is one line on stderr
 (``deepinit-export: error: ...``) and exit status 1, before anything is written; an existing output is
@@ -47,14 +47,16 @@ def build_parser(alias: Alias | None = None) -> argparse.ArgumentParser:
         prog="deepinit-export",
         description="Export a checkpoint of a deepinit model (translation or language model; fairseq-train or "
         "fairseq-hydra-train) to a stock fairseq transformer / transformer_lm checkpoint that fairseq loads without "
-        "--user-dir, or to a CTranslate2 model folder. Families that cannot be exported exactly are refused in one "
-        "line (docs/export.md has the table).",
+        "--user-dir, to a CTranslate2 model folder, or to a Hugging Face transformers model folder (FSMT, M2M100 or "
+        "XGLM). Families that cannot be exported exactly are refused in one line (docs/export.md has the table).",
     )
     parser.add_argument(
         "checkpoint", help="a checkpoint written by fairseq-train / fairseq-hydra-train with the plugin"
     )
-    parser.add_argument("output", help="--to fairseq: the checkpoint file to write; --to ctranslate2: the model folder")
-    parser.add_argument("--to", required=True, choices=TARGETS, help="the target: fairseq or ctranslate2")
+    parser.add_argument(
+        "output", help="--to fairseq: the checkpoint file to write; --to ctranslate2 / huggingface: the model folder"
+    )
+    parser.add_argument("--to", required=True, choices=TARGETS, help="the target: fairseq, ctranslate2 or huggingface")
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
@@ -63,8 +65,8 @@ def build_parser(alias: Alias | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--data",
         metavar="DIR",
-        help="ctranslate2: the fairseq-preprocess folder with the model's dictionaries (default: the training's data "
-        "folder stored in the checkpoint)",
+        help="ctranslate2, huggingface: the fairseq-preprocess folder with the model's dictionaries (default: the "
+        "training's data folder stored in the checkpoint)",
     )
     return _check_options(parser)
 
@@ -98,7 +100,15 @@ def add_force(parser: argparse.ArgumentParser) -> None:
 def report(prog: str, output: str, summary: dict) -> None:
     """The export's log line: what was written, what was folded, the check's result."""
     route = summary["route"]
-    what = f"arch {summary['arch']}" if "arch" in summary else f"CTranslate2 model ({summary['quantization']})"
+    if "arch" in summary:
+        what = f"arch {summary['arch']}"
+    elif "hf_class" in summary:
+        tokenizer = (
+            "with the tokenizer" if summary["tokenizer"] else "token ids only (no tokenizer: README.md says why)"
+        )
+        what = f"transformers {summary['hf_class']}, {tokenizer}"
+    else:
+        what = f"CTranslate2 model ({summary['quantization']})"
     changes = ", ".join(f"{k}={v}" for k, v in summary.get("changes", {}).items())
     check = (
         f"max |log-prob difference| on random sentences {summary['max_abs_diff']:.2e}"

@@ -8,8 +8,9 @@
     ``checkpoint_3_500.pt``, ``checkpoint.best_loss_4.12.pt``, :data:`RUN_CHECKPOINT`) in the folder of the
     checkpoint being exported (the run's ``--save-dir``): not even with ``--force``, and not where no such file
     exists yet either, as fairseq-train would resume from it;
-  - an existing output without ``--force``; with it, an existing file (``--to fairseq``) or a CTranslate2 model
-    folder (one holding ``model.bin``; a folder holding anything else is refused all the same). An empty
+  - an existing output without ``--force``; with it, an existing file (``--to fairseq``), a CTranslate2 model
+    folder (one holding ``model.bin``) or a transformers model folder (``model.safetensors``); a folder holding
+    anything else is refused all the same. An empty
     folder is no loss and is written without ``--force``;
 - :func:`remove_stale_temporaries`: what an export killed before its rename (``kill -9``, a power cut) left
   beside the output, removed by the next export to that output (a previous export it had moved aside is put
@@ -30,20 +31,37 @@ import os
 import re
 import shutil
 import socket
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Tuple
 
 from .. import errors
 from ..errors import ExportError
 
 #: fairseq-train's checkpoint names (fairseq/checkpoint_utils.py, ``save_checkpoint``'s ``checkpoint_conds``)
 RUN_CHECKPOINT = "checkpoint*.pt"
-CT2_MODEL_FILE = "model.bin"
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A model that is a folder: ``what`` it is (the messages), and the files one of which marks it as such."""
+
+    what: str
+    markers: Tuple[str, ...]
+
+    def holds(self, folder: str) -> bool:
+        return any(os.path.isfile(os.path.join(folder, m)) for m in self.markers)
+
+
+CT2_FOLDER = ModelFolder("a CTranslate2 model", ("model.bin",))
+HF_FOLDER = ModelFolder("a transformers model", ("model.safetensors", "model.safetensors.index.json"))
 
 
 def check_arguments(dst: str, tolerance: float) -> None:
     """Refuse an empty output name or a ``--tolerance`` that is not a finite number >= 0 (before any work)."""
     if not str(dst).strip():
-        raise ExportError("the output name is empty; give the file (--to fairseq) or folder (--to ctranslate2)")
+        raise ExportError(
+            "the output name is empty; give the file (--to fairseq) or folder (--to ctranslate2 / huggingface)"
+        )
     if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
         raise ExportError(f"--tolerance {tolerance}: give a finite number >= 0 (default 1e-4)")
 
@@ -118,7 +136,7 @@ def _run_checkpoint(src: str, dst: str) -> bool:
     return _same_file(os.path.dirname(os.path.abspath(dst)), folder)
 
 
-def check_destination(src: str, dst: str, folder: bool = False, force: bool = False) -> None:
+def check_destination(src: str, dst: str, folder: ModelFolder | None = None, force: bool = False) -> None:
     """Refuse, before the checkpoint is read, an output the export cannot or must not write (module docstring).
 
     A missing parent folder is created when the export is written, as fairseq-train creates its ``--save-dir``.
@@ -140,14 +158,14 @@ def check_destination(src: str, dst: str, folder: bool = False, force: bool = Fa
     remove_stale_temporaries(dst)
     if folder:
         if os.path.exists(dst) and not os.path.isdir(dst):
-            raise ExportError(f"the output {dst} is a file; CTranslate2's model is a folder: give a folder name")
+            raise ExportError(f"the output {dst} is a file; {folder.what} is a folder: give a folder name")
         if os.path.isdir(dst) and os.listdir(dst):
-            if not os.path.isfile(os.path.join(dst, CT2_MODEL_FILE)):
+            if not folder.holds(dst):
                 raise ExportError(
-                    f"the output folder {dst} is not empty and holds no CTranslate2 model; give a new folder"
+                    f"the output folder {dst} is not empty and holds no {folder.what[2:]}; give a new folder"
                 )
             if not force:
-                raise ExportError(f"the output {dst} exists (a CTranslate2 model); give --force to replace it")
+                raise ExportError(f"the output {dst} exists ({folder.what}); give --force to replace it")
     elif os.path.isdir(dst):
         raise ExportError(
             f"the output {dst} is a folder; give the exported checkpoint's file name, e.g. "

@@ -23,14 +23,14 @@ from typing import Dict, List, Tuple
 from ..axes import AXES, all_options, norm_export
 from ..errors import ExportError
 from ..methods import LAYER_TYPES, METHODS, RESIDUAL_SCALINGS, declaring
-from ..methods.exporting import CTRANSLATE2, FAIRSEQ, FOLD_STEPS, TARGETS, Export, HeadNorm
+from ..methods.exporting import CTRANSLATE2, FAIRSEQ, FOLD_STEPS, HUGGINGFACE, TARGETS, Export, HeadNorm
 from ..methods.record import flag
 from ..modules.norms import NORM_TYPES
 from ..resolve import resolve
 from ..spec import ModelSpec, Params
 from .fairseq_args import FairseqArgs
 
-__all__ = ["CTRANSLATE2", "FAIRSEQ", "TARGETS", "QKNorm", "Route", "classify"]
+__all__ = ["CTRANSLATE2", "FAIRSEQ", "HUGGINGFACE", "TARGETS", "QKNorm", "Route", "classify"]
 
 QKNorm = HeadNorm  # the self-attentions' q/k norms as the writers place them
 
@@ -51,6 +51,11 @@ CT2_ACTIVATIONS = {
     "gelu_fast": "GELUTanh",
     "swish": "SWISH",
 }
+
+#: transformers' classes that are fairseq's own computations, by (language model, placement of every stack):
+#: FSMT is the Post-LN ``transformer``, M2M100 the Pre-LN one with final norms, XGLM the Pre-LN ``transformer_lm``
+#: (:mod:`.to_hf`); a Hugging Face export goes through the stock fairseq model, so it carries what that carries
+HF_CLASSES = {(False, "post"): "FSMT", (False, "pre"): "M2M100", (True, "pre"): "XGLM"}
 
 #: the options whose owner declares what an export does with them: the axes (their values declare it) and
 #: every option of a record with an ``export``; derived from the records (a test narrows it)
@@ -132,6 +137,7 @@ class Route:
     steps: Tuple[str, ...] = ()
     reasons: Dict[str, str] = field(default_factory=dict)
     ct2_eps: float | None = None
+    hf_class: str | None = None
 
     @property
     def fairseq(self) -> str | None:
@@ -144,8 +150,8 @@ class Route:
         """Raise the one-line :class:`~fairseq_deepinit.errors.ExportError` if ``target`` is refused (naming the
         other target where that one takes the model)."""
         if target in self.reasons:
-            other = CTRANSLATE2 if target == FAIRSEQ else FAIRSEQ
-            hint = f"; --to {other} exports it exactly" if other not in self.reasons else ""
+            others = [t for t in TARGETS if t != target and t not in self.reasons]
+            hint = f"; --to {others[0]} exports it exactly" if others else ""
             raise ExportError(f"cannot export to {target}: {self.reasons[target]}{hint}")
 
     def describe(self) -> str:
@@ -199,6 +205,34 @@ def _ct2_facts(fs: FairseqArgs, spec: ModelSpec) -> str | None:
     return None
 
 
+def _hf_facts(fs: FairseqArgs, spec: ModelSpec, placements: Dict[str, str]) -> Tuple[str | None, str | None]:
+    """``(transformers class, None)`` of a model whose stock fairseq form one of :data:`HF_CLASSES` computes, or
+    ``(None, why not)``. What only the built stock model shows is :mod:`.to_hf`'s to check."""
+    lm = spec.encoder is None
+    kinds = sorted(set(placements.values()))
+    if len(kinds) != 1:
+        mixed = ", ".join(f"{s} {p}-norm" for s, p in placements.items())
+        return None, f"{mixed}: transformers' FSMT is Post-LN and M2M100 Pre-LN in both stacks"
+    cls = HF_CLASSES.get((lm, kinds[0]))
+    if cls is None:
+        return None, (
+            f"a {kinds[0]}-norm language model: transformers' XGLM (fairseq's transformer_lm) is Pre-LN"
+            if lm
+            else f"{kinds[0]}-norm: transformers' FSMT is Post-LN and M2M100 Pre-LN"
+        )
+    if fs.no_token_positional_embeddings:
+        return None, "--no-token-positional-embeddings: transformers' classes always add positions"
+    if fs.layernorm_embedding:
+        return None, "--layernorm-embedding: transformers' FSMT, M2M100 and XGLM have no embedding norm"
+    if cls != "FSMT" and (fs.decoder_learned_pos or (not lm and fs.encoder_learned_pos)):
+        return None, "learned positions: transformers' M2M100 and XGLM compute sinusoidal positions only"
+    if fs.decoder_input_dim not in (None, spec.decoder.dim) or fs.decoder_output_dim not in (None, spec.decoder.dim):
+        return None, "--decoder-input-dim / --decoder-output-dim: transformers' classes have no projections there"
+    if spec.encoder is not None and spec.encoder.dim != spec.decoder.dim:
+        return None, "the encoder and decoder widths differ: transformers' classes have one d_model"
+    return cls, None
+
+
 def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
     """The :class:`Route` of the model of ``args`` (its resolved model arguments) and ``spec`` (its spec:
     resolved from ``args`` when not given). The plugin's part is read from the spec and the records'
@@ -238,8 +272,11 @@ def classify(args: argparse.Namespace, spec: ModelSpec | None = None) -> Route:
         steps=tuple(step for step in FOLD_STEPS if step in wanted),
     )
     if never is not None:
-        return Route(**route, reasons={FAIRSEQ: never, CTRANSLATE2: never})
+        return Route(**route, reasons={t: never for t in TARGETS})
     refused = {t: next((r[t] for r, _e, _p in everything if t in r), None) for t in TARGETS}
     eps, eps_reason = _ct2_eps(spec, qk)
     refused[CTRANSLATE2] = refused[CTRANSLATE2] or eps_reason or _ct2_facts(fs, spec)
-    return Route(**route, reasons={t: why for t, why in refused.items() if why}, ct2_eps=eps)
+    hf_class, hf_reason = _hf_facts(fs, spec, placements)
+    refused[HUGGINGFACE] = refused[HUGGINGFACE] or refused[FAIRSEQ] or hf_reason
+    reasons = {t: why for t, why in refused.items() if why}
+    return Route(**route, reasons=reasons, ct2_eps=eps, hf_class=None if HUGGINGFACE in reasons else hf_class)

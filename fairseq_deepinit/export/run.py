@@ -19,7 +19,7 @@ from typing import List
 import torch
 
 from ..errors import ExportError
-from . import output, scoring, source, to_ct2, to_fairseq
+from . import hf_tokenizer, model_card, output, scoring, source, to_ct2, to_fairseq, to_hf
 from . import route as routes
 from .fold import plain_state_dict
 from .route import Route
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 CT2_PIN = "ctranslate2==4.8.5"
 METADATA = "deepinit_export.json"
+#: the targets whose model is a folder
+FOLDERS = {routes.CTRANSLATE2: output.CT2_FOLDER, routes.HUGGINGFACE: output.HF_FOLDER}
 
 
 def _require_ctranslate2() -> None:
@@ -90,9 +92,11 @@ def prepare(src: str, dst: str, target: str, only: Only | None = None, force: bo
     (:func:`.output.check_destination` says which).
     """
     output.check_arguments(dst, tolerance)
-    output.check_destination(src, dst, folder=target == routes.CTRANSLATE2, force=force)
+    output.check_destination(src, dst, folder=FOLDERS.get(target), force=force)
     if target == routes.CTRANSLATE2:
         _require_ctranslate2()
+    if target == routes.HUGGINGFACE:
+        to_hf.require_transformers()
     state, args = source.load_checkpoint(src)
     if only is not None:
         check_kind(args, only, src)
@@ -185,8 +189,52 @@ def export_ct2(
     return summary
 
 
+def export_hf(
+    src: str, dst: str, data: str | None = None, check: bool = True, tolerance: float = 1e-4, force: bool = False
+) -> dict:
+    """``--to huggingface``: a transformers model folder (FSMT, M2M100 or XGLM: :mod:`.to_hf`) with its generation
+    config, the fairseq dictionaries, a model card and, where the data folder says how its text was made, the
+    tokenizer; returns a summary.
+
+    The model goes through its stock fairseq form (the folds of ``--to fairseq``), is written in float32 with
+    ``save_pretrained``, reloaded with transformers' auto class and compared with the plugin model in float64
+    (:func:`.to_hf.check_hf_dir`) before the folder is renamed into place.
+    """
+    state, args, route = prepare(src, dst, routes.HUGGINGFACE, force=force, tolerance=tolerance)
+    files = source.dictionary_files(state, args, data)
+    dicts = list(source.load_dictionaries(state, args, data))[: len(files)]
+    model = source.build_plugin_model(state["model"], args, torch.float64, dicts[0], dicts[-1])
+    plain, changes = plain_state_dict(model, args, route)
+    stock_args = to_fairseq.stock_args(args, changes)
+    stock = to_fairseq.build_stock(stock_args, model, plain)
+    task = source.task_options(state)
+    langs = [task.get("source_lang") or "src", task.get("target_lang") or "tgt"]
+    hf = to_hf.hf_model(route.hf_class, stock, stock_args, dicts, to_hf.dropouts(stock_args), langs)
+    class_name, _config, auto = to_hf.CLASSES[route.hf_class]
+    pipeline = hf_tokenizer.describe_pipeline(source.data_folder(state, data))
+    summary = {"route": route, "hf_class": class_name, "tokenizer": pipeline is not None}
+
+    def write(tmp: str) -> None:
+        hf.save_pretrained(tmp)
+        to_hf.generation_config(hf, stock_args).save_pretrained(tmp)
+        names = model_card.copy_dictionaries(tmp, files)
+        tokenizers = []
+        if pipeline is not None:
+            positions = int(hf.config.max_position_embeddings)
+            tokenizers = hf_tokenizer.write_tokenizer(tmp, dicts[0], dicts[-1], pipeline, model_max_length=positions)
+        if check:
+            summary["max_abs_diff"] = to_hf.check_hf_dir(tmp, model, tolerance)
+        spec = source.model_spec(args)
+        diff = summary.get("max_abs_diff")
+        target = [os.path.relpath(t, tmp) for t in tokenizers[1:]]
+        model_card.write_card(tmp, src, state, args, spec, route, hf, auto, pipeline is not None, names, diff, target)
+
+    output.save_atomically(write, dst)
+    return summary
+
+
 def export(src: str, dst: str, to: str, **kwargs) -> dict:
-    """``deepinit-export``'s work: :func:`export_fairseq` or :func:`export_ct2`."""
+    """``deepinit-export``'s work: :func:`export_fairseq`, :func:`export_ct2` or :func:`export_hf`."""
     if to == routes.FAIRSEQ:
         for name in ("quantization", "data"):
             if kwargs.pop(name, None) is not None:
@@ -194,4 +242,8 @@ def export(src: str, dst: str, to: str, **kwargs) -> dict:
         return export_fairseq(src, dst, **kwargs)
     if to == routes.CTRANSLATE2:
         return export_ct2(src, dst, **kwargs)
+    if to == routes.HUGGINGFACE:
+        if kwargs.pop("quantization", None) is not None:
+            raise ExportError("--quantization applies to --to ctranslate2 only; drop it for --to huggingface")
+        return export_hf(src, dst, **kwargs)
     raise ExportError(f"unknown --to {to}; choose from {', '.join(routes.TARGETS)}")

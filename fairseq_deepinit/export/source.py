@@ -18,7 +18,7 @@ import argparse
 import copy
 import os
 from types import SimpleNamespace
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -191,35 +191,45 @@ def check_finite(sd: dict, src: str) -> None:
         )
 
 
-def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, object]:
-    """``(source, target)`` fairseq dictionaries of the model (the same one twice for a language model).
-
-    From ``data`` (a fairseq-preprocess folder), else the training's ``task.data`` stored in the checkpoint;
-    each must have as many symbols as the model's embedding has rows.
-    """
-    from fairseq.data import Dictionary, data_utils
-
+def task_options(state: dict) -> dict:
+    """The training's task options stored in the checkpoint (fairseq-train's Namespace or the ``task`` node)."""
     task = (state.get("cfg") or {}).get("task") if isinstance(state.get("cfg"), dict) else None
-    task = (
-        task
-        if isinstance(task, dict)
-        else vars(state["args"])
-        if isinstance(state.get("args"), argparse.Namespace)
-        else {}
-    )
-    folder = data or str(task.get("data") or "").split(os.pathsep)[0]
+    if isinstance(task, dict):
+        return task
+    return vars(state["args"]) if isinstance(state.get("args"), argparse.Namespace) else {}
+
+
+def data_folder(state: dict, data: str | None) -> str:
+    """``data``, else the first folder of the training's ``task.data`` ("" when none is stored)."""
+    return data or str(task_options(state).get("data") or "").split(os.pathsep)[0]
+
+
+def dictionary_files(state: dict, args, data: str | None) -> List[str]:
+    """The paths of the model's fairseq dictionaries (source, target; one for a language model) in ``data`` (a
+    fairseq-preprocess folder), else in the training's ``task.data`` stored in the checkpoint."""
+    from fairseq.data import data_utils
+
+    task = task_options(state)
+    folder = data_folder(state, data)
     if not folder or not os.path.isdir(folder):
         raise ExportError(
-            f"the dictionaries are needed for CTranslate2's vocabularies and the training data folder "
+            f"the dictionaries are needed for the exported vocabularies and the training data folder "
             f"{folder or '(none stored)'} is not there; give --data DIR, the fairseq-preprocess folder of the model"
         )
     if is_language_model(args):
-        files = [os.path.join(folder, "dict.txt")]
-    else:
-        src, tgt = task.get("source_lang"), task.get("target_lang")
-        if not src or not tgt:
-            src, tgt = data_utils.infer_language_pair(folder)
-        files = [os.path.join(folder, f"dict.{src}.txt"), os.path.join(folder, f"dict.{tgt}.txt")]
+        return [os.path.join(folder, "dict.txt")]
+    src, tgt = task.get("source_lang"), task.get("target_lang")
+    if not src or not tgt:
+        src, tgt = data_utils.infer_language_pair(folder)
+    return [os.path.join(folder, f"dict.{src}.txt"), os.path.join(folder, f"dict.{tgt}.txt")]
+
+
+def load_dictionaries(state: dict, args, data: str | None) -> Tuple[object, object]:
+    """``(source, target)`` fairseq dictionaries of the model (the same one twice for a language model), from
+    :func:`dictionary_files`; each must have as many symbols as the model's embedding has rows."""
+    from fairseq.data import Dictionary
+
+    files = dictionary_files(state, args, data)
     dicts = []
     for path in files:
         if not os.path.isfile(path):

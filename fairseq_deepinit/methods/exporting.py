@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 
 FAIRSEQ = "fairseq"  # a stock fairseq ``transformer`` / ``transformer_lm`` checkpoint
 CTRANSLATE2 = "ctranslate2"  # CTranslate2's ``TransformerSpec``
-TARGETS = (FAIRSEQ, CTRANSLATE2)
+HUGGINGFACE = "huggingface"  # transformers' FSMT, M2M100 or XGLM: reached through the stock fairseq model
+TARGETS = (FAIRSEQ, CTRANSLATE2, HUGGINGFACE)
 
 #: the fold steps of :func:`fairseq_deepinit.export.fold.plain_state_dict`, in the order it runs them
 FOLD_STEPS = (

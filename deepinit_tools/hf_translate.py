@@ -1,0 +1,174 @@
+"""Raw text through an exported Hugging Face model, with transformers alone, as the quickstart translates with fairseq.
+
+``deepinit-export CHECKPOINT OUT --to huggingface`` writes the model and, for data prepared by this project's
+pipelines, its tokenizer; this translates raw sentences with them and nothing else: ``AutoTokenizer``
+(the pipeline's tokenisation, BPE and dictionary ids; ``trust_remote_code``: docs/export_tokenizer.md),
+``AutoModelForSeq2SeqLM.generate`` with fairseq-generate's
+search (beam, ``--lenpen``, ``--max-len-a/b``: at most ``int(a n + b)`` words then ``</s>``, ``n`` the source's
+tokens with its ``</s>``; sentences of one length decoded together, so each has its own limit), and
+``batch_decode`` (BPE removed, detokenised). Neither fairseq nor the plugin is imported (:func:`main` checks).
+Optionally scored (sacreBLEU against raw references) and compared with a fairseq-generate output of the same
+sentences (identical hypotheses, speed beside fairseq-generate's own timing line).
+
+    python scripts/translate_hf.py MODEL_DIR --input test.de --output hyp.en --reference test.en
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import List, Sequence
+
+from deepinit_tools.decode_report import bleu, fairseq_speed
+from deepinit_tools.prepare_bible import read_hypotheses
+
+#: where the export puts the target language's tokenizer when it differs (hf_tokenizer.TARGET_SUBDIR; not imported:
+#: this tool imports nothing of the plugin)
+TARGET_TOKENIZER = "target_tokenizer"
+
+
+@dataclass
+class Translation:
+    """Detokenised hypotheses, the tokens generated (``</s>`` counted, as fairseq-generate counts) and the seconds
+    ``generate`` took (tokenising not included, as fairseq-generate's timing), the sentences that reached the
+    length limit."""
+
+    hypotheses: List[str]
+    tokens: int
+    seconds: float
+    at_limit: List[int]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def translate(
+    model,
+    tokenizer,
+    decoder,
+    lines: Sequence[str],
+    beam: int = 5,
+    lenpen: float = 1.0,
+    max_len_a: float = 0.0,
+    max_len_b: int = 200,
+    batch_size: int = 64,
+) -> Translation:
+    """Raw sentences -> detokenised hypotheses (module docstring); ``tokenizer`` encodes the source, ``decoder`` (the
+    folder's target tokenizer, or the same) decodes."""
+    import torch
+
+    ids = tokenizer(list(lines)).input_ids
+    positions = int(getattr(model.config, "max_position_embeddings", 1024))
+    out: List[str | None] = [None] * len(lines)
+    tokens, seconds, at_limit = 0, 0.0, []
+    by_length = sorted(range(len(lines)), key=lambda i: len(ids[i]))
+    for n, group in groupby(by_length, key=lambda i: len(ids[i])):
+        group = list(group)
+        limit = min(int(max_len_a * n + max_len_b), positions - 1)
+        for start in range(0, len(group), batch_size):
+            chunk = group[start : start + batch_size]
+            batch = torch.tensor([ids[i] for i in chunk])
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                generated = model.generate(
+                    input_ids=batch,
+                    attention_mask=torch.ones_like(batch),
+                    num_beams=beam,
+                    length_penalty=lenpen,
+                    max_length=limit + 2,  # the decoder's start token, `limit` words, </s>
+                    early_stopping=True,
+                )
+            seconds += time.perf_counter() - t0
+            for i, row in zip(chunk, generated[:, 1:].tolist(), strict=True):
+                words = [t for t in row if t not in (model.config.eos_token_id, model.config.pad_token_id)]
+                tokens += len(words) + 1
+                if len(words) >= limit:
+                    at_limit.append(i)
+                out[i] = decoder.decode(words, skip_special_tokens=True)
+    return Translation([h or "" for h in out], tokens, seconds, sorted(at_limit))
+
+
+def compare(result: Translation, args, out=sys.stdout) -> None:
+    """BLEU, speed and identical hypotheses beside fairseq-generate's (those of ``args`` that are given)."""
+    if args.reference:
+        refs = Path(args.reference).read_text(encoding="utf-8").splitlines()
+        print(f"transformers: {bleu(result.hypotheses, refs)}", file=out)
+    fairseq = fairseq_speed(args.fairseq_log) if args.fairseq_log else None
+    speed = f"transformers: {result.tokens} tokens in {result.seconds:.1f}s, {result.tokens_per_second:.1f} tokens/s"
+    if fairseq:
+        speed += f"; fairseq-generate {fairseq:.1f} tokens/s: {result.tokens_per_second / fairseq:.2f}x"
+    print(speed, file=out)
+    if args.fairseq_output:
+        theirs = read_hypotheses(Path(args.fairseq_output))
+        differ = [i for i, (a, b) in enumerate(zip(result.hypotheses, theirs, strict=False)) if a != b]
+        n = len(result.hypotheses)
+        line = f"identical to fairseq-generate's hypotheses: {n - len(differ)}/{n}"
+        if differ:
+            cut = len(set(differ) & set(result.at_limit))
+            line += f" ({cut} of the {len(differ)} others reach the length limit)"
+        print(line, file=out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="translate_hf.py",
+        description="Translate raw sentences with a Hugging Face model folder written by deepinit-export --to "
+        "huggingface, through transformers alone (its tokenizer, generate with fairseq-generate's search).",
+    )
+    p.add_argument("model", help="the folder deepinit-export --to huggingface wrote (with its tokenizer)")
+    p.add_argument("--input", help="raw source sentences, one per line (default: standard input)")
+    p.add_argument("--output", help="where to write the translations (default: standard output)")
+    p.add_argument("--beam", type=int, default=5, help="fairseq-generate's --beam (default: 5)")
+    p.add_argument("--lenpen", type=float, default=1.0, help="fairseq-generate's --lenpen (default: 1.0)")
+    p.add_argument("--max-len-a", type=float, default=0.0, help="fairseq-generate's --max-len-a (default: 0)")
+    p.add_argument("--max-len-b", type=int, default=200, help="fairseq-generate's --max-len-b (default: 200)")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences per generate call (default: 64)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    p.add_argument("--reference", help="raw reference translations: print sacreBLEU (default: no score)")
+    p.add_argument("--fairseq-output", help="a fairseq-generate output of the same sentences to compare with")
+    p.add_argument("--fairseq-log", help="that run's log (stderr), for its tokens/s (default: no speed comparison)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    if not (Path(args.model) / "tokenization_deepinit.py").is_file():
+        print(
+            f"translate_hf.py: error: {args.model} has no tokenizer (its data folder did not say how its text was "
+            "made: README.md there says how to give the model ids)",
+            file=sys.stderr,
+        )
+        return 1
+    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    with source:
+        lines = [line.rstrip("\n") for line in source]
+    model = AutoModelForSeq2SeqLM.from_pretrained(args.model).eval()
+    # the folder's tokenizer is the training pipeline's own code (docs/export_tokenizer.md), hence trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    target = Path(args.model) / TARGET_TOKENIZER
+    decoder = AutoTokenizer.from_pretrained(target, trust_remote_code=True) if target.is_dir() else tokenizer
+    result = translate(
+        model, tokenizer, decoder, lines, args.beam, args.lenpen, args.max_len_a, args.max_len_b, args.batch_size
+    )
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_deepinit"))
+    if loaded:
+        raise AssertionError(f"translate_hf.py imported {', '.join(loaded[:3])}; it must run on transformers alone")
+    text = "".join(h + "\n" for h in result.hypotheses)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        compare(result, args)
+    else:
+        sys.stdout.write(text)
+        compare(result, args, sys.stderr)
+    return 0
