@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Tuple
 from . import (
     admin,
     attention_sinks,
+    attn_res,
     b2t,
     baseline,
     deepnorm,
@@ -69,6 +70,7 @@ METHODS: Dict[str, Method] = {
         derf.METHOD,
         depth_mup.METHOD,
         hyper_connections.METHOD,
+        attn_res.METHOD,
         z_loss.METHOD,
         qk_clip.METHOD,
     )
