@@ -376,3 +376,27 @@ def test_fairseq_train_language_model(lm_bin, tmp_path, family):
     assert re.search(r"num_updates 3\b", out), out[-2000:]
     losses = [float(v) for v in re.findall(r"\| loss ([0-9.]+) \|", out)]
     assert losses and all(v == v and v < 100 for v in losses), out[-2000:]
+
+
+# ---- diagnostics -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["full", "block2"])
+def test_depth_diagnostics_measure_the_sum_of_the_sources(kind):
+    """The depth statistics see each layer's sources (their count grows over depth) as their sum, the hidden state
+    the encoder returns beside its output (``return_all_hiddens``): the angle each layer moves it, per token."""
+    from fairseq_deepinit.diagnostics import depth_stats
+    from fairseq_deepinit.diagnostics.depth_hooks import DepthStatistics
+
+    model, _ = mt(kind)
+    src, prev = tokens(3, 7, 0, pad_first_row=2), tokens(3, 5, 1)
+    net = {"src_tokens": src, "src_lengths": src.ne(PAD).sum(1), "prev_output_tokens": prev}
+    with torch.no_grad(), DepthStatistics(model, net) as depth:
+        model(**net)
+    sums = depth.sums()
+    with torch.no_grad():
+        states = model.encoder(src, src_lengths=src.ne(PAD).sum(1), return_all_hiddens=True)["encoder_states"]
+    real = src.ne(PAD).t()
+    for i in range(L):
+        want = depth_stats.angle_moments(states[i], states[i + 1], real)
+        torch.testing.assert_close(sums[f"angle|encoder.layers.{i}"], want, **TOL)

@@ -107,3 +107,8 @@ class DepthSources:
 
     def hidden(self, x: Tensor) -> Tensor:
         return x.sum(-2)
+
+    def measured(self, x: Tensor) -> Tensor:
+        """What the depth diagnostics measure of a layer's sources: their sum (:meth:`hidden`), the same size
+        whatever the number of sources."""
+        return self.hidden(x)

@@ -76,6 +76,10 @@ class Streams:
         """A layer's streams as the one ``(T, B, d)`` hidden state a stack returns beside its output: contracted."""
         return self.contract(x)
 
+    def measured(self, x: Tensor) -> Tensor:
+        """What the depth diagnostics measure of a layer's streams: a token's ``n`` streams as one ``n d`` vector."""
+        return x.flatten(2)
+
 
 class StreamResidual(Residual):
     """The residual of one sub-layer on ``n`` streams: ``enter`` splits the streams into the branch input and
