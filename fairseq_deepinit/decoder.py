@@ -21,9 +21,9 @@ from torch import Tensor
 
 from . import plan
 from .modules.attention import declare_target_padding
+from .modules.attn_res import DepthSources
 from .modules.dual_stream import DualStream
 from .modules.fixnorm import FixNormOutputProjection
-from .modules.attn_res import DepthSources
 from .modules.hyper import Streams
 from .modules.masks import future_mask
 from .modules.stacks import decoder_kind

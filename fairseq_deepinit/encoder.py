@@ -20,8 +20,8 @@ from fairseq.models.transformer import TransformerEncoderBase
 from torch import Tensor
 
 from . import plan
-from .modules.dual_stream import DualStream
 from .modules.attn_res import DepthSources
+from .modules.dual_stream import DualStream
 from .modules.hyper import Streams
 from .modules.layers import DeepInitEncoderLayer
 from .modules.stacks import ENCODER

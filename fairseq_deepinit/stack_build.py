@@ -47,8 +47,8 @@ def keep_version(module, state_dict, name: str) -> None:
 
 def begin_streams(stack, x: Tensor) -> Tuple[Tensor, Tensor | None]:
     """At the embedding output ``x``: ``(the layers' input, ResiDual's second stream or None)``; the layers'
-    input is ``n`` copies of ``x`` under hyper-connections, the first source under Attention Residuals (``stack.streams``),
-    else ``x``."""
+    input is ``n`` copies of ``x`` under hyper-connections, the first source under Attention Residuals
+    (``stack.streams``), else ``x``."""
     raw = None if stack.dual_stream is None else stack.dual_stream.begin(x)
     return (x if stack.streams is None else stack.streams.expand(x)), raw
 

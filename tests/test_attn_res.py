@@ -1,4 +1,4 @@
-"""Attention Residuals (``--attention-residuals full|block``; fairseq_deepinit/methods/attn_res.py,
+"""Attention Residuals (``--attention-residuals full|block``; fairseq_deepinit/methods/attention_residuals.py,
 modules/attn_res.py) against the independent port of the release's pseudocode, MoonshotAI/Attention-Residuals @
 85e2231 ``README.md:52-91`` (``tests/ports/attn_res.py``: ``blocks`` and ``partial_block`` lists, ``[B, T, D]``).
 
@@ -289,7 +289,8 @@ REFUSALS = [
     ("attnres", ["--hyper-connections", "hc"],
      "sets --residual-scale attention-residuals and --residual-scale hyper-connections"),
     ("hc", ["--attention-residuals", "block"], "--residual-scale"),
-    ("attnres", ["--residual-scale", "rezero"], "sets --residual-scale attention-residuals and --residual-scale rezero"),
+    ("attnres", ["--residual-scale", "rezero"],
+     "sets --residual-scale attention-residuals and --residual-scale rezero"),
     ("deepnorm", ["--attention-residuals", "full"], "--residual-scale deepnorm"),
     ("resi_dual", ["--attention-residuals", "full"], "--residual-scale resi-dual"),
     ("attnres", ["--depth-mup"], "(set by --depth-mup) is another"),

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Tuple
 
 from . import (
     admin,
+    attention_residuals,
     attention_sinks,
-    attn_res,
     b2t,
     baseline,
     deepnorm,
@@ -70,7 +70,7 @@ METHODS: Dict[str, Method] = {
         derf.METHOD,
         depth_mup.METHOD,
         hyper_connections.METHOD,
-        attn_res.METHOD,
+        attention_residuals.METHOD,
         z_loss.METHOD,
         qk_clip.METHOD,
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from .residual import Residual
@@ -36,14 +35,15 @@ def depth_attention(sources: Tensor, query: Tensor, gain: Tensor, eps: float) ->
     """``sum_i softmax_i(q . RMSNorm_g(V_i)) V_i`` over the sources axis ``-2`` of ``sources`` ``(..., m, d)``.
 
     ``block_attn_res`` (README.md:60-71): keys are the RMS-normalised sources (gain ``g``, ``eps``), the logits
-    their inner products with the pseudo-query ``q`` ``(d,)``; the softmax over the sources runs in float32 at least
-    (the weights of a bf16 model are rounded once, after it), the weighted sum in the sources' dtype.
+    their inner products with the pseudo-query ``q`` ``(d,)``. Computed as ``(V (g * q)) / rms(V)``, the same value
+    without the keys: autograd keeps the sources (which the weighted sum needs anyway) and ``m`` scalars per token,
+    not a normalised copy of the sources. The mean square, the logits and the softmax run in float32 at least (a
+    bf16 model's weights are rounded once, after the softmax), the two products in the sources' (autocast) dtype.
     """
-    keys = F.rms_norm(sources, (sources.shape[-1],), gain, eps)
-    logits = torch.matmul(keys, query.to(keys.dtype))  # (..., m)
-    # float32 at least: bf16 / fp16 logits are raised once for the softmax, float64 stays float64
-    weights = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-    weights = weights.to(sources.dtype)
+    wide = torch.promote_types(sources.dtype, torch.float32)  # float64 stays float64
+    inv_rms = torch.rsqrt(torch.mean(sources.pow(2), dim=-1, dtype=wide) + eps)  # (..., m)
+    logits = torch.matmul(sources, (gain * query).to(sources.dtype)).to(wide) * inv_rms
+    weights = torch.softmax(logits, dim=-1).to(sources.dtype)
     return torch.matmul(weights.unsqueeze(-2), sources).squeeze(-2)
 
 

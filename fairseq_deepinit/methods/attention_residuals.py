@@ -155,5 +155,8 @@ METHOD = Method(
     describe=describe,
     layer_setup=mark_blocks,
     stack_setup=setup_sources,
-    families={"attnres": dict(PRE_LN, attention_residuals="full"), "blockattnres": dict(PRE_LN, attention_residuals="block")},
+    families={
+        "attnres": dict(PRE_LN, attention_residuals="full"),
+        "blockattnres": dict(PRE_LN, attention_residuals="block"),
+    },
 )
