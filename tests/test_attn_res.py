@@ -237,7 +237,8 @@ def test_blocks_open_where_the_release_commits():
 
 
 def test_at_init_every_aggregation_is_the_mean_of_its_sources():
-    """Zero pseudo-queries (paper sec. 3: uniform weights at init) and unit key gains; the release's init."""
+    """Zero pseudo-queries (uniform weights at init, "must be initialized to zero" as the releases' ports quote the
+    paper) and unit key gains."""
     model, _ = build_model("attnres_iwslt_de_en", *DIMS)
     aggregations = [m for m in model.modules() if isinstance(m, DepthAttention)]
     assert len(aggregations) == 2 * L + 3 * L + 2  # every sub-layer and each stack's output

@@ -8,8 +8,8 @@ flag sets)::
 
     h_l = sum_{i<l} alpha_{i->l} v_i,   alpha_{i->l} = softmax_i(w_l . RMSNorm(v_i)),   v_0 = embedding, v_i = f_i(h_i)
 
-    Full AttnRes  (paper eq. 2-4):  every sub-layer output is a source
-    Block AttnRes (paper sec. 3.2): layers grouped into blocks of --attn-res-block-layers S; the sources are the
+    Full AttnRes:                   every sub-layer output is a source
+    Block AttnRes (as released):    layers grouped into blocks of --attn-res-block-layers S; the sources are the
                                     embedding, the completed blocks' sums and the current block's partial sum
 
 Released code: MoonshotAI/Attention-Residuals @ 85e2231 ``README.md:52-91`` (PyTorch-style pseudocode:
@@ -92,7 +92,7 @@ PRE_LN = dict(init_scheme="xavier", norm_placement="pre")
 METHOD = Method(
     name="attention_residuals",
     title="Attention Residuals",
-    paper="Kimi Team 2026, arXiv 2603.15031, eq. 2-4, sec. 3.2, Fig. 2",
+    paper="Kimi Team 2026, arXiv 2603.15031 (Full and Block AttnRes; the README's formula and pseudocode)",
     summary="Pre-LN whose sub-layers read a softmax over depth (one zero-initialised pseudo-query each, RMS-normalised "
     "keys) of the embedding and the earlier sub-layers' outputs (Full) or block sums (Block), encoder 2 per layer, "
     "decoder 3 incl. cross-attention, one more aggregation before each stack's final norm",

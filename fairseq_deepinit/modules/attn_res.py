@@ -14,12 +14,12 @@ with ``F = dropout(f(LN(h_in)))`` the sub-layer's branch. As released (MoonshotA
 ``README.md:52-91``: ``block_attn_res``, ``V = stack(blocks + [partial_block])``, ``K = norm(V)``, ``logits =
 einsum('d, n b t d -> n b t', proj.weight, K)``, ``h = einsum('n b t, n b t d -> b t d', softmax(logits, 0),
 V)``; the layer's ``forward`` commits ``partial_block`` to ``blocks`` after the aggregation at a block boundary,
-and starts the new partial sum from the sub-layer's output). The pseudo-query starts at zero (uniform weights, paper
-sec. 3), the key norm's gain at one. Full AttnRes (paper eq. 2-4) opens a block at every sub-layer, so that each
-sub-layer output is a source of its own.
+and starts the new partial sum from the sub-layer's output). The pseudo-query starts at zero, so that every
+aggregation starts uniform (the paper's requirement, as torchtitan's port quotes it), the key norm's gain at one.
+Full AttnRes opens a block at every sub-layer, so that each sub-layer output is a source of its own.
 
 Everything is per token: incremental decoding needs no state beyond the self-attention's keys and values.
-Formulas, the paper's equations and the encoder-decoder design: docs/schemes.md, "Attention Residuals".
+Formulas, sources and the encoder-decoder design: docs/schemes.md, "Attention Residuals".
 """
 
 from __future__ import annotations

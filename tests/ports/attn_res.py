@@ -22,7 +22,7 @@ The stack starts with no blocks and the embedding output as ``partial_block`` (l
 embedding is the first block: "blocks already include token embedding"), and ends with one more
 ``block_attn_res`` with its own query and norm before the final norm (torchtitan's Kimi Linear port,
 ``final_attn_res_proj``). The translation decoder's cross-attention is one more sub-layer between the two
-(:func:`layer`'s ``sublayers``). Full AttnRes (paper eq. 2-4): every sub-layer output is a block of its own, the
+(:func:`layer`'s ``sublayers``). Full AttnRes (the README's formula): every sub-layer output is a block of its own, the
 boundary check before every sub-layer.
 """
 
