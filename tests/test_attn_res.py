@@ -281,6 +281,26 @@ def test_incremental_decoding_with_beam_reordering_equals_the_full_forward(kind,
             torch.testing.assert_close(step, full, **TOL)
 
 
+COMPOSES = [("--qk-norm",), ("--subln",), ("--scale-attn", "--scale-fc", "--scale-heads"), ("--layernorm-scaling",),
+            ("--norm-type", "rmsnorm"), ("--norm-type", "dyt"), ("--checkpoint-activations",),
+            ("--cross-self-attention", "--attention-impl", "fairseq")]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", COMPOSES, ids=[" ".join(f) for f in COMPOSES])
+def test_composes_with_the_other_pre_ln_features(flags):
+    """Each builds with Block AttnRes and decodes step by step as its full forward. ``--cross-self-attention`` runs
+    on fairseq's attention path, whose softmax is float32 whatever the dtype: the tolerance there is float32's."""
+    model, _ = mt("block2", *flags)
+    src, prev = tokens(2, 7, 10, pad_first_row=3), tokens(2, 5, 3)
+    tol = dict(atol=1e-6, rtol=0) if "--cross-self-attention" in flags else TOL
+    state: dict = {}
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=src.ne(PAD).sum(1))
+        for t in range(1, 6):
+            step = model.decoder(prev[:, :t], encoder_out=enc, incremental_state=state)[0][:, -1]
+            torch.testing.assert_close(step, model.decoder(prev[:, :t], encoder_out=enc)[0][:, -1], **tol)
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------
 
 

@@ -176,9 +176,10 @@ def main(argv: List[str] | None = None) -> None:
               "peak RSS MiB", "vs Pre-LN", "ops/update", "vs Pre-LN"]  # fmt: skip
     print(harness.provenance(meta))
     stacks = "encoder and decoder" if args.kind == "mt" else "decoder"
+    streams = f" n = {args.streams} streams;" if any(CASES[c][0] in STREAM_FAMILIES for c in args.cases) else ""
     print(
         f"{args.kind}: {shape.layers} layers per stack ({stacks}), d {shape.dim}, FFN {shape.ffn}, {shape.heads} "
-        f"heads; n = {args.streams} streams; batch {bsz} x {length} tokens; fp32, dropouts 0.1, Adam; "
+        f"heads;{streams} batch {bsz} x {length} tokens; fp32, dropouts 0.1, Adam; "
         f"{args.updates} updates per trial, {args.rounds} rounds. Ratios: median [min-max] of per-round paired "
         "ratios of time per update (> 1: slower than Pre-LN)."
     )
