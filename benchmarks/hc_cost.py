@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Hyper-connections and mHC against Pre-LN, side by side: time, saved activations, peak memory and kernels of
-one training update.
+"""Hyper-connections, mHC and Attention Residuals against Pre-LN, side by side: time, saved activations, peak
+memory and kernels of one training update.
 
 The command line only; the code is :mod:`deepinit_tools.bench.hc_cost`.
 """

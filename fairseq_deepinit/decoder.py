@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import plan
 from .modules.attention import declare_target_padding
+from .modules.attn_res import DepthSources
 from .modules.dual_stream import DualStream
 from .modules.fixnorm import FixNormOutputProjection
 from .modules.hyper import Streams
@@ -41,7 +42,8 @@ class DeepInitDecoder(TransformerDecoderBase):
 
     target_padding = "unknown"
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
-    streams: Streams | None = None  # n residual streams (hyper-connections), set up by a method
+    # n residual streams (hyper-connections) or the depth-wise sources (Attention Residuals), set up by a method
+    streams: Streams | DepthSources | None = None
 
     def set_target_padding(self, side: str) -> None:
         """Record where the task pads the decoder's input (a build-time fact: no forward reads the tokens)."""

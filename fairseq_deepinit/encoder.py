@@ -20,6 +20,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from torch import Tensor
 
 from . import plan
+from .modules.attn_res import DepthSources
 from .modules.dual_stream import DualStream
 from .modules.hyper import Streams
 from .modules.layers import DeepInitEncoderLayer
@@ -29,7 +30,8 @@ from .stack_build import begin_streams, end_streams, hidden, keep_version, repla
 
 class DeepInitEncoder(TransformerEncoderBase):
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
-    streams: Streams | None = None  # n residual streams (hyper-connections), set up by a method
+    # n residual streams (hyper-connections) or the depth-wise sources (Attention Residuals), set up by a method
+    streams: Streams | DepthSources | None = None
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc: bool = False) -> None:
         self._built_layers, self._spec = 0, plan.spec_of(cfg)

@@ -1,7 +1,8 @@
 """What the plugin's encoder and decoder (:mod:`fairseq_deepinit.encoder`, :mod:`fairseq_deepinit.decoder`) do
 alike: when fairseq builds them, wrap each new layer as fairseq does, swap the stack-level norms for the
 spec's, and keep the state dict's version key; in their forwards, start and end the streams a method adds
-beside or in place of the one residual stream (ResiDual's second stream, hyper-connections' ``n`` streams).
+beside or in place of the one residual stream (ResiDual's second stream, hyper-connections' ``n`` streams,
+Attention Residuals' sources).
 """
 
 from __future__ import annotations
@@ -46,19 +47,21 @@ def keep_version(module, state_dict, name: str) -> None:
 
 def begin_streams(stack, x: Tensor) -> Tuple[Tensor, Tensor | None]:
     """At the embedding output ``x``: ``(the layers' input, ResiDual's second stream or None)``; the layers'
-    input is ``n`` copies of ``x`` under hyper-connections (``stack.streams``), else ``x``."""
+    input is ``n`` copies of ``x`` under hyper-connections, the first source under Attention Residuals
+    (``stack.streams``), else ``x``."""
     raw = None if stack.dual_stream is None else stack.dual_stream.begin(x)
     return (x if stack.streams is None else stack.streams.expand(x)), raw
 
 
 def hidden(stack, x: Tensor) -> Tensor:
     """A layer's output as one ``(T, B, C)`` stream (the hidden states a stack returns beside its output)."""
-    return x if stack.streams is None else stack.streams.contract(x)
+    return x if stack.streams is None else stack.streams.hidden(x)
 
 
 def end_streams(stack, x: Tensor, raw: Tensor | None) -> Tensor:
-    """The stack's output from its last layer's: one stream, then ResiDual's close or the final norm."""
-    x = hidden(stack, x)
+    """The stack's output from its last layer's: one stream (the streams contracted), then ResiDual's close or the
+    final norm."""
+    x = x if stack.streams is None else stack.streams.contract(x)
     if raw is not None:
         return stack.dual_stream.close(x, raw, stack.layer_norm)
     return x if stack.layer_norm is None else stack.layer_norm(x)

@@ -262,6 +262,7 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 NUMERIC_MODULES = {
     "test_adam_foreach",
     "test_attention_features",
+    "test_attn_res",
     "test_admin",
     "test_admin_distributed",
     "test_autocast",

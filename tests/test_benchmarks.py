@@ -508,6 +508,22 @@ def test_hc_cost_prints_every_case_with_its_ratios_to_pre_ln():
     assert saved["mhc-autograd"] > saved["mhc"] > saved["preln"]
 
 
+def test_hc_cost_attention_residual_cases_and_an_unknown_case():
+    """``--cases``: Pre-LN always first, the Attention Residuals cases keep more activations than Pre-LN (each
+    sub-layer's sources), Full more than Block; an unknown case is one line naming the choices."""
+    proc = run_script(REPO / "benchmarks" / "hc_cost.py", "--shape", "2x32x64x2", "--batch", "4x16", "--rounds", "1",
+                      "--updates", "1", "--cases", "attnres,blockattnres")  # fmt: skip
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| case")}  # fmt: skip
+    assert list(rows) == ["preln", "attnres", "blockattnres"]
+    saved = {case: float(cells[5]) for case, cells in rows.items()}  # the ratio to Pre-LN's (2 decimals)
+    assert saved["attnres"] > saved["blockattnres"] > saved["preln"] == 1
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hc_cost.py"), "--cases", "attnres,nope"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    want = "error: --cases: unknown nope; choose from preln, hc, hc-static, mhc, mhc-autograd, attnres, blockattnres"
+    assert bad.returncode == 1 and bad.stderr.strip() == want, bad.stderr
+
+
 def test_hc_cost_ratio_of_an_unmeasured_reference_is_a_dash():
     """A toy shape's update may grow Pre-LN's RSS by nothing: its ratio column says ``-`` instead of dividing by 0."""
     from deepinit_tools.bench.hc_cost import vs

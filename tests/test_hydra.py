@@ -118,6 +118,11 @@ TRANSLATION_CASES = {
         {"hyper_connections": "mhc", "hc_streams": 2, "mhc_sinkhorn_iters": 10},
     ),
     "static_hc": ("hc_iwslt_de_en", ["--no-hc-dynamic"], {"hc_dynamic": False}),
+    "attention_residuals": (
+        "preln_iwslt_de_en",
+        ["--attention-residuals", "block", "--attn-res-block-layers", "1", "--attn-res-eps", "1e-6"],
+        {"attention_residuals": "block", "attn_res_block_layers": 1, "attn_res_eps": 1e-6},
+    ),
 }
 
 
@@ -133,7 +138,8 @@ def test_yaml_model_is_the_cli_model(case):
 
 
 @pytest.mark.parametrize(
-    "arch", ["deepnorm_lm_tiny", "deepinit_lm_tiny", "gatedattn_lm_tiny", "valueres_lm_tiny", "mhc_lm_tiny"]
+    "arch",
+    ["deepnorm_lm_tiny", "deepinit_lm_tiny", "gatedattn_lm_tiny", "valueres_lm_tiny", "mhc_lm_tiny", "attnres_lm_tiny"],
 )
 def test_yaml_language_model_is_the_cli_model(arch):
     from fairseq import options

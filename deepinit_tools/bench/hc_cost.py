@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""What hyper-connections cost against Pre-LN, side by side: time, memory and kernels of one training update.
+"""What hyper-connections and Attention Residuals cost against Pre-LN, side by side: time, memory and kernels of one
+training update.
 
 Cases (one shape, one batch, the recipes' dropouts): ``preln`` (the baseline), ``hc`` (dynamic, ``n`` streams),
 ``hc-static``, ``mhc`` (Megatron-LM's rule, Sinkhorn's backward recomputed from its logits) and ``mhc-autograd``
-(the same model with autograd keeping every Sinkhorn iterate, what the recompute saves). Each is built as
-fairseq-train builds it and takes fairseq training updates (forward, loss, backward, Adam step;
+(the same model with autograd keeping every Sinkhorn iterate, what the recompute saves), the default set; with
+``--cases``, also ``attnres`` (Full Attention Residuals) and ``blockattnres`` (Block, 2 layers per block). Each is
+built as fairseq-train builds it and takes fairseq training updates (forward, loss, backward, Adam step;
 :mod:`deepinit_tools.bench.readiness_build`). Printed per case, and as a ratio to ``preln``:
 
 - update time: ``--rounds`` interleaved rounds of ``--updates`` updates (:func:`harness.interleave`), the
@@ -19,6 +21,7 @@ No target is asserted: this prints ratios. Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hc_cost.py                     # 6+6 layers, d 256, ~2 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hc_cost.py --kind lm --shape 6x64x256x4
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hc_cost.py --cases preln,attnres,blockattnres
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ CASES = {
     "hc-static": ("hc", ("--no-hc-dynamic",)),
     "mhc": ("mhc", ()),
     "mhc-autograd": ("mhc", ()),  # Sinkhorn's iterates kept by autograd (set after the build)
+    "attnres": ("attnres", ()),
+    "blockattnres": ("blockattnres", ()),
 }
+DEFAULT_CASES = ("preln", "hc", "hc-static", "mhc", "mhc-autograd")
+STREAM_FAMILIES = ("hc", "mhc")  # the families --streams applies to
 
 
 def batch(kind: str, bsz: int, length: int) -> dict:
@@ -59,7 +66,7 @@ def batch(kind: str, bsz: int, length: int) -> dict:
 def build(kind: str, case: str, shape: Shape, streams: int) -> rb.Built:
     family, extra = CASES[case]
     arch = f"{family}_iwslt_de_en" if kind == "mt" else f"{family}_lm_tiny"
-    flags = () if family == "preln" else ("--hc-streams", str(streams), *extra)
+    flags = ("--hc-streams", str(streams), *extra) if family in STREAM_FAMILIES else extra
     b = rb.build(kind, arch, shape, *flags)
     if case == "mhc-autograd":
         for m in b.model.modules():
@@ -109,7 +116,15 @@ def parse(argv: List[str] | None, description: str) -> Tuple[argparse.Namespace,
     parser.add_argument("--batch", default="16x32", help="SENTENCESxTOKENS of the batch")
     parser.add_argument("--updates", type=harness.positive_int, default=2, help="updates per timed trial")
     parser.add_argument("--rounds", type=harness.positive_int, default=7, help="interleaved rounds")
+    parser.add_argument(
+        "--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, from {', '.join(CASES)} (preln always)"
+    )
     args = parser.parse_args(argv)
+    cases = ["preln"] + [c for c in args.cases.split(",") if c and c != "preln"]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        harness.fail(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    args.cases = cases
     try:
         shape = Shape.parse(args.shape)
         bsz, length = (int(v) for v in args.batch.lower().split("x"))
@@ -122,7 +137,7 @@ def parse(argv: List[str] | None, description: str) -> Tuple[argparse.Namespace,
 def main(argv: List[str] | None = None) -> None:
     args, shape, bsz, length = parse(argv, __doc__)
     sample = batch(args.kind, bsz, length)
-    built = {case: build(args.kind, case, shape, args.streams) for case in CASES}
+    built = {case: build(args.kind, case, shape, args.streams) for case in args.cases}
     for b in built.values():  # a warm-up update each (first-call costs, Adam's state)
         rb.update(b, sample, 0)
 
@@ -149,7 +164,7 @@ def main(argv: List[str] | None = None) -> None:
 
     meta = harness.environment("cpu", "hc_cost.py", argv)
     rows = []
-    for case in CASES:
+    for case in args.cases:
         slower = harness.Stat.of([1 / r for r in rounds.ratios(case, "preln")])
         slower_cpu = harness.Stat.of([1 / r for r in rounds.ratios(case, "preln", clock="cpu")])
         rows.append([
@@ -161,9 +176,10 @@ def main(argv: List[str] | None = None) -> None:
               "peak RSS MiB", "vs Pre-LN", "ops/update", "vs Pre-LN"]  # fmt: skip
     print(harness.provenance(meta))
     stacks = "encoder and decoder" if args.kind == "mt" else "decoder"
+    streams = f" n = {args.streams} streams;" if any(CASES[c][0] in STREAM_FAMILIES for c in args.cases) else ""
     print(
         f"{args.kind}: {shape.layers} layers per stack ({stacks}), d {shape.dim}, FFN {shape.ffn}, {shape.heads} "
-        f"heads; n = {args.streams} streams; batch {bsz} x {length} tokens; fp32, dropouts 0.1, Adam; "
+        f"heads;{streams} batch {bsz} x {length} tokens; fp32, dropouts 0.1, Adam; "
         f"{args.updates} updates per trial, {args.rounds} rounds. Ratios: median [min-max] of per-round paired "
         "ratios of time per update (> 1: slower than Pre-LN)."
     )

@@ -49,6 +49,8 @@ METHODS: Dict[str, tuple] = {
     "qkclip": ("Pre-LN + QK-Clip (tau 100)", ["--arch", "preln_iwslt_de_en", "--qk-clip"]),
     "hc": ("Hyper-connections (n 4, dynamic)", ["--arch", "hc_iwslt_de_en"]),
     "mhc": ("mHC (n 4, Sinkhorn 20)", ["--arch", "mhc_iwslt_de_en"]),
+    "attnres": ("Full Attention Residuals", ["--arch", "attnres_iwslt_de_en"]),
+    "blockattnres": ("Block Attention Residuals (2 layers per block)", ["--arch", "blockattnres_iwslt_de_en"]),
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")

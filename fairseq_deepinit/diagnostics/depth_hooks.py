@@ -17,7 +17,9 @@ Hooks only observe; none changes an output:
 - an observer on every mHC connection (:class:`~fairseq_deepinit.modules.hyper.ManifoldHyperConnection`, with
   the stream statistics) sees its ``H_res`` and keeps the largest spectral norm and row/column-sum drift
   over all tokens (``diag_h_res_norm|row_drift|col_drift/<stack>.layers.<l>.<sub-layer>``);
-- under hyper-connections a layer's ``(T, B, n, C)`` streams are measured as one ``n C`` vector per token.
+- under hyper-connections a layer's ``(T, B, n, C)`` streams are measured as one ``n C`` vector per token, under
+  Attention Residuals its ``(T, B, m, C)`` sources as their sum (the value the plain residual stream would hold):
+  the stack's ``streams.measured``.
 
 Which positions are real comes from the batch (``src_tokens`` for the encoder, ``prev_output_tokens`` for
 the decoder, ``src_tokens`` for a decoder-only model), not from the masks the layers get: the plugin's
@@ -69,6 +71,13 @@ def stack_inputs(model: nn.Module, net_input: Mapping) -> List[Tuple[str, nn.Mod
     return out
 
 
+def _measured(stack: nn.Module | None):
+    """How a layer's ``(T, B, n, C)`` input and output are measured: the stack's ``streams.measured``, or the
+    ``n C`` values of a token as one vector."""
+    streams = getattr(stack, "streams", None)
+    return streams.measured if streams is not None else (lambda t: t.flatten(2))
+
+
 def _all_layers(layers: nn.ModuleList):
     """``(index, layer)`` of every layer: fairseq's ``LayerDropModuleList`` leaves layers out of its iteration in
     training, and the hooks go on all of them."""
@@ -108,6 +117,7 @@ class DepthStatistics:
             raise ValueError(f"unknown depth statistics {unknown}; choose from {STATS}")
         self.stream, self.angle, self.logit = ("stream" in stats, "angle" in stats, "logit" in stats)
         self.stacks = stack_inputs(model, net_input)
+        self._views = {stack: _measured(getattr(model, stack, None)) for stack, _, _ in self.stacks}
         self._sums: Dict[str, Tensor] = OrderedDict()
         self._max: Dict[str, Tensor] = OrderedDict()
         self._handles: list = []
@@ -140,7 +150,8 @@ class DepthStatistics:
         for stack, layers, real in self.stacks:
             for i, layer in _all_layers(layers):
                 if self.stream or self.angle:
-                    hook = self._layer_hook(f"{stack}.layers.{i}", f"{stack}.input" if i == 0 else None, real)
+                    name, input_name = f"{stack}.layers.{i}", f"{stack}.input" if i == 0 else None
+                    hook = self._layer_hook(name, input_name, real, self._views[stack])
                     self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
                 for sub, connection in mhc_connections(layer) if self.stream else []:
                     self._observed.append((connection, self._h_res_observer(f"{stack}.layers.{i}.{sub}")))
@@ -167,12 +178,12 @@ class DepthStatistics:
     def _add(self, key: str, value: Tensor) -> None:
         self._sums[key] = value if key not in self._sums else self._sums[key] + value
 
-    def _layer_hook(self, name: str, input_name: str | None, real: Tensor):
+    def _layer_hook(self, name: str, input_name: str | None, real: Tensor, view):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
             x = args[0] if args else kwargs["x"]
             out = output[0] if isinstance(output, tuple) else output
-            if out.dim() == 4:  # hyper-connections' (T, B, n, C) streams: a token's n streams as one vector
-                x, out = x.flatten(2), out.flatten(2)
+            if out.dim() == 4:  # (T, B, n, C) streams or sources: one (T, B, C') vector per token
+                x, out = view(x), view(out)
             if out.shape[:2] != real.shape:  # not this batch's stream (a caller's own call): not ours to measure
                 return
             with torch.no_grad():

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Tuple
 
 from . import (
     admin,
+    attention_residuals,
     attention_sinks,
     b2t,
     baseline,
@@ -69,6 +70,7 @@ METHODS: Dict[str, Method] = {
         derf.METHOD,
         depth_mup.METHOD,
         hyper_connections.METHOD,
+        attention_residuals.METHOD,
         z_loss.METHOD,
         qk_clip.METHOD,
     )

@@ -72,6 +72,14 @@ class Streams:
         """``(T, B, n, d) -> (T, B, d)``: the sum or the mean of the streams."""
         return x.sum(-2) if self.reduction == "sum" else x.mean(-2)
 
+    def hidden(self, x: Tensor) -> Tensor:
+        """A layer's streams as the one ``(T, B, d)`` hidden state a stack returns beside its output: contracted."""
+        return self.contract(x)
+
+    def measured(self, x: Tensor) -> Tensor:
+        """What the depth diagnostics measure of a layer's streams: a token's ``n`` streams as one ``n d`` vector."""
+        return x.flatten(2)
+
 
 class StreamResidual(Residual):
     """The residual of one sub-layer on ``n`` streams: ``enter`` splits the streams into the branch input and
