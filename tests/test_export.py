@@ -24,7 +24,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_deepinit.errors import ExportError
 from fairseq_deepinit.export import decoding, run, scoring, source, to_fairseq
-from fairseq_deepinit.export.route import CTRANSLATE2, FAIRSEQ, classify
+from fairseq_deepinit.export.route import CTRANSLATE2, FAIRSEQ, TARGETS, classify
 
 pytest.importorskip("ctranslate2")
 
@@ -169,7 +169,7 @@ def test_every_named_family_is_in_a_case():
 
 @pytest.mark.kernel_independent
 def test_a_method_without_an_export_declaration_is_refused(monkeypatch):
-    """A record added without ``export`` is refused by the route for both targets, naming its option; so is a
+    """A record added without ``export`` is refused by the route for every target, naming its option; so is a
     record whose declaration is taken away (the declaration decides, not a table of the exporter's)."""
     import dataclasses
 
@@ -188,13 +188,13 @@ def test_a_method_without_an_export_declaration_is_refused(monkeypatch):
     args = resolved(("preln", (), False))
     args.brand_new = True
     want = "--brand-new (Brand New): the export does not carry this option yet"
-    assert classify(args).reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+    assert classify(args).reasons == {target: want for target in TARGETS}
 
     args = resolved(("lnscale", (), False))
     assert classify(args).fairseq == "fold"
     monkeypatch.setitem(METHODS, "lnscale", dataclasses.replace(METHODS["lnscale"], export=None))
     want = "--layernorm-scaling (LayerNorm Scaling): the export does not carry this option yet"
-    assert classify(args).reasons == {FAIRSEQ: want, CTRANSLATE2: want}
+    assert classify(args).reasons == {target: want for target in TARGETS}
 
 
 @pytest.mark.kernel_independent

@@ -47,6 +47,8 @@ CANDIDATES: Dict[str, Candidate] = {
     "lnscale": Candidate("LayerNorm Scaling", "lnscale"),
     "qknorm": Candidate("QK-Norm (per head, RMSNorm)", "qknorm"),
     "completep": Candidate("CompleteP (branch x (L/6)^-1)", "completep"),
+    "attnres": Candidate("Attention Residuals (full)", "attnres"),
+    "blockattnres": Candidate("Block Attention Residuals", "blockattnres"),
 }
 DEFAULT = ("postln", "preln", "admin", "deepnorm", "tfixup", "twt", "b2t", "hc")
 
