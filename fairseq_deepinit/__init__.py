@@ -28,7 +28,7 @@ errors.install()
 from . import architectures, lm, model, patches  # noqa: E402,F401  (deepinit, deepinit_lm and their --arch)
 from .admin import task  # noqa: E402,F401  (--task translation_admin)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from .training import adam_foreach, autocast, radam, tfixup_schedule  # noqa: E402,F401
+from .training import adam_foreach, autocast, muon, radam, tfixup_schedule  # noqa: E402,F401
 
 # every change to fairseq, listed with its reasons in patches.py; after every architecture is registered
 patches.install()
