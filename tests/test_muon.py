@@ -250,6 +250,26 @@ def test_muonclip_clips_after_muons_step():
     assert check_clip(t, ref, clip, maxima) > 0
 
 
+def test_an_update_reads_nothing_more_on_the_host_than_adams():
+    """The CPU standing in for the device (``deepinit_tools.harness.host_reads``): Muon's step reads nothing, and
+    an update with it makes exactly the host reads of the same update with ``adam_foreach``."""
+    from deepinit_tools.harness.host_reads import HostReads
+    from fairseq_deepinit.training.param_groups import innermost
+
+    events = []
+    for optimizer in ("muon", "adam_foreach"):
+        t = build("mt", "--optimizer", optimizer)
+        t.train_step([sample("mt", 0)])  # warm-up (lazy state)
+        with HostReads(cpu_is_device=True) as hr:
+            t.train_step([sample("mt", 1)])
+        events.append([e.op for e in hr.events])
+        t.train_step([sample("mt", 2)])
+        with HostReads(cpu_is_device=True) as step_reads:
+            innermost(t._optimizer).optimizer.step()  # the last update's gradients again
+        assert step_reads.events == [], optimizer
+    assert events[0] == events[1]
+
+
 # --- fairseq-train ------------------------------------------------------------------------------------------
 
 
@@ -290,7 +310,7 @@ def test_two_cpu_ranks_end_equal(synthetic_bin, tmp_path):
 @pytest.mark.kernel_independent
 def test_flat_fp16_is_refused_in_one_line_by_fairseq_train(synthetic_bin, tmp_path):
     out = run_cli("train", synthetic_bin, "--user-dir", USER_DIR, "--task", "translation", "-s", "src", "-t", "tgt",
-                  "--arch", "preln_iwslt_de_en", *TINY_DIMS, "--optimizer", "muon", "--bf16", "--cpu",
+                  "--arch", "preln_iwslt_de_en", *TINY_DIMS, "--optimizer", "muon", "--fp16", "--cpu",
                   "--max-update", "1", "--max-tokens", "500", "--save-dir", tmp_path, "--no-save",
                   "--num-workers", "0", "--disable-validation", check=False)  # fmt: skip
     assert out.returncode == 1 and "add --fp16-no-flatten-grads" in out.stdout and "Traceback" not in out.stdout
