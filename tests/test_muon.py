@@ -221,6 +221,27 @@ def test_fp16_master_state_round_trip(tmp_path):
         assert torch.equal(pa, pb), n
 
 
+@pytest.mark.parametrize("cli, wrapper", [
+    (("--memory-efficient-fp16",), "MemoryEfficientFP16Optimizer"), (("--amp",), "AMPOptimizer"),
+])  # fmt: skip
+def test_half_weights_and_amp_train_with_float32_state(cli, wrapper):
+    """``--memory-efficient-fp16`` (fp16 weights stepped through float32 copies) and ``--amp``: two updates move
+    every weight, finite, and Muon's state is float32 in both groups."""
+    t = build("mt", *cli)
+    before = {n: p.detach().clone() for n, p in t._model.named_parameters()}
+    for update in range(2):
+        t.train_step([sample("mt", update)])
+    assert type(t._optimizer).__name__ == wrapper
+    for n, p in t._model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[n]), n
+    from fairseq_deepinit.training.param_groups import innermost
+
+    state = innermost(t._optimizer).optimizer.state
+    kinds = {k for s in state.values() for k in s}
+    assert {"momentum_buffer", "moment1", "moment2"} <= kinds
+    assert all(v.dtype == torch.float32 for s in state.values() for v in s.values() if torch.is_tensor(v))
+
+
 @pytest.mark.parametrize("cli, says", [
     (("--fp16",), "add --fp16-no-flatten-grads"),
     (("--zero-sharding", "os"), "drop --zero-sharding"),
