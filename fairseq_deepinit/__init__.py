@@ -3,8 +3,8 @@ fairseq ``--user-dir`` plugin.
 
 Importing the package registers the ``deepinit`` and ``deepinit_lm`` models and their named
 architectures (every method of :mod:`.methods`), Admin's profiling tasks, the diagnostics criteria,
-the ``translation_deepinit`` task, the ``tfixup`` lr scheduler and the ``radam`` / ``adam_foreach``
-optimizers; and applies the fairseq patches of :mod:`.patches` (checkpoints loadable under torch >= 2.6,
+the ``translation_deepinit`` task, the ``tfixup`` lr scheduler and the ``radam`` / ``adam_foreach`` /
+``muon`` optimizers; and applies the fairseq patches of :mod:`.patches` (checkpoints loadable under torch >= 2.6,
 checkpoint saving and resuming that survive a killed run, one-line errors for bad input).
 
 Layout (docs/architecture.md has the picture): :mod:`.errors`; :mod:`.modules` (plain building

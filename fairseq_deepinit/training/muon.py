@@ -28,6 +28,7 @@ refuses and why: :func:`check_training_config`. The account (torch's own ``torch
 "Muon and MuonClip".
 """
 
+import logging
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field  # no `from __future__ import annotations`: fairseq reads real types
@@ -43,6 +44,8 @@ from ..errors import DeepInitConfigError
 from .adam_foreach import parse_adam_betas
 from .depth_mup import group_kinds
 from .param_groups import GROUP_KEY, GroupScale, ScaledParamGroups, tag_parameter
+
+logger = logging.getLogger(__name__)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # toy_train.py:60
 NS_EPS = 1e-7  # toy_train.py:65
@@ -197,6 +200,8 @@ class FairseqMuon(ScaledParamGroups, _FairseqMuon):
         tag every parameter with its role."""
         check_training_config(cfg)
         tag_roles(model)
+        n_muon, n_adamw = describe(model)
+        logger.info(f"Muon on {n_muon} parameters of the hidden layers' matrices, AdamW on the other {n_adamw}")
 
 
 def roles(model: nn.Module) -> Dict[str, str]:
@@ -235,6 +240,6 @@ def check_training_config(cfg: Any) -> None:
 
 
 def describe(model: nn.Module) -> Tuple[int, int]:
-    """``(Muon's parameter count, AdamW's)`` of ``model`` (for the log and the docs)."""
+    """``(Muon's parameter count, AdamW's)`` of ``model`` (for the log)."""
     params, split = dict(model.named_parameters()), roles(model)
     return tuple(sum(params[n].numel() for n, r in split.items() if r == role) for role in (MUON, ADAMW))
