@@ -3,8 +3,8 @@ fairseq ``--user-dir`` plugin.
 
 Importing the package registers the ``deepinit`` and ``deepinit_lm`` models and their named
 architectures (every method of :mod:`.methods`), Admin's profiling tasks, the diagnostics criteria,
-the ``translation_deepinit`` task, the ``tfixup`` lr scheduler and the ``radam`` / ``adam_foreach``
-optimizers; and applies the fairseq patches of :mod:`.patches` (checkpoints loadable under torch >= 2.6,
+the ``translation_deepinit`` task, the ``tfixup`` lr scheduler and the ``radam`` / ``adam_foreach`` /
+``muon`` optimizers; and applies the fairseq patches of :mod:`.patches` (checkpoints loadable under torch >= 2.6,
 checkpoint saving and resuming that survive a killed run, one-line errors for bad input).
 
 Layout (docs/architecture.md has the picture): :mod:`.errors`; :mod:`.modules` (plain building
@@ -28,7 +28,7 @@ errors.install()
 from . import architectures, lm, model, patches  # noqa: E402,F401  (deepinit, deepinit_lm and their --arch)
 from .admin import task  # noqa: E402,F401  (--task translation_admin)
 from .diagnostics import criterion  # noqa: E402,F401  (--criterion label_smoothed_cross_entropy_diagnostics)
-from .training import adam_foreach, autocast, radam, tfixup_schedule  # noqa: E402,F401
+from .training import adam_foreach, autocast, muon, radam, tfixup_schedule  # noqa: E402,F401
 
 # every change to fairseq, listed with its reasons in patches.py; after every architecture is registered
 patches.install()

@@ -6,9 +6,8 @@ A patch wraps fairseq's function and calls it (nothing of its body is copied), o
 it calls lives with its subject (``checkpoints/resume.py``, ``intercepts.py``, ``training/``); only this
 module assigns into fairseq (torch's and numpy's globals: the first and last rows; the trainer and the optimizers
 it builds: :func:`build_optimizer`, the loop over the records' training hooks).
-``scripts/fairseq_tests.py`` runs fairseq's own tests without the plugin and with it imported: none fails
-only with it. :func:`install` runs once, from ``fairseq_deepinit/__init__.py`` after every model and
-architecture is registered; it is idempotent.
+``scripts/fairseq_tests.py`` runs fairseq's own tests without and with the plugin: none fails only with it.
+:func:`install` runs once (idempotent), from ``fairseq_deepinit/__init__.py`` after every model and architecture.
 
 Two more hooks attach at run time to instances, for the runs that choose the plugin's diagnostics criteria
 (fairseq's ``Trainer.train_step``, trainer.py:797-1060, has no hook where a gradient exists):
@@ -36,7 +35,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
-from fairseq import checkpoint_utils, tasks
+from fairseq import checkpoint_utils, optim, tasks
 from fairseq import models as fairseq_models
 from fairseq.data import Dictionary, data_utils, iterators
 from fairseq.distributed import utils as distributed_utils
@@ -83,13 +82,13 @@ def wrap(owner: Any, name: str, wrapper: Callable) -> None:
 def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
     """fairseq's ``Trainer._build_optimizer`` (trainer.py:289-382) in the one loop over the training hooks of the
     methods that are on (:func:`fairseq_deepinit.methods.enabled`; the hooks: :mod:`.methods.record`). Before it:
-    each ``check_training``, a ``loss_term``'s criterion (:func:`.training.loss_terms.check_criterion`), each
-    ``param_groups``. After it: the ``adam`` <-> ``adam_foreach`` history
-    (:func:`.training.adam_foreach.accepted_history`, before fairseq's optimizer-name check) and the loss-term
-    criterion switched at resume (:func:`.training.loss_terms.accepted_history`, before its criterion-name
-    check), the tagged groups
-    found in the optimizer (:func:`.training.param_groups.check_groups_reached`), its ``step`` / ``zero_grad``
-    routed to the ``after_step`` hooks (:func:`hook_steps`)."""
+    each ``check_training``, a ``loss_term``'s criterion (:func:`.training.loss_terms.check_criterion`), the
+    optimizer's ``prepare_model(cfg, model)`` (Muon's roles), each ``param_groups``. After it: the ``adam`` <->
+    ``adam_foreach`` history (:func:`.training.adam_foreach.accepted_history`, before fairseq's optimizer-name
+    check) and the loss-term criterion switched at resume (:func:`.training.loss_terms.accepted_history`, before
+    its criterion-name check), the tagged groups found in the optimizer
+    (:func:`.training.param_groups.check_groups_reached`), its ``step`` / ``zero_grad`` routed to the
+    ``after_step`` hooks (:func:`hook_steps`)."""
     spec, model = getattr(trainer._model, "spec", None), trainer._model
     on = enabled(spec) if spec is not None else []
     for method, p in on:  # every refusal before anything is changed
@@ -97,6 +96,10 @@ def build_optimizer(original: Callable, trainer: Trainer, *args: Any, **kwargs: 
             loss_terms.check_criterion(trainer.criterion, trainer.cfg, method)
         if method.check_training is not None:
             method.check_training(p, spec, trainer.cfg)
+    prepare = getattr(optim.OPTIMIZER_REGISTRY.get(getattr(trainer.cfg.optimizer, "_name", None)), "prepare_model",
+                      None)  # fmt: skip
+    if prepare is not None:  # an optimizer that reads the parameters' roles (training.muon.FairseqMuon)
+        prepare(trainer.cfg, model)
     grouped = [(method, p) for method, p in on if method.param_groups is not None]
     for method, p in grouped:
         method.param_groups(p, spec, model)

@@ -127,12 +127,13 @@ def group_scales(
 # --- the model's parameters ----------------------------------------------------------------------------
 
 
-def stacks(model: nn.Module) -> Dict[str, nn.Module]:
-    """The model's ``encoder`` and ``decoder`` (a language model: the decoder only), each with ``layers``."""
+def stacks(model: nn.Module, who: str = "depth-muP") -> Dict[str, nn.Module]:
+    """The model's ``encoder`` and ``decoder`` (a language model: the decoder only), each with ``layers`` (``who``:
+    the option the refusal names)."""
     found = {name: getattr(model, name) for name in STACKS if isinstance(getattr(model, name, None), nn.Module)}
     if not found or any(not isinstance(getattr(s, "layers", None), nn.ModuleList) for s in found.values()):
         raise DeepInitConfigError(
-            f"depth-muP needs a model whose encoder/decoder hold their blocks in 'layers' (fairseq's transformer), "
+            f"{who} needs a model whose encoder/decoder hold their blocks in 'layers' (fairseq's transformer), "
             f"not {type(model).__name__}"
         )
     return found
@@ -143,12 +144,13 @@ def stack_depths(model: nn.Module) -> Dict[str, int]:
     return {name: len(stack.layers) for name, stack in stacks(model).items()}
 
 
-def group_kinds(model: nn.Module) -> Dict[str, str]:
+def group_kinds(model: nn.Module, who: str = "depth-muP") -> Dict[str, str]:
     """``{parameter name: group name}`` for every parameter of ``model`` (module docstring, "Groups").
 
     In ``model.named_parameters()`` order and names (a tied parameter once, under its first name); block
     groups are prefixed with their stack (``decoder.hidden_weight``). A parameter outside every rule stops
-    with one line naming it: a new module must be given its group on purpose, never by default.
+    with one line naming it (and ``who``, the option that needs the groups): a new module must be given its group
+    on purpose, never by default.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     assigned: Dict[int, str] = {}
@@ -158,7 +160,7 @@ def group_kinds(model: nn.Module) -> Dict[str, str]:
         if old != group and {old, group} != {"embedding", "output"}:  # a tied output projection
             raise DeepInitConfigError(f"parameter {names.get(id(p))} is shared by groups {old} and {group}")
 
-    for stack_name, stack in stacks(model).items():
+    for stack_name, stack in stacks(model, who).items():
         for child_name, child in stack.named_children():
             if child_name == "layers":
                 for layer in child:
@@ -187,7 +189,7 @@ def group_kinds(model: nn.Module) -> Dict[str, str]:
     unknown = [n for i, n in names.items() if i not in assigned]
     if unknown:
         raise DeepInitConfigError(
-            f"depth-muP has no parameter-group rule for {', '.join(unknown[:3])}"
+            f"{who} has no parameter-group rule for {', '.join(unknown[:3])}"
             + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
             + ": the rule covers fairseq transformer stacks (embeddings, layers, final norms, output projection)"
         )
