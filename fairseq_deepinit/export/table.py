@@ -27,6 +27,7 @@ VARIANTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("qknorm", ("--no-qk-norm-cross", "--qk-norm-type", "layernorm", "--qk-norm-eps", "1e-5")),
     ("qknorm", ("--no-qk-norm-cross", "--qk-norm-scope", "proj")),
     ("preln", ("--norm-type", "rmsnorm")),
+    ("preln", ("--norm-type", "zc-rmsnorm")),
     ("postln", ("--norm-type", "scalenorm")),
     ("postln", ("--norm-eps", "1e-6")),
     ("preln", ("--layernorm-embedding",)),
