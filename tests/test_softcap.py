@@ -194,8 +194,8 @@ def test_fairseq_train_generate_and_a_language_model(synthetic_bin, lm_bin, tmp_
                   "--no-epoch-checkpoints", "--max-update", "3", forked=True).stdout  # fmt: skip
     assert "attention-softcap=0.7, output-softcap=2" in log and re.search(r"num_updates 3\b", log), log[-2000:]
     gen = run_cli("generate", synthetic_bin, "--user-dir", USER_DIR, "--path", tmp_path / "checkpoint_last.pt",
-                  "--beam", "2", "--cpu", "--max-len-b", "5", "--batch-size", "16", "--required-batch-size-multiple", "1",
-                  forked=True).stdout  # fmt: skip
+                  "--beam", "2", "--cpu", "--max-len-b", "5", "--batch-size", "16",
+                  "--required-batch-size-multiple", "1", forked=True).stdout  # fmt: skip
     assert len(re.findall(r"^H-\d+\t", gen, re.M)) == 100, gen[-2000:]
     out = run_cli("train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "preln_lm_tiny",
                   *CAPS, *TRAIN, "--tokens-per-sample", "32", "--max-update", "3", "--no-save",

@@ -1,4 +1,4 @@
-"""An attention with an output gate, learned sinks, a value mix and a logit soft-cap, on both ``--attention-impl`` paths.
+"""An attention with an output gate, learned sinks, a value mix and a logit soft-cap, on both attention paths.
 
 One class, :class:`FeatureAttention`, the plugin's SDPA attention (:mod:`.attention`: fairseq's
 projections, key/value cache and beamable encoder cache, computed by the plugin) with three optional
@@ -28,7 +28,8 @@ input, ``(T, B, C)``):
 The core (:meth:`FeatureAttention._attend`) is fairseq's explicit path under ``--attention-impl fairseq``
 (``fairseq/modules/multihead_attention.py:602-773``: ``q * scaling``, scores, ``attn_mask`` added, key padding
 ``-inf``, the softmax in float32 as ``utils.softmax`` (float64 kept), dropout, weighted sum; the soft-cap before
-the masks; the sink column appended after the masks and dropped before dropout) and ``F.scaled_dot_product_attention`` under ``sdpa``.
+the masks; the sink column appended after the masks and dropped before dropout) and
+``F.scaled_dot_product_attention`` under ``sdpa``.
 The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink key
 ``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``, and ``q'``, ``k'``, ``v`` padded to
 one width divisible by 8 (:func:`sink_head_width`; ``q'`` with ones, the keys and ``v`` with zeros), so that CUDA

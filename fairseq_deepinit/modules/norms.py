@@ -173,9 +173,10 @@ class ZeroCentredRMSNorm(nn.Module):
     Released code: HF transformers @ 7515843 ``models/qwen3_next/modeling_qwen3_next.py`` ``Qwen3NextRMSNorm``
     (``weight = zeros(dim)``; ``forward``: ``x.float() * rsqrt(x.float().pow(2).mean(-1) + eps) * (1.0 +
     weight.float())``, then ``type_as(x)``); the same gain as google-deepmind/gemma @ 7691fd4
-    ``gemma/gm/nn/_layers.py:46,57`` ``RMSNorm`` (``scale`` zeros-initialised, ``normed_inputs * (1 + scale)``). The norm, the ``1 + w`` and
-    the product are computed in fp32 (fp64 kept) and rounded once to the input's dtype, as released; under
-    mixed dtypes off the CPU (autocast) the fp32 result is returned as :class:`RMSNorm` returns its own.
+    ``gemma/gm/nn/_layers.py:46,57`` ``RMSNorm`` (``scale`` zeros-initialised, ``normed_inputs * (1 + scale)``).
+    The norm, the ``1 + w`` and the product are computed in fp32 (fp64 kept) and rounded once to the input's
+    dtype, as released; under mixed dtypes off the CPU (autocast) the fp32 result is returned as
+    :class:`RMSNorm` returns its own.
     One ``F.rms_norm`` call with the gain ``1 + w`` (a ``d``-vector add on top of the RMSNorm's cost).
     """
 
