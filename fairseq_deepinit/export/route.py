@@ -118,7 +118,8 @@ class Route:
     ``zc-rmsnorm``, ``scalenorm`` or ``none`` (every norm of the model); ``folds``: the constants folded into
     weights, in order; ``steps``: the fold steps that carry them out
     (:data:`~fairseq_deepinit.methods.exporting.FOLD_STEPS`, in that order); ``reasons``: per target, why it is
-    refused (absent: exportable); ``ct2_eps``: CTranslate2's ``layer_norm_epsilon`` (None: its defaults, 1e-5 LayerNorm and 1e-6 RMSNorm, serve every norm).
+    refused (absent: exportable); ``ct2_eps``: CTranslate2's ``layer_norm_epsilon`` (None: its defaults, 1e-5
+    LayerNorm and 1e-6 RMSNorm, serve every norm).
     """
 
     lm: bool
