@@ -23,7 +23,7 @@ Columns, each with its target (``ok`` / ``FAIL``; ``-`` where it does not apply)
   CUDA runs them). Target for the init-only families (same modules as stock) and the methods that
   only move or rescale stock's computation (readiness_table.SAME_COMPUTE): <= 1.02;
 - ``causal``: under ``--attention-impl sdpa``, decoder self-attention calls that pass ``is_causal``
-  with no T x T mask, of all of them;
+  with no T x T mask, of all of them ("refused" where the family refuses ``sdpa``: an attention soft-cap);
 - ``sdpa``: under ``--attention-impl sdpa``, self-attention calls that reach
   ``F.scaled_dot_product_attention``, of all of them (MAtt's average branch has none);
 - ``fp32 mm``: matrix products (forward and backward) not in bf16 under ``torch.autocast("cpu", torch.bfloat16)``,
@@ -49,6 +49,7 @@ from typing import Any, Dict, List
 
 from deepinit_tools import harness
 from deepinit_tools.bench.readiness_build import (
+    SDPA,
     Built,
     batch,
     build,
@@ -56,11 +57,13 @@ from deepinit_tools.bench.readiness_build import (
     one_line,
     plugin,
     reads,
+    refused,
     update,
 )
 from deepinit_tools.bench.readiness_table import (
     NORM_TARGETS,
     OP_TARGETED,
+    REFUSED,
     cells,
     markdown,
     model_products_off,
@@ -164,8 +167,14 @@ class Measure:
         return row
 
     def attention(self, fam: Family) -> dict:
-        """SDPA calls of one update under ``--attention-impl sdpa``: self-attention reach, decoder causality."""
-        b = build(fam.kind, fam.arch, self.shape, "--attention-impl", "sdpa", task=fam.task)
+        """SDPA calls of one update under ``--attention-impl sdpa``: self-attention reach, decoder causality
+        (:data:`REFUSED` both where the family refuses ``sdpa`` in one line)."""
+        try:
+            b = build(fam.kind, fam.arch, self.shape, "--attention-impl", "sdpa", task=fam.task)
+        except Exception as e:
+            if refused(e, SDPA):
+                return {"sdpa": REFUSED, "causal": REFUSED}
+            raise
         sample = batch(fam.kind)
         update(b, sample, 0)
         with counters.AttentionCalls(b.model) as calls:
@@ -188,7 +197,7 @@ class Measure:
             with counters.MatmulDtypeAudit() as audit:  # bf16 expected
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
-            return fp32_cell(e, checkpoint)
+            return fp32_cell(e, checkpoint, impl)
         return sum(model_products_off(audit, b.model, checkpoint).values())  # less mHC's fp32 mapping
 
     def breaks(self, fam: Family) -> dict:
@@ -196,7 +205,12 @@ class Measure:
         return {impl: self._breaks(fam, impl) for impl in ("fairseq", "sdpa")}
 
     def _breaks(self, fam: Family, impl: str) -> dict:
-        b = build(fam.kind, fam.arch, self.shape, "--attention-impl", impl, task=fam.task)
+        try:
+            b = build(fam.kind, fam.arch, self.shape, "--attention-impl", impl, task=fam.task)
+        except Exception as e:
+            if impl == "sdpa" and refused(e, SDPA):
+                return {"refused": True}
+            raise
         sample = batch(fam.kind)
         if fam.task:  # Admin: profile first (the forward refuses to train an unprofiled omega)
             update(b, sample, 0)
@@ -319,7 +333,7 @@ def norm_kernels() -> List[dict]:
     for label, x_dtype, w_dtype in NORM_CASES:
         xd, wd = getattr(torch, x_dtype), getattr(torch, w_dtype)
         counts = {}
-        for norm_type in ("layernorm", "rmsnorm", "scalenorm"):
+        for norm_type in ("layernorm", "rmsnorm", "scalenorm", "zc-rmsnorm"):
             norm = build_norm(norm_type, 512, 1e-5, False).to(device="meta", dtype=wd)
             cast = norm_type == "layernorm" and xd != wd
             x = torch.empty(8, 4, 512, device="meta", dtype=xd, requires_grad=True)

@@ -159,12 +159,21 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
 
 
-def fp32_cell(e: BaseException, checkpoint: bool) -> str:
+def refused(e: BaseException, flag: str) -> bool:
+    """The plugin refused ``flag`` in its one line (a family that cannot take that configuration)."""
+    return type(e).__name__ == "DeepInitConfigError" and flag in str(e)
+
+
+def fp32_cell(e: BaseException, checkpoint: bool, impl: str = "fairseq") -> str:
     """The fp32-matmul cell of a configuration that failed: :data:`REFUSED` where the plugin refused
-    ``--checkpoint-activations`` in its one line (a family that cannot be recomputed), else the error."""
-    if checkpoint and type(e).__name__ == "DeepInitConfigError" and "--checkpoint-activations" in str(e):
+    ``--checkpoint-activations`` (a family that cannot be recomputed) or ``--attention-impl sdpa`` (one whose
+    attention logits must be materialised) in its one line, else the error."""
+    if (checkpoint and refused(e, "--checkpoint-activations")) or (impl == "sdpa" and refused(e, SDPA)):
         return REFUSED
     return one_line(e)
+
+
+SDPA = "--attention-impl sdpa"
 
 
 def update_ops(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = None) -> tuple:

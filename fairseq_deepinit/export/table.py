@@ -35,6 +35,10 @@ VARIANTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("tfixup", ("--norm-type", "layernorm", "--force-norm-with-scheme")),
     ("admin", ("--norm-type", "rmsnorm")),
     ("preln", ("--activation-fn", "tanh")),
+    ("preln", ("--attention-softcap",)),
+    ("preln", ("--output-softcap",)),
+    ("preln", ("--ffn-type", "swiglu")),
+    ("preln", ("--ffn-type", "swiglu-oss")),
 )
 
 

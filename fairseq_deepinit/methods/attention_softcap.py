@@ -80,6 +80,10 @@ METHOD = Method(
     validate=validate_attention_softcap,
     describe=lambda p: f"attention-softcap={p.attention_softcap_value:g}",
     layer_setup=setup_softcap_layer,
+    families={
+        # Pre-LN + the attention cap with the Pre-LN baseline's init: the preln_* model plus the cap only
+        "attnsoftcap": dict(init_scheme="xavier", attention_softcap=True, norm_placement="pre"),
+    },
     export=never(
         "--attention-softcap squashes every attention logit by c*tanh(l/c), which neither target computes "
         "(a stock transformer and CTranslate2 4.8's TransformerSpec have no attention soft-cap)"

@@ -60,6 +60,7 @@ METHOD = Method(
     ),
     describe=lambda p: f"output-softcap={p.output_softcap_value:g}",
     stack_setup=setup_output_softcap,
+    families={"outsoftcap": dict(init_scheme="xavier", output_softcap=True, norm_placement="pre")},
     export=Export(
         refuses={
             FAIRSEQ: "--output-softcap squashes the output logits by c*tanh(z/c), which a stock transformer does not",

@@ -111,6 +111,8 @@ METHOD = Method(
     derive=oss_options_off,
     describe=describe,
     layer_setup=setup_gated_ffn,
+    # Pre-LN + the gated FFN, the FFN width as the size gives it (three matrices: 1.5x the FFN's parameters)
+    families={"swiglu": dict(init_scheme="xavier", ffn_type="swiglu", norm_placement="pre")},
     export=Export(
         neither=_export_refusal,
         refuses={
