@@ -34,7 +34,7 @@ import torch
 from conftest import TINY_DIMS, build_model, make_dictionary
 from deepinit_tools.bench import gpu_readiness as gr
 from deepinit_tools.bench import readiness_table as rt
-from deepinit_tools.bench.readiness_build import update_ops
+from deepinit_tools.bench.readiness_build import NORM_CASES, update_ops
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -210,7 +210,7 @@ def test_norm_kernels_meet_their_targets():
     """The readiness table's norm rows (on meta, as CUDA launches them): RMSNorm <= LayerNorm + 2,
     ScaleNorm <= + 3, in fp16, fp32 and CUDA autocast's mixed dtypes."""
     rows = gr.norm_kernels()
-    assert {r["dtype"] for r in rows} == {label for label, *_ in gr.NORM_CASES}
+    assert {r["dtype"] for r in rows} == {label for label, *_ in NORM_CASES}
     assert all(r["ok"] for r in rows if r["limit"] is not None), rows
 
 

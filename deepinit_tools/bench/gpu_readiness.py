@@ -54,6 +54,7 @@ from deepinit_tools.bench.readiness_build import (
     batch,
     build,
     fp32_cell,
+    norm_kernels,
     one_line,
     plugin,
     reads,
@@ -61,7 +62,6 @@ from deepinit_tools.bench.readiness_build import (
     update,
 )
 from deepinit_tools.bench.readiness_table import (
-    NORM_TARGETS,
     OP_TARGETED,
     REFUSED,
     cells,
@@ -312,44 +312,6 @@ def decode(b: Built, sample: dict, steps: int, beam: int) -> None:
             model.decoder.reorder_incremental_state_scripting(state, order)
             enc = model.encoder.reorder_encoder_out(enc, order)
             tokens = tokens.index_select(0, order)
-
-
-# the norm table's cases: (label, input dtype, weight dtype); the last one is CUDA autocast's (fp32
-# weights, 16-bit activations, as a norm inside a sub-layer sees them: Sub-LN's, NormFormer's)
-NORM_CASES = (("fp16", "float16", "float16"), ("fp32", "float32", "float32"),
-              ("bf16 input, fp32 weights (autocast)", "bfloat16", "float32"))  # fmt: skip
-
-
-def norm_kernels() -> List[dict]:
-    """Kernels of one norm's forward and backward (d 512) as CUDA would launch them: counted on the ``meta``
-    device, where the plugin's norms take their non-CPU path (fused calls once). In the autocast case
-    LayerNorm runs as CUDA autocast runs it (``layer_norm`` is on autocast's fp32 list): on an fp32 copy
-    of the input, whose gradient is cast back."""
-    import torch
-
-    from fairseq_deepinit.modules.norms import build_norm
-
-    rows = []
-    for label, x_dtype, w_dtype in NORM_CASES:
-        xd, wd = getattr(torch, x_dtype), getattr(torch, w_dtype)
-        counts = {}
-        for norm_type in ("layernorm", "rmsnorm", "scalenorm", "zc-rmsnorm"):
-            norm = build_norm(norm_type, 512, 1e-5, False).to(device="meta", dtype=wd)
-            cast = norm_type == "layernorm" and xd != wd
-            x = torch.empty(8, 4, 512, device="meta", dtype=xd, requires_grad=True)
-            with counters.OpCounter() as fwd:
-                y = norm(x.to(wd) if cast else x)
-            dy = torch.empty_like(y)
-            with counters.OpCounter() as bwd:
-                y.backward(dy)
-            counts[norm_type] = fwd.total + bwd.total
-        ln = counts["layernorm"]
-        for norm_type, n in counts.items():
-            target = NORM_TARGETS.get(norm_type)
-            rows.append({"norm": norm_type, "dtype": label, "kernels": n,
-                         "limit": None if target is None else ln + target,
-                         "ok": None if target is None else n <= ln + target})  # fmt: skip
-    return rows
 
 
 def build_parser() -> harness.Parser:
