@@ -35,9 +35,6 @@ VARIANTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("tfixup", ("--norm-type", "layernorm", "--force-norm-with-scheme")),
     ("admin", ("--norm-type", "rmsnorm")),
     ("preln", ("--activation-fn", "tanh")),
-    ("preln", ("--attention-softcap",)),
-    ("preln", ("--output-softcap",)),
-    ("preln", ("--ffn-type", "swiglu")),
     ("preln", ("--ffn-type", "swiglu-oss")),
 )
 

@@ -16,7 +16,7 @@ the output projection, FixNorm's included), so every reader of the logits gets t
 
 from __future__ import annotations
 
-from .exporting import CTRANSLATE2, FAIRSEQ, Export
+from .exporting import FAIRSEQ, Export
 from .record import FLAG, Method, Option, Rule, positive
 
 DEFAULT_CAP = 30.0  # Gemma 2: final_logit_softcap=30.0 (gemma/gm/nn/_gemma.py:59)
@@ -61,13 +61,11 @@ METHOD = Method(
     describe=lambda p: f"output-softcap={p.output_softcap_value:g}",
     stack_setup=setup_output_softcap,
     families={"outsoftcap": dict(init_scheme="xavier", output_softcap=True, norm_placement="pre")},
+    # CTranslate2 4.8 carries it: the decoder spec's final_logit_softcapping (specs/transformer_spec.py:276), set by
+    # fairseq_deepinit.export.to_ct2
     export=Export(
         refuses={
             FAIRSEQ: "--output-softcap squashes the output logits by c*tanh(z/c), which a stock transformer does not",
-            # CTranslate2 4.8's decoder spec has the field (specs/transformer_spec.py:276, its Gemma 3 converter
-            # sets it); the plugin's writer does not set it yet
-            CTRANSLATE2: "--output-softcap: the plugin's CTranslate2 writer does not set the decoder's "
-            "final_logit_softcapping yet",
         }
     ),
 )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ..modules.glu import GLU_KINDS, FFNGate
-from .exporting import CTRANSLATE2, FAIRSEQ, Export
+from .exporting import FAIRSEQ, Export
 from .record import INIT, TAG, TWO_MATRIX_FFN, Method, Option, Rule, positive
 
 STANDARD = "standard"
@@ -115,11 +115,8 @@ METHOD = Method(
     families={"swiglu": dict(init_scheme="xavier", ffn_type="swiglu", norm_placement="pre")},
     export=Export(
         neither=_export_refusal,
-        refuses={
-            FAIRSEQ: "--ffn-type swiglu: a stock transformer's FFN is fc2(act(fc1 x)), with no gate",
-            # CTranslate2 4.8 has it: FeedForwardSpec(glu=True) (specs/transformer_spec.py:443-449), linear_0 the
-            # activated half and linear_0_noact the other, activation SWISH
-            CTRANSLATE2: "--ffn-type swiglu: the plugin's CTranslate2 writer does not write gated FFNs (ffn_glu) yet",
-        },
+        # CTranslate2 4.8 carries plain SwiGLU: FeedForwardSpec(glu=True) (specs/transformer_spec.py:443-449),
+        # linear_0 the gate with activation SWISH, linear_0_noact fc1 (fairseq_deepinit.export.to_ct2)
+        refuses={FAIRSEQ: "--ffn-type swiglu: a stock transformer's FFN is fc2(act(fc1 x)), with no gate"},
     ),
 )
