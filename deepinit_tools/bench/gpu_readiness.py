@@ -37,6 +37,7 @@ LayerNorm's + 2, ScaleNorm at most + 3. Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/gpu_readiness.py --markdown readiness.md
     OMP_NUM_THREADS=1 python benchmarks/gpu_readiness.py --quick     # smoke run: postln, 2 layers
+    OMP_NUM_THREADS=1 python benchmarks/gpu_readiness.py --families preln --flags "--norm-type zc-rmsnorm"
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import dataclasses
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from deepinit_tools import harness
 from deepinit_tools.bench.readiness_build import (
@@ -78,6 +79,7 @@ from deepinit_tools.harness.fairseq_train import Shape
 class Family:
     kind: str  # "mt" / "lm"
     name: str
+    flags: Tuple[str, ...] = ()  # model flags added to the family's (--flags: an axis value, --norm-type X)
 
     @property
     def arch(self) -> str:
@@ -85,7 +87,8 @@ class Family:
 
     @property
     def label(self) -> str:
-        return self.name if self.kind == "mt" else f"{self.name} (LM)"
+        name = " ".join((self.name, *self.flags))
+        return name if self.kind == "mt" else f"{name} (LM)"
 
     @property
     def task(self) -> str | None:
@@ -149,7 +152,7 @@ class Measure:
         return self.stock[key]
 
     def family(self, fam: Family) -> dict:
-        b = build(fam.kind, fam.arch, self.shape, task=fam.task)
+        b = build(fam.kind, fam.arch, self.shape, *fam.flags, task=fam.task)
         row: Dict[str, Any] = {"row": fam.label, "kind": fam.kind, "arch": fam.arch}
         row.update(self.steady(b, fam.kind))
         stock = self.stock_figures(b)
@@ -158,7 +161,7 @@ class Measure:
         row["stock_arch"] = " ".join([stock_arch(fam.kind), *stock_flags(b)])
         row["op_ratio"] = row["ops"] / stock["ops"]
         row["op_targeted"] = fam.name in OP_TARGETED
-        row["meta"] = self.meta_run(fam.kind, fam.arch, task=fam.task)
+        row["meta"] = self.meta_run(fam.kind, fam.arch, *fam.flags, task=fam.task)
         row.update(self.attention(fam))
         row["fp32_mm"] = {f"{impl} {mode}".removeprefix("fairseq "): self.fp32_matmuls(fam, mode == "checkpoint", impl)
                           for impl in ("fairseq", "sdpa") for mode in ("plain", "checkpoint")}  # fmt: skip
@@ -170,7 +173,7 @@ class Measure:
         """SDPA calls of one update under ``--attention-impl sdpa``: self-attention reach, decoder causality
         (:data:`REFUSED` both where the family refuses ``sdpa`` in one line)."""
         try:
-            b = build(fam.kind, fam.arch, self.shape, "--attention-impl", "sdpa", task=fam.task)
+            b = build(fam.kind, fam.arch, self.shape, *fam.flags, "--attention-impl", "sdpa", task=fam.task)
         except Exception as e:
             if refused(e, SDPA):
                 return {"sdpa": REFUSED, "causal": REFUSED}
@@ -190,7 +193,7 @@ class Measure:
         """Matrix products of one update not in bf16 under CPU bf16 autocast (forward under autocast)."""
         extra = ("--attention-impl", impl, *(("--checkpoint-activations",) if checkpoint else ()))
         try:
-            b = build(fam.kind, fam.arch, self.shape, *extra, task=fam.task)
+            b = build(fam.kind, fam.arch, self.shape, *fam.flags, *extra, task=fam.task)
             sample = batch(fam.kind)
             update(b, sample, 0)  # through the task: Admin profiles its omega here
             update(b, sample, 1, autocast=True)
@@ -206,7 +209,7 @@ class Measure:
 
     def _breaks(self, fam: Family, impl: str) -> dict:
         try:
-            b = build(fam.kind, fam.arch, self.shape, "--attention-impl", impl, task=fam.task)
+            b = build(fam.kind, fam.arch, self.shape, *fam.flags, "--attention-impl", impl, task=fam.task)
         except Exception as e:
             if impl == "sdpa" and refused(e, SDPA):
                 return {"refused": True}
@@ -321,6 +324,7 @@ def build_parser() -> harness.Parser:
     p.add_argument("--no-lm", action="store_true", help="leave out the decoder-only (LM) rows (default: included)")
     p.add_argument("--no-special", action="store_true", help="leave out MAtt decoding, Admin profiling, diagnostics")
     p.add_argument("--no-explain", action="store_true", help="skip torch._dynamo.explain (the slowest column)")
+    p.add_argument("--flags", default="", help="model flags added to every family's, e.g. '--norm-type zc-rmsnorm'")
     p.add_argument(
         "--shape", type=_shape, help="LAYERSxDIMxFFNxHEADS of every model (default: 6x32x64x2; quick 2x32x64x2)"
     )
@@ -346,9 +350,10 @@ def main(argv: List[str] | None = None) -> int:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         harness.fail(f"--families: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
-    fams = [Family("mt", n) for n in names]
+    flags = tuple(opts.flags.split())
+    fams = [Family("mt", n, flags) for n in names]
     if not (opts.no_lm or opts.quick):
-        fams += [Family("lm", n) for n in names if n in LM_FAMILIES]
+        fams += [Family("lm", n, flags) for n in names if n in LM_FAMILIES]
     m = Measure(shape, explain=not (opts.no_explain or opts.quick))
     rows = []
     for fam in fams:
