@@ -43,7 +43,7 @@ class DeepInitDecoder(TransformerDecoderBase):
     target_padding = "unknown"
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
     streams: Streams | None = None  # n residual streams (hyper-connections), set up by a method
-    output_softcap: float | None = None  # c of the output logits' c tanh(z / c), set up by a method
+    final_logit_cap: float | None = None  # c of the output logits' c tanh(z / c), set up by a method
 
     def set_target_padding(self, side: str) -> None:
         """Record where the task pads the decoder's input (a build-time fact: no forward reads the tokens)."""
@@ -65,12 +65,12 @@ class DeepInitDecoder(TransformerDecoderBase):
         return wrap_layer(cfg, layer_cls(cfg, layer_plan, no_encoder_attn=no_encoder_attn))
 
     def output_layer(self, features: Tensor) -> Tensor:
-        """fairseq's output layer, then ``c tanh(z / c)`` on the logits where :attr:`output_softcap` is set (in
+        """fairseq's output layer, then ``c tanh(z / c)`` on the logits where :attr:`final_logit_cap` is set (in
         float32 or wider, rounded once to the logits' dtype): what the criterion and the sequence generator read."""
         logits = super().output_layer(features)
-        if self.output_softcap is None or self.adaptive_softmax is not None:  # adaptive softmax: features, refused
+        if self.final_logit_cap is None or self.adaptive_softmax is not None:  # adaptive softmax: features, refused
             return logits
-        c = self.output_softcap
+        c = self.final_logit_cap
         wide = logits if logits.dtype == torch.float64 else logits.float()
         return (c * torch.tanh(wide / c)).to(logits.dtype)
 

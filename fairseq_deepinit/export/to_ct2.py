@@ -174,8 +174,8 @@ def build_spec(sd: Dict[str, torch.Tensor], route: Route, facts: Dict[str, dict]
         specs[stack] = spec
     dec = specs["decoder"]
     writer.linear(dec.projection, "decoder.output_projection")
-    if facts["decoder"]["output_softcap"] is not None:
-        dec.final_logit_softcapping = np.float32(facts["decoder"]["output_softcap"])
+    if facts["decoder"]["final_logit_cap"] is not None:
+        dec.final_logit_softcapping = np.float32(facts["decoder"]["final_logit_cap"])
     if facts["decoder"]["project_in_out"]:
         writer.linear(dec.project_in, "decoder.project_in_dim")
         writer.linear(dec.project_out, "decoder.project_out_dim")
@@ -217,6 +217,6 @@ def stack_facts(model, args, route: Route) -> Dict[str, dict]:
             project_in_out=getattr(module, "project_in_dim", None) is not None,
             add_bos_token=bool(getattr(args, "add_bos_token", False)),
             glu=any(getattr(layer, "ffn_gate", None) is not None for layer in module.layers),
-            output_softcap=getattr(module, "output_softcap", None),
+            final_logit_cap=getattr(module, "final_logit_cap", None),
         )
     return out

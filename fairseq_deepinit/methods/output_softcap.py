@@ -43,7 +43,7 @@ OPTIONS = (
 def setup_output_softcap(stack, p, spec, stack_spec) -> None:
     """Stack set-up: the decoder's output layer caps its logits."""
     if stack_spec.kind.stack == "decoder":
-        stack.output_softcap = float(p.output_softcap_value)
+        stack.final_logit_cap = float(p.output_softcap_value)
 
 
 METHOD = Method(
