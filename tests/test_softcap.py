@@ -208,3 +208,17 @@ def test_fairseq_train_generate_and_a_language_model(synthetic_bin, lm_bin, tmp_
                   "--arch", "preln_iwslt_de_en", *TINY_DIMS, "--attention-softcap", "--attention-impl", "sdpa",
                   "--save-dir", tmp_path / "bad", *TRAIN, "--max-update", "1", check=False)  # fmt: skip
     assert not not_one_line({"sdpa": bad}, {"sdpa": "use --attention-impl fairseq"})
+
+
+def test_beam_search_scores_equal_a_full_forward():
+    """fairseq's SequenceGenerator (the decoder step by step with its caches, beams reordered) gives each hypothesis
+    of a model with both caps the log-probabilities of one teacher-forced full forward, within the bound of the
+    gated-attention test (fairseq's float32 scores; :func:`test_attention_features.beam_bound`)."""
+    from test_attention_features import beam_bound
+    from test_qk_norm import _beam_hypotheses_scored_by_a_full_forward
+
+    m, _ = build_model("preln_iwslt_de_en", *TINY_DIMS, *NO_DROPOUT, *CAPS, "--encoder-attention-heads", "4",
+                       "--decoder-attention-heads", "4")  # fmt: skip
+    m = m.double().eval()
+    worst, biggest = _beam_hypotheses_scored_by_a_full_forward(m)
+    assert worst < beam_bound(m, biggest), (worst, biggest)
