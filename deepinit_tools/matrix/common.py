@@ -47,6 +47,14 @@ METHODS: Dict[str, tuple] = {
     "qkclip": ("Pre-LN + QK-Clip (tau 100)", ["--arch", "preln_iwslt_de_en", "--qk-clip"]),
     "hc": ("Hyper-connections (n 4, dynamic)", ["--arch", "hc_iwslt_de_en"]),
     "mhc": ("mHC (n 4, Sinkhorn 20)", ["--arch", "mhc_iwslt_de_en"]),
+    # the 2025 recipe pieces: the two soft-caps together on Pre-LN, SwiGLU at the sizes' FFN width, the zero-centred
+    # RMSNorm on Pre-LN
+    "softcap": (
+        "Pre-LN + soft-caps (50, 30)",
+        ["--arch", "preln_iwslt_de_en", "--attention-softcap", "--output-softcap"],
+    ),
+    "swiglu": ("SwiGLU (F as given)", ["--arch", "swiglu_iwslt_de_en"]),
+    "zcrms": ("Pre-LN, zero-centred RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "zc-rmsnorm"]),
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
