@@ -54,6 +54,7 @@ METHODS: Dict[str, tuple] = {
         ["--arch", "preln_iwslt_de_en", "--attention-softcap", "--output-softcap"],
     ),
     "swiglu": ("SwiGLU (F as given)", ["--arch", "swiglu_iwslt_de_en"]),
+    "rmsnorm": ("Pre-LN, RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "rmsnorm"]),
     "zcrms": ("Pre-LN, zero-centred RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "zc-rmsnorm"]),
 }
 REGIMES = ("warmup", "nowarmup")
