@@ -121,11 +121,13 @@ def _not_layernorm(what: str) -> Export:
 
 #: the plain norms for an exporter: a stock transformer has LayerNorms of eps 1e-5, CTranslate2 LayerNorm and
 #: RMSNorm (ScaleNorm ``g x / sqrt(||x||^2 + eps^2)`` is the RMSNorm of weight ``g / sqrt(d)`` and eps
-#: ``eps^2 / d``; no norm at all is an RMSNorm made the identity, :data:`fairseq_deepinit.export.route.IDENTITY_EPS`)
+#: ``eps^2 / d``; the zero-centred RMSNorm ``(1 + w)`` is the RMSNorm of weight ``1 + w``; no norm at all is an
+#: RMSNorm made the identity, :data:`fairseq_deepinit.export.route.IDENTITY_EPS`)
 NORM_EXPORTS = {
     "layernorm": Export(refuses={FAIRSEQ: _fairseq_layernorm}),
     "rmsnorm": _not_layernorm("--norm-type rmsnorm"),
     "scalenorm": Export(refuses=_not_layernorm("--norm-type scalenorm").refuses, steps=("scalenorm-as-rms",)),
+    "zc-rmsnorm": Export(refuses=_not_layernorm("--norm-type zc-rmsnorm").refuses, steps=("zero-centred-gain",)),
     "none": _not_layernorm("no norm at all"),
 }
 

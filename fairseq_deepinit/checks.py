@@ -24,6 +24,7 @@ from .methods.record import (
     PLACEMENT,
     RESIDUAL,
     TAG,
+    TWO_MATRIX_FFN,
     WITH_NORM,
     Method,
     Rule,
@@ -137,8 +138,9 @@ class _Check:
         if rule.axis == INIT:
             scheme = INIT_SCHEMES[self.spec.init]
             depth = scheme.depth_scaled if DEPTH_SCALED in rule.values else ""
-            named = self.spec.init in rule.values or depth
-            return [(self.source(INIT), "; ".join(r for r in (depth, rule.why) if r))] if named else []
+            ffn = scheme.two_matrix_ffn if TWO_MATRIX_FFN in rule.values else ""
+            named = self.spec.init in rule.values or depth or ffn
+            return [(self.source(INIT), "; ".join(r for r in (depth, ffn, rule.why) if r))] if named else []
         return [(self.source(rule.axis), rule.why)] if self.actual(rule.axis)[0] in rule.values else []
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import torch
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
@@ -44,6 +45,7 @@ class DeepInitDecoder(TransformerDecoderBase):
     dual_stream: DualStream | None = None  # a second stream beside the layers' (ResiDual), set up by a method
     # n residual streams (hyper-connections) or the depth-wise sources (Attention Residuals), set up by a method
     streams: Streams | DepthSources | None = None
+    final_logit_cap: float | None = None  # c of the output logits' c tanh(z / c), set up by a method
 
     def set_target_padding(self, side: str) -> None:
         """Record where the task pads the decoder's input (a build-time fact: no forward reads the tokens)."""
@@ -63,6 +65,16 @@ class DeepInitDecoder(TransformerDecoderBase):
         layer_plan = plan.layer_plan(self._spec, decoder_kind(cross_attention=not no_encoder_attn), self._built_layers)
         layer_cls = plan.decoder_layer_class(self._spec)
         return wrap_layer(cfg, layer_cls(cfg, layer_plan, no_encoder_attn=no_encoder_attn))
+
+    def output_layer(self, features: Tensor) -> Tensor:
+        """fairseq's output layer, then ``c tanh(z / c)`` on the logits where :attr:`final_logit_cap` is set (in
+        float32 or wider, rounded once to the logits' dtype): what the criterion and the sequence generator read."""
+        logits = super().output_layer(features)
+        if self.final_logit_cap is None or self.adaptive_softmax is not None:  # adaptive softmax: features, refused
+            return logits
+        c = self.final_logit_cap
+        wide = logits if logits.dtype == torch.float64 else logits.float()
+        return (c * torch.tanh(wide / c)).to(logits.dtype)
 
     def buffered_future_mask(self, tensor):
         """fairseq's cached ``triu(-inf, 1)`` (transformer_decoder.py, ``buffered_future_mask``), built by

@@ -261,10 +261,10 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 # kernel path (skipped on any other) and its state-dict keys and parameter order depend on no kernel.
 NUMERIC_MODULES = {
     "test_adam_foreach",
-    "test_attention_features",
     "test_attn_res",
     "test_admin",
     "test_admin_distributed",
+    "test_attention_features",
     "test_autocast",
     "test_cli",
     "test_compat_v010",
@@ -295,9 +295,12 @@ NUMERIC_MODULES = {
     "test_schedule",
     "test_schemes",
     "test_sdpa",
+    "test_softcap",
     "test_successors",
+    "test_swiglu",
     "test_very_deep",
     "test_z_loss",
+    "test_zc_rmsnorm",
 }
 
 

@@ -307,7 +307,7 @@ def test_gpu_readiness_quick_fills_every_column(tmp_path):
     assert post["fp32_mm"]["plain"] == 0 and isinstance(post["fp32_mm"]["checkpoint"], int)
     assert rows["admin profiling"]["meta"]["plugin_reads"] == 2
     assert rows["diagnostics (twt)"]["meta"]["diagnostic_reads"] == 1
-    assert {n["norm"] for n in doc["norms"]} == {"layernorm", "rmsnorm", "scalenorm"}
+    assert {n["norm"] for n in doc["norms"]} == {"layernorm", "rmsnorm", "scalenorm", "zc-rmsnorm"}
     md = (tmp_path / "r.md").read_text()
     assert doc["meta"]["command"] in md and "| postln | ok | 0 / 0 (3 / 3) ok |" in md
 

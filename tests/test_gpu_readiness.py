@@ -34,7 +34,7 @@ import torch
 from conftest import TINY_DIMS, build_model, make_dictionary
 from deepinit_tools.bench import gpu_readiness as gr
 from deepinit_tools.bench import readiness_table as rt
-from deepinit_tools.bench.readiness_build import update_ops
+from deepinit_tools.bench.readiness_build import NORM_CASES, update_ops
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -47,6 +47,7 @@ from fairseq_deepinit.modules.hyper import ManifoldHyperConnection  # noqa: E402
 SHAPE = Shape(2, 16, 32, 2)
 # families that refuse --checkpoint-activations (a recomputed layer cannot read layer 1's values)
 REFUSE_CHECKPOINTING = ("valueres",)
+REFUSE_SDPA = ("attnsoftcap",)  # the attention logits must be materialised: fairseq's explicit path only
 CASES = [pytest.param("mt", f, id=f"mt-{f}") for f in FAMILIES] + [
     pytest.param("lm", f, id=f"lm-{f}") for f in LM_FAMILIES
 ]
@@ -160,6 +161,11 @@ def test_attention_on_sdpa_causal_and_every_matmul_bf16_with_checkpointing(kind,
     (targets right-padded); every matrix product of forward, recompute and backward is bf16."""
     fam = gr.Family(kind, family)
     checkpoint = ("--checkpoint-activations",)
+    if family in REFUSE_SDPA:
+        with pytest.raises(DeepInitConfigError, match="use --attention-impl fairseq") as e:
+            gr.build(kind, fam.arch, SHAPE, "--attention-impl", "sdpa", task=fam.task)
+        assert "\n" not in str(e.value)
+        return
     try:
         b = gr.build(kind, fam.arch, SHAPE, "--attention-impl", "sdpa", *checkpoint, task=fam.task)
     except DeepInitConfigError as e:  # value residual refuses it, in one line; then without
@@ -204,7 +210,7 @@ def test_norm_kernels_meet_their_targets():
     """The readiness table's norm rows (on meta, as CUDA launches them): RMSNorm <= LayerNorm + 2,
     ScaleNorm <= + 3, in fp16, fp32 and CUDA autocast's mixed dtypes."""
     rows = gr.norm_kernels()
-    assert {r["dtype"] for r in rows} == {label for label, *_ in gr.NORM_CASES}
+    assert {r["dtype"] for r in rows} == {label for label, *_ in NORM_CASES}
     assert all(r["ok"] for r in rows if r["limit"] is not None), rows
 
 

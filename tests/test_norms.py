@@ -88,7 +88,7 @@ def test_build_norm_registry():
     assert type(build_norm("derf", 8, shift_init=0.1)).__name__ == "Derf"
     with pytest.raises(ValueError, match="--norm-type layernorm takes no alpha_init"):
         build_norm("layernorm", 8, alpha_init=0.5)
-    with pytest.raises(ValueError, match="layernorm, scalenorm, rmsnorm, dyt, derf, none"):
+    with pytest.raises(ValueError, match="layernorm, scalenorm, rmsnorm, zc-rmsnorm, dyt, derf, none"):
         build_norm("batchnorm", 8)
 
 

@@ -23,7 +23,7 @@ Columns, each with its target (``ok`` / ``FAIL``; ``-`` where it does not apply)
   CUDA runs them). Target for the init-only families (same modules as stock) and the methods that
   only move or rescale stock's computation (readiness_table.SAME_COMPUTE): <= 1.02;
 - ``causal``: under ``--attention-impl sdpa``, decoder self-attention calls that pass ``is_causal``
-  with no T x T mask, of all of them;
+  with no T x T mask, of all of them ("refused" where the family refuses ``sdpa``: an attention soft-cap);
 - ``sdpa``: under ``--attention-impl sdpa``, self-attention calls that reach
   ``F.scaled_dot_product_attention``, of all of them (MAtt's average branch has none);
 - ``fp32 mm``: matrix products (forward and backward) not in bf16 under ``torch.autocast("cpu", torch.bfloat16)``,
@@ -37,6 +37,7 @@ LayerNorm's + 2, ScaleNorm at most + 3. Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/gpu_readiness.py --markdown readiness.md
     OMP_NUM_THREADS=1 python benchmarks/gpu_readiness.py --quick     # smoke run: postln, 2 layers
+    OMP_NUM_THREADS=1 python benchmarks/gpu_readiness.py --families preln --flags "--norm-type zc-rmsnorm"
 """
 
 from __future__ import annotations
@@ -45,22 +46,25 @@ import dataclasses
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from deepinit_tools import harness
 from deepinit_tools.bench.readiness_build import (
+    SDPA,
     Built,
     batch,
     build,
     fp32_cell,
+    norm_kernels,
     one_line,
     plugin,
     reads,
+    refused,
     update,
 )
 from deepinit_tools.bench.readiness_table import (
-    NORM_TARGETS,
     OP_TARGETED,
+    REFUSED,
     cells,
     markdown,
     model_products_off,
@@ -75,6 +79,7 @@ from deepinit_tools.harness.fairseq_train import Shape
 class Family:
     kind: str  # "mt" / "lm"
     name: str
+    flags: Tuple[str, ...] = ()  # model flags added to the family's (--flags: an axis value, --norm-type X)
 
     @property
     def arch(self) -> str:
@@ -82,7 +87,8 @@ class Family:
 
     @property
     def label(self) -> str:
-        return self.name if self.kind == "mt" else f"{self.name} (LM)"
+        name = " ".join((self.name, *self.flags))
+        return name if self.kind == "mt" else f"{name} (LM)"
 
     @property
     def task(self) -> str | None:
@@ -146,7 +152,7 @@ class Measure:
         return self.stock[key]
 
     def family(self, fam: Family) -> dict:
-        b = build(fam.kind, fam.arch, self.shape, task=fam.task)
+        b = build(fam.kind, fam.arch, self.shape, *fam.flags, task=fam.task)
         row: Dict[str, Any] = {"row": fam.label, "kind": fam.kind, "arch": fam.arch}
         row.update(self.steady(b, fam.kind))
         stock = self.stock_figures(b)
@@ -155,7 +161,7 @@ class Measure:
         row["stock_arch"] = " ".join([stock_arch(fam.kind), *stock_flags(b)])
         row["op_ratio"] = row["ops"] / stock["ops"]
         row["op_targeted"] = fam.name in OP_TARGETED
-        row["meta"] = self.meta_run(fam.kind, fam.arch, task=fam.task)
+        row["meta"] = self.meta_run(fam.kind, fam.arch, *fam.flags, task=fam.task)
         row.update(self.attention(fam))
         row["fp32_mm"] = {f"{impl} {mode}".removeprefix("fairseq "): self.fp32_matmuls(fam, mode == "checkpoint", impl)
                           for impl in ("fairseq", "sdpa") for mode in ("plain", "checkpoint")}  # fmt: skip
@@ -164,8 +170,14 @@ class Measure:
         return row
 
     def attention(self, fam: Family) -> dict:
-        """SDPA calls of one update under ``--attention-impl sdpa``: self-attention reach, decoder causality."""
-        b = build(fam.kind, fam.arch, self.shape, "--attention-impl", "sdpa", task=fam.task)
+        """SDPA calls of one update under ``--attention-impl sdpa``: self-attention reach, decoder causality
+        (:data:`REFUSED` both where the family refuses ``sdpa`` in one line)."""
+        try:
+            b = build(fam.kind, fam.arch, self.shape, *fam.flags, "--attention-impl", "sdpa", task=fam.task)
+        except Exception as e:
+            if refused(e, SDPA):
+                return {"sdpa": REFUSED, "causal": REFUSED}
+            raise
         sample = batch(fam.kind)
         update(b, sample, 0)
         with counters.AttentionCalls(b.model) as calls:
@@ -181,14 +193,14 @@ class Measure:
         """Matrix products of one update not in bf16 under CPU bf16 autocast (forward under autocast)."""
         extra = ("--attention-impl", impl, *(("--checkpoint-activations",) if checkpoint else ()))
         try:
-            b = build(fam.kind, fam.arch, self.shape, *extra, task=fam.task)
+            b = build(fam.kind, fam.arch, self.shape, *fam.flags, *extra, task=fam.task)
             sample = batch(fam.kind)
             update(b, sample, 0)  # through the task: Admin profiles its omega here
             update(b, sample, 1, autocast=True)
             with counters.MatmulDtypeAudit() as audit:  # bf16 expected
                 update(b, sample, 2, autocast=True)
         except Exception as e:  # noqa: BLE001
-            return fp32_cell(e, checkpoint)
+            return fp32_cell(e, checkpoint, impl)
         return sum(model_products_off(audit, b.model, checkpoint).values())  # less mHC's fp32 mapping
 
     def breaks(self, fam: Family) -> dict:
@@ -196,7 +208,12 @@ class Measure:
         return {impl: self._breaks(fam, impl) for impl in ("fairseq", "sdpa")}
 
     def _breaks(self, fam: Family, impl: str) -> dict:
-        b = build(fam.kind, fam.arch, self.shape, "--attention-impl", impl, task=fam.task)
+        try:
+            b = build(fam.kind, fam.arch, self.shape, *fam.flags, "--attention-impl", impl, task=fam.task)
+        except Exception as e:
+            if impl == "sdpa" and refused(e, SDPA):
+                return {"refused": True}
+            raise
         sample = batch(fam.kind)
         if fam.task:  # Admin: profile first (the forward refuses to train an unprofiled omega)
             update(b, sample, 0)
@@ -300,44 +317,6 @@ def decode(b: Built, sample: dict, steps: int, beam: int) -> None:
             tokens = tokens.index_select(0, order)
 
 
-# the norm table's cases: (label, input dtype, weight dtype); the last one is CUDA autocast's (fp32
-# weights, 16-bit activations, as a norm inside a sub-layer sees them: Sub-LN's, NormFormer's)
-NORM_CASES = (("fp16", "float16", "float16"), ("fp32", "float32", "float32"),
-              ("bf16 input, fp32 weights (autocast)", "bfloat16", "float32"))  # fmt: skip
-
-
-def norm_kernels() -> List[dict]:
-    """Kernels of one norm's forward and backward (d 512) as CUDA would launch them: counted on the ``meta``
-    device, where the plugin's norms take their non-CPU path (fused calls once). In the autocast case
-    LayerNorm runs as CUDA autocast runs it (``layer_norm`` is on autocast's fp32 list): on an fp32 copy
-    of the input, whose gradient is cast back."""
-    import torch
-
-    from fairseq_deepinit.modules.norms import build_norm
-
-    rows = []
-    for label, x_dtype, w_dtype in NORM_CASES:
-        xd, wd = getattr(torch, x_dtype), getattr(torch, w_dtype)
-        counts = {}
-        for norm_type in ("layernorm", "rmsnorm", "scalenorm"):
-            norm = build_norm(norm_type, 512, 1e-5, False).to(device="meta", dtype=wd)
-            cast = norm_type == "layernorm" and xd != wd
-            x = torch.empty(8, 4, 512, device="meta", dtype=xd, requires_grad=True)
-            with counters.OpCounter() as fwd:
-                y = norm(x.to(wd) if cast else x)
-            dy = torch.empty_like(y)
-            with counters.OpCounter() as bwd:
-                y.backward(dy)
-            counts[norm_type] = fwd.total + bwd.total
-        ln = counts["layernorm"]
-        for norm_type, n in counts.items():
-            target = NORM_TARGETS.get(norm_type)
-            rows.append({"norm": norm_type, "dtype": label, "kernels": n,
-                         "limit": None if target is None else ln + target,
-                         "ok": None if target is None else n <= ln + target})  # fmt: skip
-    return rows
-
-
 def build_parser() -> harness.Parser:
     p = harness.Parser(prog="gpu_readiness.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: the postln family, 2 layers, no LM, no explain")
@@ -345,6 +324,7 @@ def build_parser() -> harness.Parser:
     p.add_argument("--no-lm", action="store_true", help="leave out the decoder-only (LM) rows (default: included)")
     p.add_argument("--no-special", action="store_true", help="leave out MAtt decoding, Admin profiling, diagnostics")
     p.add_argument("--no-explain", action="store_true", help="skip torch._dynamo.explain (the slowest column)")
+    p.add_argument("--flags", default="", help="model flags added to every family's, e.g. '--norm-type zc-rmsnorm'")
     p.add_argument(
         "--shape", type=_shape, help="LAYERSxDIMxFFNxHEADS of every model (default: 6x32x64x2; quick 2x32x64x2)"
     )
@@ -370,9 +350,10 @@ def main(argv: List[str] | None = None) -> int:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         harness.fail(f"--families: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
-    fams = [Family("mt", n) for n in names]
+    flags = tuple(opts.flags.split())
+    fams = [Family("mt", n, flags) for n in names]
     if not (opts.no_lm or opts.quick):
-        fams += [Family("lm", n) for n in names if n in LM_FAMILIES]
+        fams += [Family("lm", n, flags) for n in names if n in LM_FAMILIES]
     m = Measure(shape, explain=not (opts.no_explain or opts.quick))
     rows = []
     for fam in fams:

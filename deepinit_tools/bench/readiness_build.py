@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Callable, Iterator, List
 
 from deepinit_tools import fairseq_argv as fa
-from deepinit_tools.bench.readiness_table import REFUSED
+from deepinit_tools.bench.readiness_table import NORM_TARGETS, REFUSED
 from deepinit_tools.harness import counters
 from deepinit_tools.harness.fairseq_train import Shape
 
@@ -159,12 +159,21 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
 
 
-def fp32_cell(e: BaseException, checkpoint: bool) -> str:
+def refused(e: BaseException, flag: str) -> bool:
+    """The plugin refused ``flag`` in its one line (a family that cannot take that configuration)."""
+    return type(e).__name__ == "DeepInitConfigError" and flag in str(e)
+
+
+def fp32_cell(e: BaseException, checkpoint: bool, impl: str = "fairseq") -> str:
     """The fp32-matmul cell of a configuration that failed: :data:`REFUSED` where the plugin refused
-    ``--checkpoint-activations`` in its one line (a family that cannot be recomputed), else the error."""
-    if checkpoint and type(e).__name__ == "DeepInitConfigError" and "--checkpoint-activations" in str(e):
+    ``--checkpoint-activations`` (a family that cannot be recomputed) or ``--attention-impl sdpa`` (one whose
+    attention logits must be materialised) in its one line, else the error."""
+    if (checkpoint and refused(e, "--checkpoint-activations")) or (impl == "sdpa" and refused(e, SDPA)):
         return REFUSED
     return one_line(e)
+
+
+SDPA = "--attention-impl sdpa"
 
 
 def update_ops(kind: str, arch: str, shape: Shape, *extra: str, task: str | None = None) -> tuple:
@@ -176,3 +185,41 @@ def update_ops(kind: str, arch: str, shape: Shape, *extra: str, task: str | None
     with counters.OpCounter() as ops:
         update(b, sample, 1)
     return ops, b
+
+
+# the norm table's cases: (label, input dtype, weight dtype); the last one is CUDA autocast's (fp32
+# weights, 16-bit activations, as a norm inside a sub-layer sees them: Sub-LN's, NormFormer's)
+NORM_CASES = (("fp16", "float16", "float16"), ("fp32", "float32", "float32"),
+              ("bf16 input, fp32 weights (autocast)", "bfloat16", "float32"))  # fmt: skip
+
+
+def norm_kernels() -> List[dict]:
+    """Kernels of one norm's forward and backward (d 512) as CUDA would launch them: counted on the ``meta``
+    device, where the plugin's norms take their non-CPU path (fused calls once). In the autocast case
+    LayerNorm runs as CUDA autocast runs it (``layer_norm`` is on autocast's fp32 list): on an fp32 copy
+    of the input, whose gradient is cast back."""
+    import torch
+
+    from fairseq_deepinit.modules.norms import build_norm
+
+    rows = []
+    for label, x_dtype, w_dtype in NORM_CASES:
+        xd, wd = getattr(torch, x_dtype), getattr(torch, w_dtype)
+        counts = {}
+        for norm_type in ("layernorm", "rmsnorm", "scalenorm", "zc-rmsnorm"):
+            norm = build_norm(norm_type, 512, 1e-5, False).to(device="meta", dtype=wd)
+            cast = norm_type == "layernorm" and xd != wd
+            x = torch.empty(8, 4, 512, device="meta", dtype=xd, requires_grad=True)
+            with counters.OpCounter() as fwd:
+                y = norm(x.to(wd) if cast else x)
+            dy = torch.empty_like(y)
+            with counters.OpCounter() as bwd:
+                y.backward(dy)
+            counts[norm_type] = fwd.total + bwd.total
+        ln = counts["layernorm"]
+        for norm_type, n in counts.items():
+            target = NORM_TARGETS.get(norm_type)
+            rows.append({"norm": norm_type, "dtype": label, "kernels": n,
+                         "limit": None if target is None else ln + target,
+                         "ok": None if target is None else n <= ln + target})  # fmt: skip
+    return rows

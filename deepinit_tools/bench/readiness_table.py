@@ -87,11 +87,12 @@ def row_cells(row: dict) -> List[str]:
         cells.append(f"{row['ops']} / {row['stock']['ops']} = {row['op_ratio']:.3f} {verdict(ok)}")
     else:
         cells.append("-")
+    if "causal" in row and row["causal"] == REFUSED:  # the family refuses --attention-impl sdpa
+        cells += [f"{REFUSED} -", f"{REFUSED} -"]
     if "causal" in row:
-        n, total = row["causal"]
-        cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
-        n, total = row["sdpa"]
-        cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
+        for name in ("causal", "sdpa") if row["causal"] != REFUSED else ():
+            n, total = row[name]
+            cells.append(f"{n}/{total} {verdict(n == total) if total else '-'}")
         fp = row["fp32_mm"]
         ok = all(v == 0 or v == REFUSED for v in fp.values())
         sdpa = f"; sdpa {_num(fp['sdpa plain'])} / {_num(fp['sdpa checkpoint'])}" if "sdpa plain" in fp else ""
@@ -104,6 +105,9 @@ def row_cells(row: dict) -> List[str]:
     else:
         parts, ok = [], True
         for impl in ("fairseq", "sdpa"):
+            if br[impl].get("refused"):
+                parts.append(REFUSED)
+                continue
             if "error" in br[impl]:
                 parts.append(f"? ({br[impl]['error']})")
                 ok = False

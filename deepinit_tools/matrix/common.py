@@ -51,6 +51,15 @@ METHODS: Dict[str, tuple] = {
     "mhc": ("mHC (n 4, Sinkhorn 20)", ["--arch", "mhc_iwslt_de_en"]),
     "attnres": ("Full Attention Residuals", ["--arch", "attnres_iwslt_de_en"]),
     "blockattnres": ("Block Attention Residuals (2 layers per block)", ["--arch", "blockattnres_iwslt_de_en"]),
+    # the 2025 recipe pieces: the two soft-caps together on Pre-LN, SwiGLU at the sizes' FFN width, the zero-centred
+    # RMSNorm on Pre-LN
+    "softcap": (
+        "Pre-LN + soft-caps (50, 30)",
+        ["--arch", "preln_iwslt_de_en", "--attention-softcap", "--output-softcap"],
+    ),
+    "swiglu": ("SwiGLU (F as given)", ["--arch", "swiglu_iwslt_de_en"]),
+    "rmsnorm": ("Pre-LN, RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "rmsnorm"]),
+    "zcrms": ("Pre-LN, zero-centred RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "zc-rmsnorm"]),
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")

@@ -10,6 +10,8 @@ exact in exact arithmetic, the products taken in float64:
 - ScaleNorm ``g x / sqrt(||x||^2 + eps^2)`` (:class:`~fairseq_deepinit.modules.norms.ScaleNorm`) is the
   RMSNorm ``x / sqrt(mean(x^2) + eps^2/d) * (g / sqrt(d))``: its scalar becomes a weight vector of
   ``g / sqrt(d)`` (the eps, ``eps^2/d``, is the route's), the q/k ScaleNorm likewise over ``head_dim``;
+- a zero-centred RMSNorm ``x / sqrt(mean(x^2) + eps) * (1 + w)``
+  (:class:`~fairseq_deepinit.modules.norms.ZeroCentredRMSNorm`) is the RMSNorm of weight ``1 + w``;
 - FixNorm (:class:`~fairseq_deepinit.modules.fixnorm.FixNormEmbedding`): the embedding rows as the
   model uses them, ``w / max(||w||, eps)`` (the padding row 0), and the tied output layer over them with
   its per-word bias (TwT eq. 5);
@@ -36,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..modules.fixnorm import FixNormEmbedding, FixNormOutputProjection
-from ..modules.norms import ScaleNorm
+from ..modules.norms import ScaleNorm, ZeroCentredRMSNorm
 from ..modules.residual import AdminResidual, BranchScaleResidual, ConstantResidual, Residual, ReZeroResidual
 from .omega import fold_state_dict
 from .route import Route
@@ -60,6 +62,13 @@ def _scalenorms_as_rms(model: nn.Module, sd: Dict[str, torch.Tensor]) -> None:
         if isinstance(module, ScaleNorm):
             g = sd.pop(f"{name}.g")
             sd[f"{name}.weight"] = torch.full((module.dim,), 1.0, dtype=torch.float64) * (g / math.sqrt(module.dim))
+
+
+def _zero_centred_gains(model: nn.Module, sd: Dict[str, torch.Tensor]) -> None:
+    """Every zero-centred RMSNorm's ``w`` as the weight ``1 + w`` of the plain RMSNorm it equals."""
+    for name, module in model.named_modules():
+        if isinstance(module, ZeroCentredRMSNorm):
+            sd[f"{name}.weight"] = 1.0 + sd[f"{name}.weight"]
 
 
 def _fixnorm(model: nn.Module, sd: Dict[str, torch.Tensor]) -> None:
@@ -151,6 +160,7 @@ def _omega(model: nn.Module, sd: Dict[str, torch.Tensor], args) -> dict:
 #: same order): ``step(model, sd, args)`` changes ``sd`` in place and returns the model arguments it changes
 STEPS = {
     "scalenorm-as-rms": lambda model, sd, args: _scalenorms_as_rms(model, sd),
+    "zero-centred-gain": lambda model, sd, args: _zero_centred_gains(model, sd),
     "unit-rows": lambda model, sd, args: _fixnorm(model, sd),
     "constant-omega": lambda model, sd, args: _deepnorm_omegas(model, sd),
     "omega": _omega,

@@ -120,10 +120,11 @@ class Route:
     """What :func:`classify` found (see the module docstring).
 
     ``placements``: per stack, ``post``, ``pre`` or ``peri``; ``norm``: ``layernorm``, ``rmsnorm``,
-    ``scalenorm`` or ``none`` (every norm of the model); ``folds``: the constants folded into weights, in
-    order; ``steps``: the fold steps that carry them out (:data:`~fairseq_deepinit.methods.exporting.FOLD_STEPS`,
-    in that order); ``reasons``: per target, why it is refused (absent: exportable); ``ct2_eps``:
-    CTranslate2's ``layer_norm_epsilon`` (None: its defaults, 1e-5 LayerNorm and 1e-6 RMSNorm, serve every norm).
+    ``zc-rmsnorm``, ``scalenorm`` or ``none`` (every norm of the model); ``folds``: the constants folded into
+    weights, in order; ``steps``: the fold steps that carry them out
+    (:data:`~fairseq_deepinit.methods.exporting.FOLD_STEPS`, in that order); ``reasons``: per target, why it is
+    refused (absent: exportable); ``ct2_eps``: CTranslate2's ``layer_norm_epsilon`` (None: its defaults, 1e-5
+    LayerNorm and 1e-6 RMSNorm, serve every norm).
     """
 
     lm: bool
@@ -169,6 +170,8 @@ def _ct2_eps(spec: ModelSpec, qk: QKNorm | None) -> Tuple[float | None, str | No
     norm = spec.norm.type
     if norm in ("layernorm", "rmsnorm"):
         wanted.add((norm, float(spec.norm.eps)))
+    elif norm == "zc-rmsnorm":  # an RMSNorm of weight 1 + w (the fold step "zero-centred-gain")
+        wanted.add(("rmsnorm", float(spec.norm.eps)))
     elif norm == "scalenorm":
         wanted |= {("rmsnorm", float(spec.norm.eps) ** 2 / s.dim) for s in spec.stacks}
     elif norm == "none":

@@ -28,6 +28,7 @@ VARIANTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("qknorm", ("--no-qk-norm-cross", "--qk-norm-type", "layernorm", "--qk-norm-eps", "1e-5")),
     ("qknorm", ("--no-qk-norm-cross", "--qk-norm-scope", "proj")),
     ("preln", ("--norm-type", "rmsnorm")),
+    ("preln", ("--norm-type", "zc-rmsnorm")),
     ("postln", ("--norm-type", "scalenorm")),
     ("postln", ("--norm-eps", "1e-6")),
     ("preln", ("--layernorm-embedding",)),
@@ -35,6 +36,7 @@ VARIANTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("tfixup", ("--norm-type", "layernorm", "--force-norm-with-scheme")),
     ("admin", ("--norm-type", "rmsnorm")),
     ("preln", ("--activation-fn", "tanh")),
+    ("preln", ("--ffn-type", "swiglu-oss")),
 )
 
 

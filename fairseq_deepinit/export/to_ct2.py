@@ -13,6 +13,9 @@ leaves at their defaults set from the route (:class:`.route.Route`; file:line in
 - RMSNorm, ScaleNorm (an RMSNorm, :mod:`.fold`) and the norm-free families (an RMSNorm that is the
   identity, :data:`.route.IDENTITY_EPS`) as ``rms_norm``; the one epsilon as ``layer_norm_epsilon``;
 - q/k norms of the self-attentions as its per-head ``q_norm`` / ``k_norm`` (``attention_spec.py:115-117``);
+- a gated FFN (plain SwiGLU, :mod:`fairseq_deepinit.modules.glu`) as ``ffn_glu`` with activation SWISH
+  (``transformer_spec.py:443-449``: ``linear_0`` the activated half, the gate ``W_g``; ``linear_0_noact`` ``fc1``);
+- the decoder's output soft-cap ``c tanh(z / c)`` as ``final_logit_softcapping`` (``transformer_spec.py:276``);
 - ``scale_embeddings`` as the model's ``embed_scale`` (1 with ``--no-scale-embedding``), the output
   projection's bias (FixNorm's), ``project_in`` / ``project_out``, ``layernorm_embedding``.
 """
@@ -81,7 +84,11 @@ class _Writer:
         self.attention(spec.self_attention, f"{prefix}.self_attn", True)
         if cross:
             self.attention(spec.attention, f"{prefix}.encoder_attn", False)
-        self.linear(spec.ffn.linear_0, f"{prefix}.fc1")
+        if hasattr(spec.ffn, "linear_0_noact"):  # a gated FFN: silu(W_g x) * fc1(x)
+            self.linear(spec.ffn.linear_0, f"{prefix}.ffn_gate.proj")
+            self.linear(spec.ffn.linear_0_noact, f"{prefix}.fc1")
+        else:
+            self.linear(spec.ffn.linear_0, f"{prefix}.fc1")
         self.linear(spec.ffn.linear_1, f"{prefix}.fc2")
         if placement != "peri":
             self.norm(spec.self_attention.layer_norm, f"{prefix}.self_attn_layer_norm", dim)
@@ -114,9 +121,11 @@ def _stack_spec(route: Route, stack: str, facts: dict):
     from ctranslate2.specs import common_spec, transformer_spec
 
     placement = route.placements[stack]
+    activation = "SWISH" if facts["glu"] else CT2_ACTIVATIONS[route.activation]  # the gate's silu is Swish_1
     kwargs = dict(
         pre_norm=placement != "post",
-        activation=getattr(common_spec.Activation, CT2_ACTIVATIONS[route.activation]),
+        activation=getattr(common_spec.Activation, activation),
+        ffn_glu=facts["glu"],
         layernorm_embedding=facts["layernorm_embedding"],
         rms_norm=route.norm != "layernorm",
         qk_norm=route.qk_norm is not None,
@@ -165,6 +174,8 @@ def build_spec(sd: Dict[str, torch.Tensor], route: Route, facts: Dict[str, dict]
         specs[stack] = spec
     dec = specs["decoder"]
     writer.linear(dec.projection, "decoder.output_projection")
+    if facts["decoder"]["final_logit_cap"] is not None:
+        dec.final_logit_softcapping = np.float32(facts["decoder"]["final_logit_cap"])
     if facts["decoder"]["project_in_out"]:
         writer.linear(dec.project_in, "decoder.project_in_dim")
         writer.linear(dec.project_out, "decoder.project_out_dim")
@@ -185,7 +196,7 @@ def build_spec(sd: Dict[str, torch.Tensor], route: Route, facts: Dict[str, dict]
 
 def stack_facts(model, args, route: Route) -> Dict[str, dict]:
     """Per stack of the (plugin) ``model``: depth, heads, width, embedding scale, position table, which
-    optional norms and projections it has."""
+    optional norms and projections it has, whether its FFNs are gated, the decoder's output soft-cap."""
     from fairseq.modules import SinusoidalPositionalEmbedding
 
     out = {}
@@ -205,5 +216,7 @@ def stack_facts(model, args, route: Route) -> Dict[str, dict]:
             final_norm=getattr(module, "layer_norm", None) is not None,
             project_in_out=getattr(module, "project_in_dim", None) is not None,
             add_bos_token=bool(getattr(args, "add_bos_token", False)),
+            glu=any(getattr(layer, "ffn_gate", None) is not None for layer in module.layers),
+            final_logit_cap=getattr(module, "final_logit_cap", None),
         )
     return out

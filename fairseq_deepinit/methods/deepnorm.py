@@ -155,6 +155,8 @@ METHOD = Method(
             residual="deepnorm",
             requires=(post_ln(),),
             depth_scaled="DeepNorm's init gain beta shrinks with depth",
+            two_matrix_ffn="DeepNorm's beta (Wang et al. 2022, sec. 4) bounds the model update with the FFN as two "
+            "matrices fc1, fc2 scaled by beta; a gated FFN's product of two projections is not in that bound",
         ),
     ),
     residual_scalings=(

@@ -100,6 +100,8 @@ METHOD = Method(
             apply_dsinit,
             "DS-Init (Zhang et al. 2019): U(+-gamma*alpha/sqrt(l)) per layer depth l",
             depth_scaled="DS-Init draws layer l's weights within 1/sqrt(l) of xavier's bound",
+            two_matrix_ffn="DS-Init's variance argument (Zhang et al. 2019, sec. 4) passes one ReLU between fc1 and "
+            "fc2; the product of a gated FFN's two projections has another variance",
         ),
     ),
     describe=lambda p: f"ds-init={p.ds_init_variant},alpha={p.ds_init_alpha}",

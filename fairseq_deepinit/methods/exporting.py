@@ -35,6 +35,7 @@ TARGETS = (FAIRSEQ, CTRANSLATE2, HUGGINGFACE)
 #: the fold steps of :func:`fairseq_deepinit.export.fold.plain_state_dict`, in the order it runs them
 FOLD_STEPS = (
     "scalenorm-as-rms",  # ScaleNorm g x / sqrt(||x||^2 + eps^2) as the RMSNorm of weight g / sqrt(d)
+    "zero-centred-gain",  # a zero-centred RMSNorm's gain 1 + w as a plain RMSNorm weight
     "unit-rows",  # FixNorm's embedding rows as used, w / max(||w||, eps), and its tied output layer
     "constant-omega",  # a constant residual alpha (DeepNorm) written as Admin's omega vector
     "omega",  # LN(x * w + f(x)) -> LN'(x' + f'(x')): Liu et al. 2020 appendix C

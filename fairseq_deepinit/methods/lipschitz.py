@@ -87,6 +87,8 @@ METHOD = Method(
             "Lipschitz-constrained init (Xu et al. 2020): U(+-1/sqrt(fan_in)); "
             "--lipschitz-bias-free for the released variant",
             embeddings=True,
+            two_matrix_ffn="the Lipschitz bound of Xu et al. 2020 (sec. 4) holds for fc2(ReLU(fc1 x)); a gated FFN "
+            "multiplies two projections of x, which no bound from the weights alone makes Lipschitz",
         ),
     ),
     tags={"bias-free-projections": ("lipschitz_bias_free",)},

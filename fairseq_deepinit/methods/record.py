@@ -42,12 +42,13 @@ SAME = object()  # Option.off: the option's default
 PLACEMENT = "placement"  # every stack's norm placement (what --norm-placement / --*-normalize-before give)
 NORM = "norm"  # --norm-type
 RESIDUAL = "residual"  # --residual-scale
-INIT = "init"  # --init-scheme; the value DEPTH_SCALED stands for every scheme whose init depends on the depth
+INIT = "init"  # --init-scheme; DEPTH_SCALED / TWO_MATRIX_FFN stand for every scheme with that property
 LAYER_TYPE = "layer_type"  # --decoder-layer-type
 CROSS_ATTENTION = "cross_attention"  # (True,): the decoder attends to an encoder
 FLAG = "flag"  # option names (fairseq's or the plugin's): requires any of them set / excludes each one set
 TAG = "tag"  # what another enabled method does (its ``tags``): excludes / cautions on it
 DEPTH_SCALED = "depth-scaled"
+TWO_MATRIX_FFN = "two-matrix-ffn"  # INIT's value for every scheme whose constants assume the FFN's two matrices
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,9 @@ class InitScheme:
     ``default_norm`` / ``allowed_norms``: ``--norm-type auto`` and what it refuses (with ``norm_reason``);
     ``residual``: the ``--residual-scale`` it needs (``none``: any); ``requires``: its other needs (a
     Post-LN-only scheme); ``embeddings``: it re-initialises the word-embedding matrix itself;
-    ``depth_scaled``: why its init depends on the depth (read by rules on ``DEPTH_SCALED``), or "".
+    ``depth_scaled``: why its init depends on the depth (read by rules on ``DEPTH_SCALED``), or "";
+    ``two_matrix_ffn``: why its constants assume the FFN's two matrices ``fc1``, ``fc2`` (read by rules on
+    ``TWO_MATRIX_FFN``: a gated FFN's third matrix), or "".
     """
 
     name: str
@@ -204,6 +207,7 @@ class InitScheme:
     requires: Tuple[Rule, ...] = ()
     embeddings: bool = False
     depth_scaled: str = ""
+    two_matrix_ffn: str = ""
 
 
 @dataclass(frozen=True)

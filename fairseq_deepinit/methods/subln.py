@@ -103,7 +103,7 @@ METHOD = Method(
         Rule(TAG, ("bias-free-projections",), "it rebuilds the projections whose biases that drops"),
         Rule(FLAG, ("quant_noise_pq",), "its noise hooks sit on the projections it rebuilds"),
     ),
-    tags={"ffn-inner-norm": (), "branch-norm": ()},
+    tags={"ffn-inner-norm": (), "branch-norm": (), "two-matrix-ffn-init": ()},
     describe=lambda p: "subln",
     layer_setup=setup_subln_layer,
     post_init=apply_subln_gain,

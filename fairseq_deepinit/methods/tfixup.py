@@ -79,6 +79,8 @@ METHOD = Method(
             norm_reason="T-Fixup removes every LayerNorm",
             embeddings=True,
             depth_scaled="T-Fixup scales v/out/fc1/fc2 by L^-1/4",
+            two_matrix_ffn="T-Fixup's bound on each update (Huang et al. 2020, sec. 3.2) scales v/out/fc1/fc2 as the "
+            "only matrices of the branches; a gated FFN's third, W_g, has no constant from that argument",
         ),
     ),
     families={"tfixup": dict(init_scheme="t-fixup")},

@@ -1,4 +1,4 @@
-"""An attention with an output gate, learned sinks and a value mix, on both ``--attention-impl`` paths.
+"""An attention with an output gate, learned sinks, a value mix and a logit soft-cap, on both attention paths.
 
 One class, :class:`FeatureAttention`, the plugin's SDPA attention (:mod:`.attention`: fairseq's
 projections, key/value cache and beamable encoder cache, computed by the plugin) with three optional
@@ -18,12 +18,18 @@ input, ``(T, B, C)``):
   records its projected values ``V_1``; a later layer's self-attention attends with
   ``lam V_1 + (1 - lam) V_l`` (before the head split and the cache: the cache holds mixed values, as
   released), ``lam`` fixed (0.5 released) or, learned, ``1 - sigmoid(W_m x + b_m)`` per token and head
-  (x-transformers ``x_transformers.py:2079-2085, 2296-2302``: ``v1.lerp(v, mix)``).
+  (x-transformers ``x_transformers.py:2079-2085, 2296-2302``: ``v1.lerp(v, mix)``);
+- ``softcap`` (a float ``c``), attention logit soft-capping (Gemma 2; google-deepmind/gemma @ 7691fd4
+  ``gemma/gm/nn/_modules.py:254-256``): ``l_ij <- c tanh(l_ij / c)`` on the scaled logits, before the masks, in
+  at least float32. The capped logits must exist as a tensor, so an attention with a cap always takes the
+  explicit core (``F.scaled_dot_product_attention`` has no hook on the logits; its record refuses
+  ``--attention-impl sdpa``).
 
 The core (:meth:`FeatureAttention._attend`) is fairseq's explicit path under ``--attention-impl fairseq``
 (``fairseq/modules/multihead_attention.py:602-773``: ``q * scaling``, scores, ``attn_mask`` added, key padding
-``-inf``, the softmax in float32 as ``utils.softmax`` (float64 kept), dropout, weighted sum; the sink column
-appended after the masks and dropped before dropout) and ``F.scaled_dot_product_attention`` under ``sdpa``.
+``-inf``, the softmax in float32 as ``utils.softmax`` (float64 kept), dropout, weighted sum; the soft-cap before
+the masks; the sink column appended after the masks and dropped before dropout) and
+``F.scaled_dot_product_attention`` under ``sdpa``.
 The sink through the fused kernel, exact: one more head dimension, ``q' = [q, 1]``, keys ``[k, 0]`` and a sink key
 ``[0, s_h / scale]`` with value 0 prepended, so ``scale q' . k'_sink = s_h``, and ``q'``, ``k'``, ``v`` padded to
 one width divisible by 8 (:func:`sink_head_width`; ``q'`` with ones, the keys and ``v`` with zeros), so that CUDA
@@ -120,6 +126,7 @@ class FeatureAttention(SDPAMultiheadAttention):
     sinks: nn.Parameter | None
     value_source: FirstValues | None  # the first layer's: it records V_1
     value_mix: ValueMix | None  # a later layer's: it mixes
+    softcap: float | None  # c of c tanh(l / c) on the logits
 
     def forward(
         self,
@@ -153,7 +160,7 @@ class FeatureAttention(SDPAMultiheadAttention):
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None, weights: bool
     ) -> Tuple[Tensor, Tensor | None]:
-        if weights or not self.fused:
+        if weights or not self.fused or self.softcap is not None:
             return self._explicit(q, k, v, attn_mask, key_padding_mask, weights)
         if self.sinks is None:
             return super()._attend(q, k, v, attn_mask, key_padding_mask, weights)
@@ -162,8 +169,11 @@ class FeatureAttention(SDPAMultiheadAttention):
     def _explicit(
         self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None, weights: bool
     ) -> Tuple[Tensor, Tensor | None]:
-        """fairseq's explicit path (lines 602-773) on ``(B, H, T, dh)``, the sink column after the masks."""
+        """fairseq's explicit path (lines 602-773) on ``(B, H, T, dh)``, the soft-cap before the masks (Gemma's
+        order), the sink column after them."""
         logits = torch.matmul(q * self.scaling, k.transpose(-1, -2))  # (B, H, T, S)
+        if self.softcap is not None:  # in float32 or wider: the softmax below is taken there anyway
+            logits = self.softcap * torch.tanh(_fp32_or_wider(logits) / self.softcap)
         if attn_mask is not None:
             logits = logits + attn_mask.unsqueeze(0).unsqueeze(0).to(logits.dtype)
         if key_padding_mask is not None:
@@ -175,7 +185,7 @@ class FeatureAttention(SDPAMultiheadAttention):
         probs_float = torch.softmax(_fp32_or_wider(logits), dim=-1)  # fairseq's utils.softmax, float64 kept
         if self.sinks is not None:
             probs_float = probs_float[..., :-1]
-        probs = self.dropout_module(probs_float.type_as(logits))
+        probs = self.dropout_module(probs_float.to(q.dtype))
         return torch.matmul(probs.to(v.dtype), v), (probs_float if weights else None)
 
     def _sdpa_with_sinks(
@@ -243,6 +253,7 @@ def feature_attention(attn: MultiheadAttention) -> FeatureAttention:
     attn.sinks = None
     attn.value_source = None
     attn.value_mix = None
+    attn.softcap = None
     return attn
 
 

@@ -64,6 +64,7 @@ class DeepInitLayer:
     }
     _attention_impl: str = DEFAULT_IMPL
     dual_stream: DualStream | None = None  # the constants of a stack's second stream (ResiDual), set up by a method
+    ffn_gate: nn.Module | None  # a gated FFN's gate(x, fc1(x)) in place of act(fc1(x)) (.glu), set up by a method
 
     @property
     def stack(self) -> str:
@@ -82,6 +83,7 @@ class DeepInitLayer:
             peri = self.placement == "peri" and getattr(self, attr, None) is not None
             setattr(self, out, plan.norm(self.embed_dim, self.NORM_POSITIONS[attr]) if peri else None)
         self.residuals = nn.ModuleDict({name: plan.residual(name) for name in sublayers})
+        self.ffn_gate = None  # an instance attribute: a class-level None would hide the submodule a set-up assigns
         for setup in plan.setup:
             setup(self)
 
@@ -119,12 +121,13 @@ class DeepInitLayer:
         self, x: Tensor, layer_input: Tensor, raw: Tensor | None = None
     ) -> Tuple[Tensor, Tensor, Tensor | None]:
         """The FFN sub-layer (fairseq transformer_layer.py:206-222 encoder, 490-514 decoder); returns
-        ``(output, fc2's output before dropout, raw)``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
+        ``(output, fc2's output before dropout, raw)``. A gated FFN (``ffn_gate``, :mod:`.glu`):
+        ``gate(x, fc1(x))`` in place of ``act(fc1(x))``. NormFormer: ``ffn_layernorm`` before fc2, ResScale
         ``w_resid`` on the skip path. ``raw``: the stack's second stream, which the dropped-out branch output
         is added to (:mod:`.dual_stream`), None without one."""
         h, skip = self.residuals["ffn"].enter(x)  # (x, x), or the split of n streams (.hyper)
         h = sublayer_input(self.placement, h, self.final_layer_norm, self.input_scale)
-        h = self.activation_fn(self.fc1(h))
+        h = self.activation_fn(self.fc1(h)) if self.ffn_gate is None else self.ffn_gate(h, self.fc1(h))
         h = self.activation_dropout_module(h)
         if self.ffn_layernorm is not None:
             h = self.ffn_layernorm(h)

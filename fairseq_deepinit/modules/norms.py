@@ -5,6 +5,9 @@
   scalar ``g`` initialised to sqrt(d); eps as in :class:`ScaleNorm` (one fused kernel on a GPU).
 - ``rmsnorm``: RMSNorm, Zhang & Sennrich 2019 (TwT Table 7 variant):
   ``x / sqrt(mean(x^2) + eps) * gain`` with a learned per-dimension gain initialised to 1.
+- ``zc-rmsnorm``: zero-centred RMSNorm (Qwen3-Next; Gemma's ``1 + scale``): ``x / sqrt(mean(x^2) + eps) * (1 + w)``
+  with ``w`` initialised at 0 (:class:`ZeroCentredRMSNorm`); weight decay pulls ``w`` (and so the gain) towards
+  the identity rather than towards 0.
 - ``dyt`` / ``derf``: no normalisation either, a point-wise function in its place (Zhu et al. 2025, DyT:
   ``weight * tanh(alpha x) + bias``; Chen et al. 2025, Derf: ``weight * erf(alpha x + shift) + bias``;
   :mod:`.dyt`). No statistics, so no eps; ``alpha`` (and Derf's ``shift``) per norm, their inits and the
@@ -37,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from .dyt import Derf, DyT
 
-NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "none")
+NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "zc-rmsnorm", "dyt", "derf", "none")
 #: the norm types that compute no statistics and divide by nothing (so take no eps): a point-wise function
 #: in the place of each norm, with its own learnable scalars
 POINTWISE_NORMS = ("dyt", "derf")
@@ -164,6 +167,34 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
+class ZeroCentredRMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * (1 + w)``, ``w`` initialised at 0 (zero-centred RMSNorm).
+
+    Released code: HF transformers @ 7515843 ``models/qwen3_next/modeling_qwen3_next.py`` ``Qwen3NextRMSNorm``
+    (``weight = zeros(dim)``; ``forward``: ``x.float() * rsqrt(x.float().pow(2).mean(-1) + eps) * (1.0 +
+    weight.float())``, then ``type_as(x)``); the same gain as google-deepmind/gemma @ 7691fd4
+    ``gemma/gm/nn/_layers.py:46,57`` ``RMSNorm`` (``scale`` zeros-initialised, ``normed_inputs * (1 + scale)``).
+    The norm, the ``1 + w`` and the product are computed in fp32 (fp64 kept) and rounded once to the input's
+    dtype, as released; under mixed dtypes off the CPU (autocast) the fp32 result is returned as
+    :class:`RMSNorm` returns its own.
+    One ``F.rms_norm`` call with the gain ``1 + w`` (a ``d``-vector add on top of the RMSNorm's cost).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x if x.dtype == torch.float64 else x.float()
+        y = F.rms_norm(wide, (self.dim,), 1.0 + self.weight.to(wide.dtype), self.eps)
+        return y.type_as(x) if self.weight.dtype == x.dtype else _from_fp32(y, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, gain=1+w"
+
+
 def build_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool = False, **pointwise) -> nn.Module:
     """The sub-layer normalisation for ``--norm-type``; ``none`` gives a parameter-free identity.
 
@@ -180,6 +211,8 @@ def build_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool 
         return ScaleNorm(dim, eps=eps)
     if norm_type == "rmsnorm":
         return RMSNorm(dim, eps=eps)
+    if norm_type == "zc-rmsnorm":
+        return ZeroCentredRMSNorm(dim, eps=eps)
     if norm_type == "none":
         return nn.Identity()
     raise ValueError(f"unknown norm type {norm_type!r}; choose from {', '.join(NORM_TYPES)}")
@@ -187,4 +220,4 @@ def build_norm(norm_type: str, dim: int, eps: float | None = 1e-5, export: bool 
 
 def is_norm(module: nn.Module) -> bool:
     """A norm layer of the model, point-wise ones (DyT, Derf) included."""
-    return isinstance(module, (nn.LayerNorm, ScaleNorm, RMSNorm, DyT, Derf))
+    return isinstance(module, (nn.LayerNorm, ScaleNorm, RMSNorm, ZeroCentredRMSNorm, DyT, Derf))
