@@ -392,14 +392,14 @@ def test_stored_arguments_resolve_to_the_same_spec(kind):
 
 @pytest.mark.parametrize("lm_", [False, True], ids=["mt", "lm"])
 @pytest.mark.parametrize("family", ["hc", "mhc"])
-def test_the_export_refuses_both_targets_and_says_why(family, lm_):
-    from fairseq_deepinit.export.route import CTRANSLATE2, FAIRSEQ, classify
+def test_the_export_refuses_every_target_and_says_why(family, lm_):
+    from fairseq_deepinit.export.route import TARGETS, classify
     from fairseq_deepinit.export.table import resolved_args
 
     route = classify(resolved_args(family, (), lm_))
     why = (f"--hyper-connections {family} carries 4 residual streams per token, mixed by learned weights around "
            "every sub-layer; neither target has more than one residual stream")  # fmt: skip
-    assert route.reasons == {FAIRSEQ: why, CTRANSLATE2: why}
+    assert route.reasons == {target: why for target in TARGETS}
 
 
 # ---- fairseq-train ---------------------------------------------------------------------------------------------

@@ -169,12 +169,12 @@ def test_refusals_are_one_line(cli, says):
 
 
 def test_the_export_routes():
-    """The attention cap: refused by both targets in one line; the output cap: stock fairseq refuses it, CTranslate2
-    carries it (its log-probabilities: tests/test_export.py, family ``outsoftcap``)."""
+    """The attention cap: refused by every target in one line; the output cap: stock fairseq refuses it (and so Hugging
+    Face, through it), CTranslate2 carries it (its log-probabilities: tests/test_export.py, family ``outsoftcap``)."""
     from fairseq_deepinit.export import route
 
-    for cli, targets in ((("--attention-softcap",), {route.FAIRSEQ, route.CTRANSLATE2}),
-                         (("--output-softcap",), {route.FAIRSEQ})):  # fmt: skip
+    for cli, targets in ((("--attention-softcap",), set(route.TARGETS)),
+                         (("--output-softcap",), {route.FAIRSEQ, route.HUGGINGFACE})):  # fmt: skip
         for args in (model(*cli)[1], build_lm(*cli)[1]):
             r = route.classify(args)
             assert set(r.reasons) == targets, r.reasons

@@ -136,12 +136,13 @@ def test_schemes_without_a_two_matrix_constant_build_and_train(family):
 
 
 def test_the_export_routes():
-    """Plain SwiGLU: stock fairseq refuses it, CTranslate2 carries it (ffn_glu; its log-probabilities:
-    tests/test_export.py, family ``swiglu``); gpt-oss's variant: refused by both, in one line."""
+    """Plain SwiGLU: stock fairseq refuses it (and so Hugging Face, through it), CTranslate2 carries it (ffn_glu; its
+    log-probabilities: tests/test_export.py, family ``swiglu``); gpt-oss's variant: refused by all, in one line."""
     from fairseq_deepinit.export import route
 
     r = route.classify(model("--ffn-type", "swiglu")[1])
-    assert set(r.reasons) == {route.FAIRSEQ} and "no gate" in r.reasons[route.FAIRSEQ]
+    assert set(r.reasons) == {route.FAIRSEQ, route.HUGGINGFACE} and "no gate" in r.reasons[route.FAIRSEQ]
+    assert r.reasons[route.HUGGINGFACE] == r.reasons[route.FAIRSEQ]
     r = route.classify(model("--ffn-type", "swiglu-oss")[1])
     assert all("neither target" in why and "\n" not in why for why in r.reasons.values()), r.reasons
 
