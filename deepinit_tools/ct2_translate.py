@@ -19,10 +19,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Sequence, TextIO
+from typing import List, Sequence
 
-from deepinit_tools.decode_report import bleu, fairseq_speed
-from deepinit_tools.prepare_bible import detokenize, read_hypotheses, tokenize
+from deepinit_tools.decode_report import emit
+from deepinit_tools.prepare_bible import detokenize, tokenize
 from fairseq_deepinit.export.decoding import FairseqDecoding, fairseq_batches, translate_tokens
 from fairseq_deepinit.export.run import METADATA
 
@@ -111,32 +111,6 @@ def translate_lines(
     return translate_bpe(translator, [bpe(tokenize(line)) for line in lines], decoding, batch_size, target_lengths)
 
 
-def compare(result: Translation, args, out: TextIO = sys.stdout) -> None:
-    """BLEU, speed and identical hypotheses beside fairseq-generate's (those of ``args`` that are given)."""
-    if args.reference:
-        refs = Path(args.reference).read_text(encoding="utf-8").splitlines()
-        print(f"CTranslate2: {bleu(result.hypotheses, refs)}", file=out)
-    fairseq = fairseq_speed(args.fairseq_log) if args.fairseq_log else None
-    speed = f"CTranslate2: {result.tokens} tokens in {result.seconds:.1f}s, {result.tokens_per_second:.1f} tokens/s"
-    if fairseq:
-        speed += f"; fairseq-generate {fairseq:.1f} tokens/s: {result.tokens_per_second / fairseq:.2f}x"
-    print(speed, file=out)
-    if args.fairseq_output:
-        theirs = read_hypotheses(Path(args.fairseq_output))
-        differ = [i for i, (a, b) in enumerate(zip(result.hypotheses, theirs, strict=False)) if a != b]
-        cut = len(set(differ) & set(result.at_limit))
-        n = len(result.hypotheses)
-        line = f"identical to fairseq-generate's hypotheses: {n - len(differ)}/{n}"
-        if differ:
-            line += (
-                f" ({cut} of the {len(differ)} others reach the length limit, where fairseq forces </s> and "
-                "CTranslate2 cuts: docs/export.md)"
-            )
-        print(line, file=out)
-    if result.redone:
-        print(f"({result.redone} sentences decoded again with <blank> suppressed)", file=out)
-
-
 def max_target_positions(model_dir: str) -> int:
     """The exported model's ``--max-target-positions`` (fairseq caps ``max_len`` below it), as the export recorded."""
     meta = Path(model_dir) / METADATA
@@ -197,13 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.target_bpe:
         targets = [len(line.split()) for line in Path(args.target_bpe).read_text(encoding="utf-8").splitlines()]
     result = translate_lines(translator, lines, bpe, decoding, args.batch_size, targets)
-    text = "".join(h + "\n" for h in result.hypotheses)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-        compare(result, args)
-    else:
-        sys.stdout.write(text)
-        compare(result, args, sys.stderr)
+    out = emit("CTranslate2", result, args, ", where fairseq forces </s> and CTranslate2 cuts: docs/export.md")
+    if result.redone:
+        print(f"({result.redone} sentences decoded again with <blank> suppressed)", file=out)
     return 0
 
 

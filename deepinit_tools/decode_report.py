@@ -1,12 +1,16 @@
 """What a translation of the test set is scored by, for any decoder (fairseq-generate, CTranslate2, transformers):
-sacreBLEU against raw references, and fairseq-generate's own speed line. No fairseq import: the transformers
-tool (:mod:`deepinit_tools.hf_translate`) runs without it."""
+sacreBLEU against raw references, fairseq-generate's own speed line, and the hypotheses identical to its own
+(:func:`emit`, the translation tools' output). No fairseq import: the transformers tool
+(:mod:`deepinit_tools.hf_translate`) runs without it."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, TextIO
+
+from deepinit_tools.prepare_bible import read_hypotheses
 
 _FAIRSEQ_SPEED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
 
@@ -27,3 +31,41 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> str:
     return (
         f"{metric.corpus_score(list(hypotheses), [list(references)])} (sacrebleu signature: {metric.get_signature()})"
     )
+
+
+def compare(system: str, result, args, out: TextIO = sys.stdout, at_limit_why: str = "") -> None:
+    """BLEU, speed and identical hypotheses of ``system`` beside fairseq-generate's (those of ``args`` that are
+    given: ``reference``, ``fairseq_log``, ``fairseq_output``). ``result`` has ``hypotheses``, ``tokens``,
+    ``seconds``, ``tokens_per_second`` and ``at_limit`` (the sentences that reached the length limit);
+    ``at_limit_why``: what the two do there, appended to the count of those."""
+    if args.reference:
+        refs = Path(args.reference).read_text(encoding="utf-8").splitlines()
+        print(f"{system}: {bleu(result.hypotheses, refs)}", file=out)
+    fairseq = fairseq_speed(args.fairseq_log) if args.fairseq_log else None
+    speed = f"{system}: {result.tokens} tokens in {result.seconds:.1f}s, {result.tokens_per_second:.1f} tokens/s"
+    if fairseq:
+        speed += f"; fairseq-generate {fairseq:.1f} tokens/s: {result.tokens_per_second / fairseq:.2f}x"
+    print(speed, file=out)
+    if args.fairseq_output:
+        theirs = read_hypotheses(Path(args.fairseq_output))
+        differ = [i for i, (a, b) in enumerate(zip(result.hypotheses, theirs, strict=False)) if a != b]
+        n = len(result.hypotheses)
+        line = f"identical to fairseq-generate's hypotheses: {n - len(differ)}/{n}"
+        if differ:
+            cut = len(set(differ) & set(result.at_limit))
+            line += f" ({cut} of the {len(differ)} others reach the length limit{at_limit_why})"
+        print(line, file=out)
+
+
+def emit(system: str, result, args, at_limit_why: str = "") -> TextIO:
+    """The hypotheses to ``args.output`` (and the comparison to standard output) or to standard output (and the
+    comparison to standard error); returns the comparison's stream."""
+    text = "".join(h + "\n" for h in result.hypotheses)
+    out = sys.stdout
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+        out = sys.stderr
+    compare(system, result, args, out, at_limit_why)
+    return out

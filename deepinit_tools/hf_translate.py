@@ -23,8 +23,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import List, Sequence
 
-from deepinit_tools.decode_report import bleu, fairseq_speed
-from deepinit_tools.prepare_bible import read_hypotheses
+from deepinit_tools.decode_report import emit
 
 #: where the export puts the target language's tokenizer when it differs (hf_tokenizer.TARGET_SUBDIR; not imported:
 #: this tool imports nothing of the plugin)
@@ -93,27 +92,6 @@ def translate(
     return Translation([h or "" for h in out], tokens, seconds, sorted(at_limit))
 
 
-def compare(result: Translation, args, out=sys.stdout) -> None:
-    """BLEU, speed and identical hypotheses beside fairseq-generate's (those of ``args`` that are given)."""
-    if args.reference:
-        refs = Path(args.reference).read_text(encoding="utf-8").splitlines()
-        print(f"transformers: {bleu(result.hypotheses, refs)}", file=out)
-    fairseq = fairseq_speed(args.fairseq_log) if args.fairseq_log else None
-    speed = f"transformers: {result.tokens} tokens in {result.seconds:.1f}s, {result.tokens_per_second:.1f} tokens/s"
-    if fairseq:
-        speed += f"; fairseq-generate {fairseq:.1f} tokens/s: {result.tokens_per_second / fairseq:.2f}x"
-    print(speed, file=out)
-    if args.fairseq_output:
-        theirs = read_hypotheses(Path(args.fairseq_output))
-        differ = [i for i, (a, b) in enumerate(zip(result.hypotheses, theirs, strict=False)) if a != b]
-        n = len(result.hypotheses)
-        line = f"identical to fairseq-generate's hypotheses: {n - len(differ)}/{n}"
-        if differ:
-            cut = len(set(differ) & set(result.at_limit))
-            line += f" ({cut} of the {len(differ)} others reach the length limit)"
-        print(line, file=out)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="translate_hf.py",
@@ -164,11 +142,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_deepinit"))
     if loaded:
         raise AssertionError(f"translate_hf.py imported {', '.join(loaded[:3])}; it must run on transformers alone")
-    text = "".join(h + "\n" for h in result.hypotheses)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-        compare(result, args)
-    else:
-        sys.stdout.write(text)
-        compare(result, args, sys.stderr)
+    emit("transformers", result, args)
     return 0
