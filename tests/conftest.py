@@ -325,6 +325,26 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
     return log, model
 
 
+def generate_test(data: Path, checkpoint: Path) -> str:
+    """fairseq-generate's output on ``data``'s test split (translation src->tgt, beam 3, at most 10 words)."""
+    return run_cli(
+        "generate", data, "--user-dir", USER_DIR, "--path", checkpoint, "--task", "translation", "-s", "src", "-t",
+        "tgt", "--gen-subset", "test", "--beam", "3", "--batch-size", "64", "--required-batch-size-multiple", "1",
+        "--max-len-b", "10", "--cpu", "--num-workers", "0", forked=True,
+    ).stdout  # fmt: skip
+
+
+def train_tiny_lm(data: Path, save_dir: Path, arch: str) -> str:
+    """fairseq-train's output: 3 updates of ``arch`` (3 layers) as a language model on ``data``, nothing saved."""
+    return run_cli(
+        "train", data, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", arch,
+        "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "2e-3",
+        "--num-workers", "0", "--cpu", "--log-format", "simple", "--log-interval", "1", "--seed", "1",
+        "--decoder-layers", "3", "--max-update", "3", "--no-save", "--disable-validation", "--save-dir", save_dir,
+        forked=True,
+    ).stdout  # fmt: skip
+
+
 # The slow tier (CI; left out by ``pytest -m "not slow"``): every test of these modules (fairseq's CLI
 # pipelines, distributed runs, the tools, scripts, benchmarks and recipes, GPU readiness through the
 # tools' counters and torch.compile), every test that uses a

@@ -28,7 +28,7 @@ from ports import mhc as mhc_port
 from ports.common import AttnWeights, FFNWeights, NormSpec, attention, ffn
 from test_lm import build_lm
 
-from conftest import USER_DIR, build_model, run_cli
+from conftest import build_model, generate_test, train_tiny_lm
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.modules.hyper import HyperConnection, ManifoldHyperConnection, sinkhorn
 
@@ -416,11 +416,7 @@ def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path, family):
     assert "residual=hyper-connections" in log and f"{family} streams=4" in log, log[-2000:]
     assert re.search(r"num_updates 2\b", log) and "done training" in log, log[-2000:]
     assert model.encoder.streams.n == 4
-    gen = run_cli(
-        "generate", synthetic_bin, "--user-dir", USER_DIR, "--path", tmp_path / "ckpt" / "checkpoint_last.pt",
-        "--task", "translation", "-s", "src", "-t", "tgt", "--gen-subset", "test", "--beam", "3", "--batch-size",
-        "64", "--required-batch-size-multiple", "1", "--max-len-b", "10", "--cpu", "--num-workers", "0", forked=True,
-    ).stdout  # fmt: skip
+    gen = generate_test(synthetic_bin, tmp_path / "ckpt" / "checkpoint_last.pt")
     assert len(re.findall(r"^H-\d+\t", gen, flags=re.M)) == 100, gen[-2000:]
 
 
@@ -429,13 +425,7 @@ def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path, family):
 def test_fairseq_train_language_model(lm_bin, tmp_path, family):
     import re
 
-    out = run_cli(
-        "train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", f"{family}_lm_tiny",
-        "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "2e-3",
-        "--num-workers", "0", "--cpu", "--log-format", "simple", "--log-interval", "1", "--seed", "1",
-        "--decoder-layers", "3", "--max-update", "3", "--no-save", "--disable-validation", "--save-dir", tmp_path,
-        forked=True,
-    ).stdout  # fmt: skip
+    out = train_tiny_lm(lm_bin, tmp_path, f"{family}_lm_tiny")
     assert "residual=hyper-connections" in out and "done training" in out, out[-2000:]
     assert re.search(r"num_updates 3\b", out), out[-2000:]
     losses = [float(v) for v in re.findall(r"\| loss ([0-9.]+) \|", out)]

@@ -29,7 +29,7 @@ from ports import resi_dual as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
 from test_lm import build_lm
 
-from conftest import TINY_DIMS, USER_DIR, build_model, run_cli
+from conftest import TINY_DIMS, USER_DIR, build_model, run_cli, train_tiny_lm
 from deepinit_tools.harness.op_counters import OpCounter
 from fairseq_deepinit.errors import DeepInitConfigError
 
@@ -405,11 +405,5 @@ def test_fairseq_train_reload_and_generate(synthetic_bin, tmp_path):
 
 @pytest.mark.kernel_independent  # fairseq's CLIs, checked by structure and exact round trips
 def test_fairseq_train_language_model(lm_bin, tmp_path):
-    out = run_cli(
-        "train", lm_bin, "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "resi_dual_lm_tiny",
-        "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "2e-3",
-        "--num-workers", "0", "--cpu", "--log-format", "simple", "--log-interval", "1", "--seed", "1",
-        "--decoder-layers", "3", "--max-update", "3", "--no-save", "--disable-validation", "--save-dir", tmp_path,
-        forked=True,
-    ).stdout  # fmt: skip
+    out = train_tiny_lm(lm_bin, tmp_path, "resi_dual_lm_tiny")
     assert "residual=resi-dual" in out and "done training" in out and re.search(r"num_updates 3\b", out), out[-2000:]
