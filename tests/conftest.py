@@ -261,10 +261,10 @@ def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int
 # kernel path (skipped on any other) and its state-dict keys and parameter order depend on no kernel.
 NUMERIC_MODULES = {
     "test_adam_foreach",
-    "test_attn_res",
     "test_admin",
     "test_admin_distributed",
     "test_attention_features",
+    "test_attn_res",
     "test_autocast",
     "test_cli",
     "test_compat_v010",
@@ -276,6 +276,7 @@ NUMERIC_MODULES = {
     "test_dyt",
     "test_dyt_model",
     "test_export",
+    "test_export_hf",
     "test_hooks",
     "test_hyper_connections",
     "test_kernels",
@@ -283,6 +284,7 @@ NUMERIC_MODULES = {
     "test_lnscale",
     "test_matt",
     "test_mixln",
+    "test_muon",
     "test_norm_placement",
     "test_norms",
     "test_ports",
