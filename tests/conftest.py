@@ -327,6 +327,34 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
     return log, model
 
 
+def tiny_preln_trainer(kind: str, *cli: str, before=None):
+    """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (``kind`` ``mt``: translation, ``lm``: a language
+    model; no dropout, lr 1e-2, label-smoothed cross-entropy) with the options ``cli`` (``--optimizer`` among them);
+    ``before(model)`` runs on the built model before the trainer takes it."""
+    import torch
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.tasks.translation import TranslationTask
+    from fairseq.trainer import Trainer
+
+    import fairseq_deepinit  # noqa: F401
+
+    if kind == "mt":
+        argv = ["--task", "translation", "--arch", "preln_iwslt_de_en", "-s", "src", "-t", "tgt", *TINY_DIMS]
+    else:
+        argv = ["--task", "language_modeling", "--arch", "preln_lm_tiny"]
+    args = options.parse_args_and_arch(options.get_training_parser(), ["/nonexistent", *argv, "--dropout", "0",
+        "--attention-dropout", "0", "--lr", "1e-2", "--cpu", "--seed", "1",
+        "--criterion", "label_smoothed_cross_entropy", *cli])  # fmt: skip
+    d = make_dictionary(50)
+    task = TranslationTask(args, d, d) if kind == "mt" else tasks.TASK_REGISTRY[args.task](args, d, d)
+    torch.manual_seed(1)
+    model = task.build_model(args)
+    if before is not None:
+        before(model)
+    return Trainer(convert_namespace_to_omegaconf(args), task, model, task.build_criterion(args))
+
+
 def generate_test(data: Path, checkpoint: Path) -> str:
     """fairseq-generate's output on ``data``'s test split (translation src->tgt, beam 3, at most 10 words)."""
     return run_cli(

@@ -19,11 +19,9 @@ import copy
 
 import pytest
 import torch
-from fairseq import options
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from ports import muon as port
 
-from conftest import TINY_DIMS, USER_DIR, make_dictionary, run_cli, tiny_batch
+from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_batch, tiny_preln_trainer
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import muon
 from fairseq_deepinit.training.param_groups import GroupScale, tag_parameter
@@ -105,24 +103,7 @@ def test_newton_schulz_output_is_near_orthogonal():
 
 def build(kind: str, *cli: str):
     """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (no dropout) with ``--optimizer muon``."""
-    from fairseq import tasks
-    from fairseq.tasks.translation import TranslationTask
-    from fairseq.trainer import Trainer
-
-    import fairseq_deepinit  # noqa: F401
-
-    if kind == "mt":
-        argv = ["--task", "translation", "--arch", "preln_iwslt_de_en", "-s", "src", "-t", "tgt", *TINY_DIMS]
-    else:
-        argv = ["--task", "language_modeling", "--arch", "preln_lm_tiny"]
-    args = options.parse_args_and_arch(options.get_training_parser(), ["/nonexistent", *argv, "--dropout", "0",
-        "--attention-dropout", "0", "--optimizer", "muon", "--lr", "1e-2", "--cpu", "--seed", "1",
-        "--criterion", "label_smoothed_cross_entropy", *cli])  # fmt: skip
-    d = make_dictionary(50)
-    task = TranslationTask(args, d, d) if kind == "mt" else tasks.TASK_REGISTRY[args.task](args, d, d)
-    torch.manual_seed(1)
-    model = task.build_model(args)
-    return Trainer(convert_namespace_to_omegaconf(args), task, model, task.build_criterion(args))
+    return tiny_preln_trainer(kind, "--optimizer", "muon", *cli)
 
 
 def sample(kind: str, seed: int = 0) -> dict:

@@ -19,14 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq import options
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 from fairseq.modules.multihead_attention import MultiheadAttention
-from fairseq.tasks.translation import TranslationTask
 from ports import qk_clip as port
 
-from conftest import TINY_DIMS, USER_DIR, make_dictionary, run_cli, tiny_batch
+from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_batch, tiny_preln_trainer
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import qk_clip
 
@@ -36,27 +33,14 @@ MAX_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=4
 
 def build(kind: str, *cli: str):
     """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (no dropout), head 0 of every q_proj boosted."""
-    from fairseq import tasks
-    from fairseq.trainer import Trainer
 
-    import fairseq_deepinit  # noqa: F401
+    def boost(model) -> None:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, MultiheadAttention):
+                    m.q_proj.weight[: m.head_dim] *= BOOST
 
-    if kind == "mt":
-        argv = ["--task", "translation", "--arch", "preln_iwslt_de_en", "-s", "src", "-t", "tgt", *TINY_DIMS]
-    else:
-        argv = ["--task", "language_modeling", "--arch", "preln_lm_tiny"]
-    args = options.parse_args_and_arch(options.get_training_parser(), ["/nonexistent", *argv, "--dropout", "0",
-        "--attention-dropout", "0", "--optimizer", "adam", "--lr", "1e-2", "--cpu", "--seed", "1",
-        "--criterion", "label_smoothed_cross_entropy", *cli])  # fmt: skip
-    d = make_dictionary(50)
-    task = TranslationTask(args, d, d) if kind == "mt" else tasks.TASK_REGISTRY[args.task](args, d, d)
-    torch.manual_seed(1)
-    model = task.build_model(args)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MultiheadAttention):
-                m.q_proj.weight[: m.head_dim] *= BOOST
-    return Trainer(convert_namespace_to_omegaconf(args), task, model, task.build_criterion(args))
+    return tiny_preln_trainer(kind, "--optimizer", "adam", *cli, before=boost)
 
 
 def sample(kind: str, seed: int = 0) -> dict:
