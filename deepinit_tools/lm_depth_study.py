@@ -69,6 +69,15 @@ SCHEMES: Dict[str, List[str]] = {
     "qkclip": ["--arch", "preln_lm_tiny", "--qk-clip"],
     "hc": ["--arch", "hc_lm_tiny"],
     "mhc": ["--arch", "mhc_lm_tiny"],
+    "attnres": ["--arch", "attnres_lm_tiny"],
+    "blockattnres": ["--arch", "blockattnres_lm_tiny"],
+    # the 2025 recipe pieces: the two soft-caps on Pre-LN, SwiGLU at FFN 256 and at equal parameters (F 170: 3 d F
+    # + 2 F + d = 33,044 against the ReLU FFN's 33,088 at d 64), RMSNorm and its zero-centred form on Pre-LN
+    "softcap": ["--arch", "preln_lm_tiny", "--attention-softcap", "--output-softcap"],
+    "swiglu": ["--arch", "swiglu_lm_tiny"],
+    "swiglu_eq": ["--arch", "swiglu_lm_tiny", "--decoder-ffn-embed-dim", "170"],
+    "rmsnorm": ["--arch", "preln_lm_tiny", "--norm-type", "rmsnorm"],
+    "zcrms": ["--arch", "preln_lm_tiny", "--norm-type", "zc-rmsnorm"],
 }
 DEPTHS = (6, 24, 48)
 

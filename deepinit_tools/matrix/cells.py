@@ -45,8 +45,8 @@ def budget_of(spec: str, depth: int) -> tuple:
 def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespace) -> List[str]:
     """The exact fairseq-train command line of a cell."""
     method, depth, regime = parse_cell(name)
-    cmd = fa.command("train", bin_dir, *METHODS[method][1])
-    cmd += fa.dims(depth, a.dim, a.ffn, a.heads)
+    # the method's flags after the sizes, so that a method may set a width (SwiGLU at equal parameters)
+    cmd = fa.command("train", bin_dir, *fa.dims(depth, a.dim, a.ffn, a.heads), *METHODS[method][1])
     cmd += ["--dropout", str(a.dropout), "--share-decoder-input-output-embed"]
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--label-smoothing", "0.1"]
     updates, every = budget_of(a.budget, depth)

@@ -88,9 +88,9 @@ def train_command(cell: rg.Cell, o: Options) -> List[str]:
     regime = cell.spec
     batch = o.max_tokens or regime.max_tokens
     per_forward, freq = est.update_freq(batch, o.max_tokens_per_job)
-    cmd = fa.command("train", o.data / "bin", *METHODS[cell.method][1])
+    # the method's flags after the sizes, so that a method may set a width (SwiGLU at equal parameters)
+    cmd = fa.command("train", o.data / "bin", *fa.dims(cell.depth, o.dim, o.ffn, o.heads), *METHODS[cell.method][1])
     cmd += precision_flags(cell.method, o.device, o.precision)
-    cmd += fa.dims(cell.depth, o.dim, o.ffn, o.heads)
     cmd += ["--share-decoder-input-output-embed"]
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--diagnostics-interval", "0"]
     cmd += fast_path_flags(regime.flags(batch), o)

@@ -58,6 +58,11 @@ METHODS: Dict[str, tuple] = {
         ["--arch", "preln_iwslt_de_en", "--attention-softcap", "--output-softcap"],
     ),
     "swiglu": ("SwiGLU (F as given)", ["--arch", "swiglu_iwslt_de_en"]),
+    # F = 170: 3 d F + 2 F + d = 33,044 FFN parameters against the ReLU FFN's 2 d 4d + 4d + d = 33,088 at d 64
+    "swiglu_eq": (
+        "SwiGLU (F 170, equal parameters)",
+        ["--arch", "swiglu_iwslt_de_en", "--encoder-ffn-embed-dim", "170", "--decoder-ffn-embed-dim", "170"],
+    ),
     "rmsnorm": ("Pre-LN, RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "rmsnorm"]),
     "zcrms": ("Pre-LN, zero-centred RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "zc-rmsnorm"]),
 }
