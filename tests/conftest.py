@@ -25,17 +25,11 @@ import cli_fork
 import pytest
 from cli_fork import run_forked
 
+from deepinit_tools.harness.tiny import TINY_DIMS, make_dictionary, tiny_batch, tiny_preln_trainer, tiny_sample  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_deepinit")
 MULTI30K = Path(os.environ.get("MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
-
-# tiny dimensions shared by CLI tests: d=64, FFN 128, 2 heads, 2+2 layers
-TINY_DIMS = [
-    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
-    "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-    "--encoder-layers", "2", "--decoder-layers", "2",
-]  # fmt: skip
 
 
 def run_cli(
@@ -196,16 +190,6 @@ def lm_bin(tmp_path_factory):
     return root / "bin"
 
 
-def make_dictionary(n_symbols: int = 50):
-    from fairseq.data import Dictionary
-
-    d = Dictionary()
-    for i in range(n_symbols):
-        d.add_symbol(f"w{i}")
-    d.finalize(padding_factor=8)
-    return d
-
-
 def build_model(arch: str = "deepinit_tiny", *cli: str, n_symbols: int = 50, seed: int = 1):
     """Build a ``deepinit`` (or stock fairseq) model in-process exactly as fairseq-train would.
 
@@ -240,17 +224,6 @@ def perturb_norms(model, seed: int = 5) -> None:
             if "norm" in name:
                 base = 1.0 if name.endswith("weight") else 0.0
                 p.copy_(base + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
-
-
-def tiny_batch(n_symbols: int = 50, bsz: int = 3, src_len: int = 7, tgt_len: int = 6, seed: int = 0) -> dict:
-    """A random ``net_input`` for a model built by :func:`build_model` (no padding)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    lo = 4  # after bos, pad, eos, unk
-    src = torch.randint(lo, lo + n_symbols, (bsz, src_len), generator=g)
-    prev = torch.randint(lo, lo + n_symbols, (bsz, tgt_len), generator=g)
-    return {"src_tokens": src, "src_lengths": torch.full((bsz,), src_len), "prev_output_tokens": prev}
 
 
 # Modules whose tests compare floating-point results (closed forms, two implementations, trained
@@ -325,34 +298,6 @@ def train_and_reload(data: Path, save_dir: Path, *argv) -> tuple:
     assert set(model.state_dict()) == set(saved)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     return log, model
-
-
-def tiny_preln_trainer(kind: str, *cli: str, before=None):
-    """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (``kind`` ``mt``: translation, ``lm``: a language
-    model; no dropout, lr 1e-2, label-smoothed cross-entropy) with the options ``cli`` (``--optimizer`` among them);
-    ``before(model)`` runs on the built model before the trainer takes it."""
-    import torch
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.tasks.translation import TranslationTask
-    from fairseq.trainer import Trainer
-
-    import fairseq_deepinit  # noqa: F401
-
-    if kind == "mt":
-        argv = ["--task", "translation", "--arch", "preln_iwslt_de_en", "-s", "src", "-t", "tgt", *TINY_DIMS]
-    else:
-        argv = ["--task", "language_modeling", "--arch", "preln_lm_tiny"]
-    args = options.parse_args_and_arch(options.get_training_parser(), ["/nonexistent", *argv, "--dropout", "0",
-        "--attention-dropout", "0", "--lr", "1e-2", "--cpu", "--seed", "1",
-        "--criterion", "label_smoothed_cross_entropy", *cli])  # fmt: skip
-    d = make_dictionary(50)
-    task = TranslationTask(args, d, d) if kind == "mt" else tasks.TASK_REGISTRY[args.task](args, d, d)
-    torch.manual_seed(1)
-    model = task.build_model(args)
-    if before is not None:
-        before(model)
-    return Trainer(convert_namespace_to_omegaconf(args), task, model, task.build_criterion(args))
 
 
 def generate_test(data: Path, checkpoint: Path) -> str:

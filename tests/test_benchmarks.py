@@ -35,6 +35,7 @@ SCRIPTS = (
     "stabiliser_cost.py",
     "hc_cost.py",
     "mhc_precision.py",
+    "optimizer_kernels.py",
 )
 
 

@@ -21,13 +21,15 @@ import pytest
 import torch
 from ports import muon as port
 
-from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_batch, tiny_preln_trainer
+from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_preln_trainer, tiny_sample
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import muon
 from fairseq_deepinit.training.param_groups import GroupScale, tag_parameter
 
-SHAPES = {"wide": (6, 10), "tall": (12, 5), "square": (8, 8), "conv": (4, 3, 2), "bias": (7,), "embed": (9, 4)}
-MUON_NAMES = {"wide", "tall", "square", "conv"}
+# two square and two tall matrices: Muon orthogonalises matrices of one shape in one batched chain
+SHAPES = {"wide": (6, 10), "tall": (12, 5), "square": (8, 8), "conv": (4, 3, 2), "bias": (7,), "embed": (9, 4),
+          "square2": (8, 8), "tall2": (12, 5)}  # fmt: skip
+MUON_NAMES = {"wide", "tall", "square", "conv", "square2", "tall2"}
 
 
 def direct(ns_fp32: bool, nesterov: bool = True, wd: float = 0.1, lr: float = 0.02, dtype=torch.float64):
@@ -80,15 +82,37 @@ def test_a_mutated_constant_fails(monkeypatch, what, value):
 
 
 def test_a_mutated_adamw_bias_correction_fails(monkeypatch):
-    def no_correction(p, grad, state, group):
-        if "step" in state:
-            state["step"] = 0  # t stays 1: the first step's correction on every step
-        real(p, grad, state, group)
+    def no_correction(ps, grads, states, group):
+        for state in states:
+            if "step" in state:
+                state["step"] = 0  # t stays 1: the first step's correction on every step
+        real(ps, grads, states, group)
 
     real = muon.Muon._adamw
     monkeypatch.setattr(muon.Muon, "_adamw", staticmethod(no_correction))
     got, want = run_both(ns_fp32=True)
     assert not torch.allclose(got["bias"], want["bias"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_stack_is_orthogonalised_matrix_by_matrix():
+    """The batched chain (one per shape) is each matrix's own NS5: its own norm, its own products."""
+    g = torch.randn(3, 12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * torch.tensor(
+        [1.0, 10.0, 0.1], dtype=torch.float64
+    ).view(3, 1, 1)
+    got = muon.zeropower_via_newtonschulz5(g, 5, bf16=False)
+    for i in range(3):
+        torch.testing.assert_close(got[i], port.newton_schulz5(g[i], 5, torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_muons_step_kernels_do_not_grow_with_depth():
+    """One batched chain per matrix shape (``benchmarks/optimizer_kernels.py``): the step launches as many kernels
+    at 6+6 layers as at 2+2, where a loop over the matrices grows with them."""
+    from deepinit_tools.bench.optimizer_kernels import measure
+
+    shallow = measure("mt", ["--optimizer", "muon"])
+    deep = measure("mt", ["--optimizer", "muon", "--encoder-layers", "6", "--decoder-layers", "6"])
+    assert deep["tensors"] > shallow["tensors"] and deep["step"] == shallow["step"]
+    assert deep["host_reads"] == measure("mt", ["--optimizer", "adam_foreach"])["host_reads"]
 
 
 def test_newton_schulz_output_is_near_orthogonal():
@@ -104,14 +128,6 @@ def test_newton_schulz_output_is_near_orthogonal():
 def build(kind: str, *cli: str):
     """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (no dropout) with ``--optimizer muon``."""
     return tiny_preln_trainer(kind, "--optimizer", "muon", *cli)
-
-
-def sample(kind: str, seed: int = 0) -> dict:
-    net = tiny_batch(seed=seed)
-    if kind == "lm":
-        net = {"src_tokens": net["prev_output_tokens"], "src_lengths": torch.full((3,), 6)}
-    target = torch.roll(net.get("prev_output_tokens", net["src_tokens"]), -1, 1)
-    return {"net_input": net, "target": target, "ntokens": target.numel(), "nsentences": 3, "id": torch.arange(3)}
 
 
 @pytest.mark.parametrize("kind, cli", [("mt", ()), ("mt", ("--share-all-embeddings",)), ("lm", ())])
@@ -163,7 +179,7 @@ def test_fairseq_updates_are_the_ports(kind, cli, seeds):
     wd = 0.1 if "--weight-decay" in cli else 0.0
     for update in range(2):
         before, lr = weights(t), t.get_lr()
-        t.train_step([sample(kind, s + 2 * update) for s in seeds])
+        t.train_step([tiny_sample(kind, s + 2 * update) for s in seeds])
         groups = innermost(t._optimizer).param_groups
         assert isinstance(innermost(t._optimizer), muon.FairseqMuon)
         # the scheduler's next rate, in both groups
@@ -185,7 +201,7 @@ def test_fp16_master_state_round_trip(tmp_path):
     """``--fp16 --fp16-no-flatten-grads``: the state dict of fairseq's FP16Optimizer over Muon loads into a new
     trainer (the group names checked), and both take the same next update."""
     a = build("mt", "--fp16", "--fp16-no-flatten-grads")
-    a.train_step([sample("mt", 0)])
+    a.train_step([tiny_sample("mt", 0)])
     state = a.optimizer.state_dict()
     assert [g["group"] for g in state["param_groups"]] == [g["group"] for g in a.optimizer.param_groups]
     assert any("momentum_buffer" in s for s in state["state"].values())
@@ -197,7 +213,7 @@ def test_fp16_master_state_round_trip(tmp_path):
         for pa, pb in zip(a.optimizer.fp32_params, b.optimizer.fp32_params, strict=True):
             pb.copy_(pa)
     for t in (a, b):
-        t.train_step([sample("mt", 1)])
+        t.train_step([tiny_sample("mt", 1)])
     for (n, pa), (_, pb) in zip(a._model.named_parameters(), b._model.named_parameters(), strict=True):
         assert torch.equal(pa, pb), n
 
@@ -211,7 +227,7 @@ def test_half_weights_and_amp_train_with_float32_state(cli, wrapper):
     t = build("mt", *cli)
     before = {n: p.detach().clone() for n, p in t._model.named_parameters()}
     for update in range(2):
-        t.train_step([sample("mt", update)])
+        t.train_step([tiny_sample("mt", update)])
     assert type(t._optimizer).__name__ == wrapper
     for n, p in t._model.named_parameters():
         assert torch.isfinite(p).all() and not torch.equal(p, before[n]), n
@@ -261,11 +277,11 @@ def test_an_update_reads_nothing_more_on_the_host_than_adams():
     events = []
     for optimizer in ("muon", "adam_foreach"):
         t = build("mt", "--optimizer", optimizer)
-        t.train_step([sample("mt", 0)])  # warm-up (lazy state)
+        t.train_step([tiny_sample("mt", 0)])  # warm-up (lazy state)
         with HostReads(cpu_is_device=True) as hr:
-            t.train_step([sample("mt", 1)])
+            t.train_step([tiny_sample("mt", 1)])
         events.append([e.op for e in hr.events])
-        t.train_step([sample("mt", 2)])
+        t.train_step([tiny_sample("mt", 2)])
         with HostReads(cpu_is_device=True) as step_reads:
             innermost(t._optimizer).optimizer.step()  # the last update's gradients again
         assert step_reads.events == [], optimizer

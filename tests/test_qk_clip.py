@@ -23,7 +23,7 @@ from fairseq.logging import metrics
 from fairseq.modules.multihead_attention import MultiheadAttention
 from ports import qk_clip as port
 
-from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_batch, tiny_preln_trainer
+from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_preln_trainer, tiny_sample
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import qk_clip
 
@@ -41,14 +41,6 @@ def build(kind: str, *cli: str):
                     m.q_proj.weight[: m.head_dim] *= BOOST
 
     return tiny_preln_trainer(kind, "--optimizer", "adam", *cli, before=boost)
-
-
-def sample(kind: str, seed: int = 0) -> dict:
-    net = tiny_batch(seed=seed)
-    if kind == "lm":
-        net = {"src_tokens": net["prev_output_tokens"], "src_lengths": torch.full((3,), 6)}
-    target = torch.roll(net.get("prev_output_tokens", net["src_tokens"]), -1, 1)
-    return {"net_input": net, "target": target, "ntokens": target.numel(), "nsentences": 3, "id": torch.arange(3)}
 
 
 class Recorder:
@@ -119,7 +111,7 @@ def one_update(kind: str, *cli: str, seeds=(0,), fp16_flat=False, monkeypatch=No
     clip = t._model.__dict__[qk_clip.ATTR]
     before = {n: p.detach().clone() for n, p in t._model.named_parameters()}
     rec, seen = Recorder(clip), spy(clip)
-    samples = [sample(kind, s) for s in seeds]
+    samples = [tiny_sample(kind, s) for s in seeds]
     t.train_step(samples)
     ref.train_step(samples)
     assert len(seen) == 1, "one clip per update"
@@ -221,10 +213,10 @@ def test_each_update_starts_its_maxima_again():
     t.optimizer  # noqa: B018
     clip = t._model.__dict__[qk_clip.ATTR]
     seen = spy(clip)
-    t.train_step([sample("mt", 0)])
+    t.train_step([tiny_sample("mt", 0)])
     before = {n: p.detach().clone() for n, p in t._model.named_parameters()}
     rec = Recorder(clip)
-    t.train_step([sample("mt", 1)])
+    t.train_step([tiny_sample("mt", 1)])
     torch.testing.assert_close(seen[1].double(), port_maxima(clip, rec, before), **MAX_TOL[torch.float32])
     assert (seen[1] < 0.5 * seen[0]).any()
 
@@ -281,9 +273,9 @@ def test_the_tap_and_the_clip_read_nothing_on_the_host():
     for cli in (("--qk-clip", "--qk-clip-threshold", str(TAU)), ()):
         t = build("mt", *cli)
         t.optimizer  # noqa: B018
-        t.train_step([sample("mt", 0)])  # warm-up (lazy state)
+        t.train_step([tiny_sample("mt", 0)])  # warm-up (lazy state)
         with HostReads(cpu_is_device=True) as hr:
-            t.train_step([sample("mt", 1)])
+            t.train_step([tiny_sample("mt", 1)])
         counts.append([e.op for e in hr.events])
     assert counts[0] == counts[1]
 

@@ -57,17 +57,18 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def zeropower_via_newtonschulz5(g: Tensor, steps: int, bf16: bool = True) -> Tensor:
     """``NS5(g)`` (module docstring; ``toy_train.py:48-76``) computed in bfloat16 as released (``bf16=False``: in
-    ``g``'s dtype), returned in that dtype."""
+    ``g``'s dtype), returned in that dtype. ``g``: one matrix, or a stack of matrices of one shape (``n x A x B``),
+    each orthogonalised on its own (its own norm), in one chain of batched products."""
     a, b, c = NS_COEFFICIENTS
     x = g.bfloat16() if bf16 else g
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / (x.norm() + NS_EPS)
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, shape: torch.Size) -> float:
@@ -78,7 +79,9 @@ def adjusted_lr(lr: float, shape: torch.Size) -> float:
 
 class Muon(torch.optim.Optimizer):
     """Muon and AdamW over param groups: a group whose ``use_muon`` is True is stepped by Muon, the others by
-    AdamW (module docstring); ``lr`` and ``weight_decay`` per group, the rest shared."""
+    AdamW (module docstring); ``lr`` and ``weight_decay`` per group, the rest shared. Muon's matrices of one shape
+    go through one batched Newton-Schulz chain, and the elementwise parts of both rules are ``_foreach``
+    operations, so a step's kernels grow with the number of matrix shapes, not of matrices."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
                  ns_bf16=True, betas=(0.9, 0.95), eps=1e-8) -> None:  # fmt: skip
@@ -97,41 +100,62 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                # fp16/bf16 weights (--memory-efficient-fp16): the state and the arithmetic in float32
-                grad = p.grad.float() if p.grad.dtype in _HALF else p.grad
-                p32 = p.float() if p.dtype in _HALF else p
-                (self._muon if group["use_muon"] else self._adamw)(p32, grad, self.state[p], group)
-                if p32 is not p:
-                    p.copy_(p32)
+            live = [p for p in group["params"] if p.grad is not None]
+            # fp16/bf16 weights (--memory-efficient-fp16): the state and the arithmetic in float32
+            weights = [p.float() if p.dtype in _HALF else p for p in live]
+            grads = [p.grad.float() if p.grad.dtype in _HALF else p.grad for p in live]
+            states = [self.state[p] for p in live]
+            if group["use_muon"]:
+                for same in _same_shape(weights):  # one batched Newton-Schulz chain per matrix shape
+                    self._muon(*([x[i] for i in same] for x in (weights, grads, states)), group)
+            elif live:
+                self._adamw(weights, grads, states, group)
+            for p, w in zip(live, weights, strict=True):
+                if w is not p:
+                    p.copy_(w)
         return loss
 
     @staticmethod
-    def _muon(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
-        g = grad.view(grad.size(0), -1) if grad.dim() > 2 else grad
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(g)
-        buf = state["momentum_buffer"]
-        buf.mul_(group["momentum"]).add_(g)
-        u = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-        o = zeropower_via_newtonschulz5(u, group["ns_steps"], group["ns_bf16"])
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(o.view_as(p), alpha=-adjusted_lr(group["lr"], p.shape))
+    def _muon(ps: List[Tensor], grads: List[Tensor], states: List[dict], group: dict) -> None:
+        """Muon's step for matrices of one shape, the elementwise parts as ``_foreach`` operations."""
+        gs = [g.view(g.size(0), -1) for g in grads]  # a weight of more than 2 dimensions: its first size x the rest
+        for g, state in zip(gs, states, strict=True):
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g)
+        bufs, mu = [state["momentum_buffer"] for state in states], group["momentum"]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, gs)
+        us = torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs
+        o = zeropower_via_newtonschulz5(torch.stack(us), group["ns_steps"], group["ns_bf16"]).to(ps[0].dtype)
+        torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
+        updates = [u.view_as(p) for u, p in zip(o.unbind(0), ps, strict=True)]
+        torch._foreach_add_(ps, updates, alpha=-adjusted_lr(group["lr"], ps[0].shape))
 
     @staticmethod
-    def _adamw(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
+    def _adamw(ps: List[Tensor], grads: List[Tensor], states: List[dict], group: dict) -> None:
+        """The AdamW part over every parameter of the group at once (``_foreach`` operations)."""
         beta1, beta2 = group["betas"]
-        if "step" not in state:
-            state["step"], state["moment1"], state["moment2"] = 0, torch.zeros_like(grad), torch.zeros_like(grad)
-        state["step"] += 1
-        m, v, t = state["moment1"], state["moment2"], state["step"]
-        m.lerp_(grad, 1 - beta1)
-        v.lerp_(grad.square(), 1 - beta2)
-        step_size = group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-step_size)
+        for g, state in zip(grads, states, strict=True):
+            if "step" not in state:
+                state["step"], state["moment1"], state["moment2"] = 0, torch.zeros_like(g), torch.zeros_like(g)
+            state["step"] += 1
+        m, v = [state["moment1"] for state in states], [state["moment2"] for state in states]
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_lerp_(v, torch._foreach_mul(grads, grads), 1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_add_(denom, group["eps"])
+        lr = group["lr"]
+        steps = [-lr * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"]) for state in states]
+        torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
+        torch._foreach_addcdiv_(ps, m, denom, steps)
+
+
+def _same_shape(tensors: List[Tensor]) -> List[List[int]]:
+    """The indices of ``tensors`` grouped by shape, dtype and device, in first-seen order."""
+    groups: Dict[Tuple, List[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.shape, t.dtype, t.device), []).append(i)
+    return list(groups.values())
 
 
 # --- fairseq ------------------------------------------------------------------------------------------------
