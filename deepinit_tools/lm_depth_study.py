@@ -78,6 +78,8 @@ SCHEMES: Dict[str, List[str]] = {
     "swiglu_eq": ["--arch", "swiglu_lm_tiny", "--decoder-ffn-embed-dim", "170"],
     "rmsnorm": ["--arch", "preln_lm_tiny", "--norm-type", "rmsnorm"],
     "zcrms": ["--arch", "preln_lm_tiny", "--norm-type", "zc-rmsnorm"],
+    # the Pre-LN model trained with Muon at the study's lr (its AdamW part with the study's betas)
+    "muon": ["--arch", "preln_lm_tiny", "--optimizer", "muon"],
 }
 DEPTHS = (6, 24, 48)
 
@@ -145,7 +147,7 @@ def prepare(work: Path, vocab: int) -> Path:
 def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.Namespace) -> List[str]:
     extra = SCHEMES[scheme]
     task = [] if "--task" in extra else ["--task", "language_modeling"]
-    cmd = fa.command("train", data, *task, *extra, plugin=USER_DIR)
+    cmd = fa.command("train", data, *task, plugin=USER_DIR)
     cmd += ["--decoder-layers", str(depth), "--share-decoder-input-output-embed", "--dropout", "0.1"]
     cmd += ["--tokens-per-sample", str(a.tokens_per_sample), "--sample-break-mode", "none"]
     cmd += ["--max-tokens", str(a.max_tokens), "--max-update", str(a.updates), "--seed", "1"]
@@ -155,7 +157,8 @@ def train_command(data: Path, scheme: str, depth: int, save: Path, a: argparse.N
     cmd += ["--diagnostics-stats", "grad,var", "--log-interval", str(a.log_interval), "--log-format", "simple"]
     cmd += ["--save-dir", str(save), "--no-epoch-checkpoints", "--save-interval-updates", "100"]
     cmd += ["--keep-interval-updates", "1", "--num-workers", "0", "--cpu"]
-    return cmd
+    # the scheme's flags last, so that a scheme may set a width (SwiGLU at equal parameters) or the optimizer (Muon)
+    return cmd + extra
 
 
 def run_cell(data: Path, work: Path, scheme: str, depth: int, a: argparse.Namespace) -> dict:

@@ -151,8 +151,12 @@ def test_every_cell_parses_with_the_plugin(tmp_path):
             args.decoder_layers == depth
             and args.max_update == cells.budget_of("6:600:50,18:250:25,36:150:25,100:40:20", depth)[0]
         )
-        # depth-muP's per-group lr / eps multipliers are applied by adam_foreach only (fairseq's adam is refused)
-        assert args.optimizer == ("adam_foreach" if getattr(args, "depth_mup", False) else "adam")
+        # depth-muP's per-group lr / eps multipliers are applied by adam_foreach only (fairseq's adam is refused);
+        # a method that names its optimizer (Muon) gets it, with the set-up's betas for its AdamW part
+        flags = common.METHODS[Path(args.save_dir).name.split("-")[0]][1]
+        named = flags[flags.index("--optimizer") + 1] if "--optimizer" in flags else None
+        assert args.optimizer == (named or ("adam_foreach" if getattr(args, "depth_mup", False) else "adam"))
+        assert args.adam_betas == "(0.9, 0.98)"
         if "nowarmup" in args.save_dir:
             assert args.lr_scheduler == "tfixup" and args.lr == [2e-3]
         else:

@@ -45,8 +45,7 @@ def budget_of(spec: str, depth: int) -> tuple:
 def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespace) -> List[str]:
     """The exact fairseq-train command line of a cell."""
     method, depth, regime = parse_cell(name)
-    # the method's flags after the sizes, so that a method may set a width (SwiGLU at equal parameters)
-    cmd = fa.command("train", bin_dir, *fa.dims(depth, a.dim, a.ffn, a.heads), *METHODS[method][1])
+    cmd = fa.command("train", bin_dir, *fa.dims(depth, a.dim, a.ffn, a.heads))
     cmd += ["--dropout", str(a.dropout), "--share-decoder-input-output-embed"]
     cmd += ["--criterion", "label_smoothed_cross_entropy_diagnostics", "--label-smoothing", "0.1"]
     updates, every = budget_of(a.budget, depth)
@@ -62,7 +61,9 @@ def train_command(bin_dir: Path, save_dir: Path, name: str, a: argparse.Namespac
     cmd += ["--keep-interval-updates", "1", "--no-epoch-checkpoints", "--no-last-checkpoints"]
     cmd += ["--save-dir", str(save_dir), "--cpu", "--num-workers", "0"]
     cmd += ["--log-format", "json", "--log-interval", str(every)]
-    return cmd + shlex.split(a.extra_args)
+    # the method's flags after the set-up's, so that a method may set a width (SwiGLU at equal parameters) or
+    # the optimizer (Muon, whose AdamW part takes the set-up's --adam-betas)
+    return cmd + METHODS[method][1] + shlex.split(a.extra_args)
 
 
 def unigram_bits(bin_dir: Path, valid_target: Path) -> float:

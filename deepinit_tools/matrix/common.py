@@ -65,6 +65,8 @@ METHODS: Dict[str, tuple] = {
     ),
     "rmsnorm": ("Pre-LN, RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "rmsnorm"]),
     "zcrms": ("Pre-LN, zero-centred RMSNorm", ["--arch", "preln_iwslt_de_en", "--norm-type", "zc-rmsnorm"]),
+    # the Pre-LN model trained with Muon at the set-up's lr (its AdamW part with the set-up's betas and decay)
+    "muon": ("Pre-LN + Muon", ["--arch", "preln_iwslt_de_en", "--optimizer", "muon"]),
 }
 REGIMES = ("warmup", "nowarmup")
 BLEU_RE = re.compile(r"BLEU = ([0-9.]+)")
