@@ -226,6 +226,45 @@ def perturb_norms(model, seed: int = 5) -> None:
                 p.copy_(base + 0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
 
 
+def padded_tokens(bsz: int, length: int, seed: int, pad_first_row: int = 0, pad: int = 1):
+    """Random token ids in [4, 50) of shape ``(bsz, length)``, the first row's first ``pad_first_row`` positions
+    padding (left padding, as fairseq's source side)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(4, 50, (bsz, length), generator=g)
+    t[0, :pad_first_row] = pad
+    return t
+
+
+def assert_beam_decoding_is_the_full_forward(model, lm: bool, tol: dict, pad: int = 1) -> None:
+    """As fairseq's SequenceGenerator: 2 sentences x beam 2 (a translation model's source repeated per beam), the
+    beams reordered within each sentence at steps 2 and 4; every incremental step's output equals the full
+    forward of its prefix within ``tol``."""
+    import torch
+
+    bsz, steps = 4, 6
+    orders = {2: torch.tensor([1, 1, 2, 3]), 4: torch.tensor([0, 0, 3, 2])}
+    nxt = padded_tokens(bsz, steps, 9)
+    enc = None
+    if not lm:
+        src = padded_tokens(2, 7, 10, pad_first_row=3, pad=pad).repeat_interleave(2, dim=0)
+        enc = model.encoder(src, src_lengths=src.ne(pad).sum(1))
+    state: dict = {}
+    prefix = torch.full((bsz, 0), 2, dtype=torch.long)
+    with torch.no_grad():
+        for t in range(steps):
+            if t in orders:
+                model.decoder.reorder_incremental_state_scripting(state, orders[t])
+                prefix = prefix[orders[t]]
+                if enc is not None:
+                    enc = model.encoder.reorder_encoder_out(enc, orders[t])
+            prefix = torch.cat([prefix, nxt[:, t : t + 1]], dim=1)
+            step = model.decoder(prefix, encoder_out=enc, incremental_state=state)[0][:, -1]
+            full = model.decoder(prefix, encoder_out=enc)[0][:, -1]
+            torch.testing.assert_close(step, full, **tol)
+
+
 # Modules whose tests compare floating-point results (closed forms, two implementations, trained
 # models): scripts/test.sh runs them a second time on another CPU kernel path (ATEN_CPU_CAPABILITY,
 # MKL_ENABLE_INSTRUCTIONS), so that a tolerance tuned to one machine's kernels fails in CI. A test of

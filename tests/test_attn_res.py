@@ -24,18 +24,14 @@ from ports import attn_res as port
 from ports.common import AttnWeights, FFNWeights, NormSpec, attention, ffn
 from test_lm import build_lm
 
-from conftest import build_model, generate_test, train_tiny_lm
+from conftest import assert_beam_decoding_is_the_full_forward, build_model, generate_test, padded_tokens, train_tiny_lm
+from deepinit_tools import fairseq_argv as fa
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.modules.attn_res import AttnResResidual, DepthAttention
 
 D, FF, H, L = 16, 32, 2, 3
-DIMS = [
-    "--encoder-embed-dim", str(D), "--decoder-embed-dim", str(D), "--encoder-ffn-embed-dim", str(FF),
-    "--decoder-ffn-embed-dim", str(FF), "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
-    "--encoder-layers", str(L), "--decoder-layers", str(L),
-]  # fmt: skip
-LM_DIMS = ["--decoder-embed-dim", str(D), "--decoder-ffn-embed-dim", str(FF), "--decoder-attention-heads", str(H),
-           "--decoder-layers", str(L)]  # fmt: skip
+DIMS = fa.dims(L, D, FF, H)
+LM_DIMS = fa.dims(L, D, FF, H, stacks=("decoder",))
 # fairseq's explicit attention path runs its softmax in float32 whatever the dtype; the SDPA path keeps float64
 NO_DROPOUT = ("--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0", "--attention-impl", "sdpa")
 PAD = 1
@@ -80,13 +76,6 @@ def lm(kind: str, *cli: str):
     model, args, _ = build_lm(f"{family}_lm_tiny", *LM_DIMS, *NO_DROPOUT, *flags, *cli)
     perturb(model)
     return model.double().eval(), args
-
-
-def tokens(bsz: int, length: int, seed: int, pad_first_row: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(4, 50, (bsz, length), generator=g)
-    t[0, :pad_first_row] = PAD  # left padding, as fairseq's source side
-    return t
 
 
 # ---- the port side -----------------------------------------------------------------------------------------
@@ -138,7 +127,7 @@ def decoder_input(decoder, prev: torch.Tensor) -> torch.Tensor:
 
 def translation(model, kind: str, stack_fn=port_stack):
     """``(plugin encoder_out, plugin decoder features, port encoder_out, port decoder features)``."""
-    src, prev = tokens(3, 7, 0, pad_first_row=2), tokens(3, 5, 1)
+    src, prev = padded_tokens(3, 7, 0, pad_first_row=2), padded_tokens(3, 5, 1)
     with torch.no_grad():
         enc = model.encoder(src, src_lengths=src.ne(PAD).sum(1))
         # alignment_layer -1: no layer returns attention weights (which fairseq computes in float32)
@@ -165,7 +154,7 @@ def test_translation_stacks_equal_the_port(kind):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_language_model_stack_equals_the_port(kind):
     model, _ = lm(kind)
-    prev = tokens(3, 9, 2)
+    prev = padded_tokens(3, 9, 2)
     with torch.no_grad():
         feats = model.decoder(prev, features_only=True)[0]
         want = port_stack(model.decoder, decoder_input(model.decoder, prev), kind, causal=True)
@@ -259,26 +248,7 @@ def test_incremental_decoding_with_beam_reordering_equals_the_full_forward(kind,
     depth-wise sources are per position and rebuilt in every step's forward (nothing cached besides the
     self-attention's keys and values)."""
     model, _ = lm(kind, *features) if lm_ else mt(kind, *features)
-    bsz, steps = 4, 6
-    orders = {2: torch.tensor([1, 1, 2, 3]), 4: torch.tensor([0, 0, 3, 2])}
-    nxt = tokens(bsz, steps, 9)
-    enc = None
-    if not lm_:
-        src = tokens(2, 7, 10, pad_first_row=3).repeat_interleave(2, dim=0)
-        enc = model.encoder(src, src_lengths=src.ne(PAD).sum(1))
-    state: dict = {}
-    prefix = torch.full((bsz, 0), 2, dtype=torch.long)
-    with torch.no_grad():
-        for t in range(steps):
-            if t in orders:
-                model.decoder.reorder_incremental_state_scripting(state, orders[t])
-                prefix = prefix[orders[t]]
-                if enc is not None:
-                    enc = model.encoder.reorder_encoder_out(enc, orders[t])
-            prefix = torch.cat([prefix, nxt[:, t : t + 1]], dim=1)
-            step = model.decoder(prefix, encoder_out=enc, incremental_state=state)[0][:, -1]
-            full = model.decoder(prefix, encoder_out=enc)[0][:, -1]
-            torch.testing.assert_close(step, full, **TOL)
+    assert_beam_decoding_is_the_full_forward(model, lm_, TOL, pad=PAD)
 
 
 COMPOSES = [("--qk-norm",), ("--subln",), ("--scale-attn", "--scale-fc", "--scale-heads"), ("--layernorm-scaling",),
@@ -291,7 +261,7 @@ def test_composes_with_the_other_pre_ln_features(flags):
     """Each builds with Block AttnRes and decodes step by step as its full forward. ``--cross-self-attention`` runs
     on fairseq's attention path, whose softmax is float32 whatever the dtype: the tolerance there is float32's."""
     model, _ = mt("block2", *flags)
-    src, prev = tokens(2, 7, 10, pad_first_row=3), tokens(2, 5, 3)
+    src, prev = padded_tokens(2, 7, 10, pad_first_row=3), padded_tokens(2, 5, 3)
     tol = dict(atol=1e-6, rtol=0) if "--cross-self-attention" in flags else TOL
     state: dict = {}
     with torch.no_grad():
@@ -401,7 +371,7 @@ def test_depth_diagnostics_measure_the_sum_of_the_sources(kind):
     from fairseq_deepinit.diagnostics.depth_hooks import DepthStatistics
 
     model, _ = mt(kind)
-    src, prev = tokens(3, 7, 0, pad_first_row=2), tokens(3, 5, 1)
+    src, prev = padded_tokens(3, 7, 0, pad_first_row=2), padded_tokens(3, 5, 1)
     net = {"src_tokens": src, "src_lengths": src.ne(PAD).sum(1), "prev_output_tokens": prev}
     with torch.no_grad(), DepthStatistics(model, net) as depth:
         model(**net)

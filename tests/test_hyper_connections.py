@@ -28,18 +28,14 @@ from ports import mhc as mhc_port
 from ports.common import AttnWeights, FFNWeights, NormSpec, attention, ffn
 from test_lm import build_lm
 
-from conftest import build_model, generate_test, train_tiny_lm
+from conftest import assert_beam_decoding_is_the_full_forward, build_model, generate_test, padded_tokens, train_tiny_lm
+from deepinit_tools import fairseq_argv as fa
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.modules.hyper import HyperConnection, ManifoldHyperConnection, sinkhorn
 
 D, FF, H, L = 16, 32, 2, 2
-DIMS = [
-    "--encoder-embed-dim", str(D), "--decoder-embed-dim", str(D), "--encoder-ffn-embed-dim", str(FF),
-    "--decoder-ffn-embed-dim", str(FF), "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
-    "--encoder-layers", str(L), "--decoder-layers", str(L),
-]  # fmt: skip
-LM_DIMS = ["--decoder-embed-dim", str(D), "--decoder-ffn-embed-dim", str(FF), "--decoder-attention-heads", str(H),
-           "--decoder-layers", str(L + 1)]  # fmt: skip
+DIMS = fa.dims(L, D, FF, H)
+LM_DIMS = fa.dims(L + 1, D, FF, H, stacks=("decoder",))
 # fairseq's explicit attention path (cross-attention, decoding) runs its softmax in float32 whatever the dtype
 # (fairseq/utils.py:514-518); the plugin's SDPA path keeps float64, so the comparisons use it
 NO_DROPOUT = ("--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0", "--attention-impl", "sdpa")
@@ -91,13 +87,6 @@ def lm(kind: str, *cli: str):
     model, args, _ = build_lm(f"{family}_lm_tiny", *LM_DIMS, *NO_DROPOUT, *flags, *cli)
     perturb(model)
     return model.double().eval(), args
-
-
-def tokens(bsz: int, length: int, seed: int, pad_first_row: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(4, 50, (bsz, length), generator=g)
-    t[0, :pad_first_row] = PAD  # left padding, as fairseq's source side
-    return t
 
 
 # ---- the port side: a stack of sub-layers, each through its connection's released rule --------------------
@@ -163,7 +152,7 @@ def encoder_input(encoder, src: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_translation_stacks_equal_the_ports(kind):
     model, _ = mt(kind)
-    src, prev = tokens(3, 7, 0, pad_first_row=2), tokens(3, 5, 1)
+    src, prev = padded_tokens(3, 7, 0, pad_first_row=2), padded_tokens(3, 5, 1)
     with torch.no_grad():
         enc = model.encoder(src, src_lengths=src.ne(PAD).sum(1))
         # alignment_layer -1: no layer returns attention weights (which fairseq computes in float32)
@@ -180,7 +169,7 @@ def test_translation_stacks_equal_the_ports(kind):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_language_model_stack_equals_the_port(kind):
     model, _ = lm(kind)
-    prev = tokens(3, 9, 2)
+    prev = padded_tokens(3, 9, 2)
     with torch.no_grad():
         feats = model.decoder(prev, features_only=True)[0]
         x0 = model.decoder.embed_scale * model.decoder.embed_tokens(prev) + model.decoder.embed_positions(prev)
@@ -274,11 +263,11 @@ def _same_weights_as_preln(family: str, lm_: bool, own: tuple = (), shared: tupl
 
 
 def _outputs(model, lm_: bool) -> torch.Tensor:
-    prev = tokens(3, 6, 7)
+    prev = padded_tokens(3, 6, 7)
     with torch.no_grad():
         if lm_:
             return model(prev)[0]
-        src = tokens(3, 7, 8, pad_first_row=2)
+        src = padded_tokens(3, 7, 8, pad_first_row=2)
         return model(src, src.ne(PAD).sum(1), prev)[0]
 
 
@@ -323,26 +312,7 @@ def test_incremental_decoding_with_beam_reordering_equals_the_full_forward(kind,
     within a sentence's beams (fairseq's cross-attention cache keeps one copy per sentence); also with gated
     attention, sinks and value residual in every branch."""
     model, _ = lm(kind, *features) if lm_ else mt(kind, *features)
-    bsz, steps = 4, 6
-    orders = {2: torch.tensor([1, 1, 2, 3]), 4: torch.tensor([0, 0, 3, 2])}
-    nxt = tokens(bsz, steps, 9)
-    enc = None
-    if not lm_:
-        src = tokens(2, 7, 10, pad_first_row=3).repeat_interleave(2, dim=0)
-        enc = model.encoder(src, src_lengths=src.ne(PAD).sum(1))
-    state: dict = {}
-    prefix = torch.full((bsz, 0), 2, dtype=torch.long)
-    with torch.no_grad():
-        for t in range(steps):
-            if t in orders:
-                model.decoder.reorder_incremental_state_scripting(state, orders[t])
-                prefix = prefix[orders[t]]
-                if enc is not None:
-                    enc = model.encoder.reorder_encoder_out(enc, orders[t])
-            prefix = torch.cat([prefix, nxt[:, t : t + 1]], dim=1)
-            step = model.decoder(prefix, encoder_out=enc, incremental_state=state)[0][:, -1]
-            full = model.decoder(prefix, encoder_out=enc)[0][:, -1]
-            torch.testing.assert_close(step, full, **TOL)
+    assert_beam_decoding_is_the_full_forward(model, lm_, TOL, pad=PAD)
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------
@@ -455,7 +425,7 @@ def test_mhc_diagnostics_log_h_res_norm_and_drift_of_every_connection():
     from fairseq_deepinit.diagnostics.depth_hooks import DepthStatistics
 
     model, _ = mt("mhc")
-    src, prev = tokens(3, 7, 0, pad_first_row=2), tokens(3, 5, 1)
+    src, prev = padded_tokens(3, 7, 0, pad_first_row=2), padded_tokens(3, 5, 1)
     net = {"src_tokens": src, "src_lengths": src.ne(PAD).sum(1), "prev_output_tokens": prev}
     with torch.no_grad(), DepthStatistics(model, net) as depth:
         model(**net)

@@ -29,18 +29,14 @@ from ports import resi_dual as port
 from ports.common import AttnWeights, FFNWeights, NormSpec
 from test_lm import build_lm
 
-from conftest import TINY_DIMS, USER_DIR, build_model, run_cli, train_tiny_lm
+from conftest import TINY_DIMS, USER_DIR, build_model, padded_tokens, run_cli, train_tiny_lm
+from deepinit_tools import fairseq_argv as fa
 from deepinit_tools.harness.op_counters import OpCounter
 from fairseq_deepinit.errors import DeepInitConfigError
 
 D, FF, H, L = 16, 32, 2, 2
-DIMS = [
-    "--encoder-embed-dim", str(D), "--decoder-embed-dim", str(D), "--encoder-ffn-embed-dim", str(FF),
-    "--decoder-ffn-embed-dim", str(FF), "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
-    "--encoder-layers", str(L), "--decoder-layers", str(L),
-]  # fmt: skip
-LM_DIMS = ["--decoder-embed-dim", str(D), "--decoder-ffn-embed-dim", str(FF), "--decoder-attention-heads", str(H),
-           "--decoder-layers", str(L)]  # fmt: skip
+DIMS = fa.dims(L, D, FF, H)
+LM_DIMS = fa.dims(L, D, FF, H, stacks=("decoder",))
 NO_DROPOUT = ("--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0")
 PAD = 1
 
@@ -106,13 +102,6 @@ def dec_params(layer) -> dict:
 def final_ln(stack) -> NormSpec:
     """The released final norm: the stack's parameters with the released eps (``resi_dual.py:24, 157``)."""
     return port.final_layer_norm(stack.layer_norm.weight.detach(), stack.layer_norm.bias.detach())
-
-
-def tokens(bsz: int, length: int, seed: int, pad_first_row: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(4, 50, (bsz, length), generator=g)
-    t[0, :pad_first_row] = PAD  # left padding, as fairseq's source side
-    return t
 
 
 # ---- structure ------------------------------------------------------------------------------------------
@@ -225,7 +214,7 @@ def _stack_options(args) -> dict:
 @pytest.mark.parametrize("cli", STACK_CASES)
 def test_translation_model_equals_port(cli, dtype):
     model, args = mt(*cli, dtype=dtype)
-    src, prev = tokens(3, 7, 3, pad_first_row=2), tokens(3, 5, 4)
+    src, prev = padded_tokens(3, 7, 3, pad_first_row=2), padded_tokens(3, 5, 4)
     mask = src.eq(PAD)
     with torch.no_grad():
         enc = model.encoder(src, src_lengths=src.ne(PAD).sum(1))
@@ -246,7 +235,7 @@ def test_translation_model_equals_port(cli, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_language_model_equals_port(dtype):
     model, args = lm("--resi-dual-scale", str(port.OPUS_RES_SCALE), dtype=dtype)
-    toks = tokens(2, 6, 5)
+    toks = padded_tokens(2, 6, 5)
     with torch.no_grad():
         feats, extra = model.decoder(toks, features_only=True)
     y0 = extra["inner_states"][0].transpose(0, 1)
@@ -259,7 +248,7 @@ def test_language_model_equals_port(dtype):
 def test_zero_start_is_the_commented_alternative():
     """``--resi-dual-start zero``: ``res = torch.zeros_like(x)`` (the comment at ``resi_dual.py:107``)."""
     model, args = mt("--resi-dual-start", "zero")
-    src = tokens(2, 6, 8)
+    src = padded_tokens(2, 6, 8)
     with torch.no_grad():
         got = model.encoder(src, src_lengths=torch.full((2,), 6))["encoder_out"][0].transpose(0, 1)
         x = model.encoder.forward_embedding(src)[0]
@@ -275,7 +264,7 @@ def test_zero_start_is_the_commented_alternative():
 def test_incremental_decoding_matches_the_full_forward():
     """The raw stream is per position (no attention reads it): a step needs nothing of it cached."""
     model, _ = mt("--resi-dual-scale", "0.05", dtype=torch.float64)
-    src, prev = tokens(2, 6, 9), tokens(2, 5, 10)
+    src, prev = padded_tokens(2, 6, 9), padded_tokens(2, 5, 10)
     with torch.no_grad():
         enc = model.encoder(src, src_lengths=torch.full((2,), 6))
         full = model.decoder(prev, encoder_out=enc)[0]
@@ -283,7 +272,7 @@ def test_incremental_decoding_matches_the_full_forward():
         steps = [model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0] for t in range(5)]
     close(torch.cat(steps, 1), full, 3 * L + 1, softmax32=True)
     model, _ = lm(dtype=torch.float64)
-    toks = tokens(2, 6, 11)
+    toks = padded_tokens(2, 6, 11)
     with torch.no_grad():
         full = model(toks)[0]
         state = {}
@@ -345,7 +334,7 @@ def test_composes_with_post_ln_inits_and_norms():
 def _forward_ops(arch: str, *cli: str) -> int:
     model, _ = build_model(arch, *DIMS, *NO_DROPOUT, *cli)
     model.eval()
-    src, prev = tokens(2, 6, 12), tokens(2, 5, 13)
+    src, prev = padded_tokens(2, 6, 12), padded_tokens(2, 5, 13)
     with torch.no_grad(), OpCounter() as ops:
         model(src, torch.full((2,), 6), prev)
     return ops.total
