@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
 
-from deepinit_tools.decode_report import emit
+from deepinit_tools.decode_report import add_options, emit
 from deepinit_tools.prepare_bible import detokenize, tokenize
 from fairseq_deepinit.export.decoding import FairseqDecoding, fairseq_batches, translate_tokens
 from fairseq_deepinit.export.run import METADATA
@@ -127,28 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codes", required=True, help="the BPE codes the corpus was prepared with (subword-nmt)")
     p.add_argument("--vocabulary", help="subword-nmt's source vocabulary for its filter (default: no filter)")
     p.add_argument("--vocabulary-threshold", type=int, default=50, help="the filter's threshold (default: 50)")
-    p.add_argument("--input", help="raw source sentences, one per line (default: standard input)")
-    p.add_argument("--output", help="where to write the translations (default: standard output)")
-    p.add_argument("--beam", type=int, default=5, help="fairseq-generate's --beam (default: 5)")
-    p.add_argument("--lenpen", type=float, default=1.0, help="fairseq-generate's --lenpen (default: 1.0)")
-    p.add_argument("--max-len-a", type=float, default=0.0, help="fairseq-generate's --max-len-a (default: 0)")
-    p.add_argument("--max-len-b", type=int, default=200, help="fairseq-generate's --max-len-b (default: 200)")
+    add_options(p, "CTranslate2 call")
     p.add_argument("--min-len", type=int, default=1, help="fairseq-generate's --min-len (default: 1)")
-    p.add_argument("--batch-size", type=int, default=64, help="sentences per CTranslate2 call (default: 64)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
     p.add_argument(
         "--compute-type", default="default", help="CTranslate2's compute type (default: default, the model's)"
     )
-    p.add_argument("--reference", help="raw reference translations: print sacreBLEU (default: no score)")
     p.add_argument(
         "--target-bpe",
         help="the BPE'd references, to decode in fairseq-generate's batches (sorted by length, --batch-size at a "
         "time), whose longest source sets --max-len-a's limit as there (default: sources of one length together)",
     )
-    p.add_argument(
-        "--fairseq-output", help="a fairseq-generate output of the same sentences to compare with (default: none)"
-    )
-    p.add_argument("--fairseq-log", help="that run's log (stderr), for its tokens/s (default: no speed comparison)")
     return p
 
 

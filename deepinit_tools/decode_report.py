@@ -5,6 +5,7 @@ sacreBLEU against raw references, fairseq-generate's own speed line, and the hyp
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -31,6 +32,25 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> str:
     return (
         f"{metric.corpus_score(list(hypotheses), [list(references)])} (sacrebleu signature: {metric.get_signature()})"
     )
+
+
+def add_options(p: argparse.ArgumentParser, call: str) -> None:
+    """The options every translation tool shares: input and output, fairseq-generate's search (``--beam``,
+    ``--lenpen``, ``--max-len-a`` / ``-b``), the batch (sentences per ``call``), threads, and what :func:`compare`
+    reads (``--reference``, ``--fairseq-output``, ``--fairseq-log``)."""
+    p.add_argument("--input", help="raw source sentences, one per line (default: standard input)")
+    p.add_argument("--output", help="where to write the translations (default: standard output)")
+    p.add_argument("--beam", type=int, default=5, help="fairseq-generate's --beam (default: 5)")
+    p.add_argument("--lenpen", type=float, default=1.0, help="fairseq-generate's --lenpen (default: 1.0)")
+    p.add_argument("--max-len-a", type=float, default=0.0, help="fairseq-generate's --max-len-a (default: 0)")
+    p.add_argument("--max-len-b", type=int, default=200, help="fairseq-generate's --max-len-b (default: 200)")
+    p.add_argument("--batch-size", type=int, default=64, help=f"sentences per {call} (default: 64)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    p.add_argument("--reference", help="raw reference translations: print sacreBLEU (default: no score)")
+    p.add_argument(
+        "--fairseq-output", help="a fairseq-generate output of the same sentences to compare with (default: none)"
+    )
+    p.add_argument("--fairseq-log", help="that run's log (stderr), for its tokens/s (default: no speed comparison)")
 
 
 def compare(system: str, result, args, out: TextIO = sys.stdout, at_limit_why: str = "") -> None:

@@ -23,7 +23,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import List, Sequence
 
-from deepinit_tools.decode_report import emit
+from deepinit_tools.decode_report import add_options, emit
 
 #: where the export puts the target language's tokenizer when it differs (hf_tokenizer.TARGET_SUBDIR; not imported:
 #: this tool imports nothing of the plugin)
@@ -99,17 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "huggingface, through transformers alone (its tokenizer, generate with fairseq-generate's search).",
     )
     p.add_argument("model", help="the folder deepinit-export --to huggingface wrote (with its tokenizer)")
-    p.add_argument("--input", help="raw source sentences, one per line (default: standard input)")
-    p.add_argument("--output", help="where to write the translations (default: standard output)")
-    p.add_argument("--beam", type=int, default=5, help="fairseq-generate's --beam (default: 5)")
-    p.add_argument("--lenpen", type=float, default=1.0, help="fairseq-generate's --lenpen (default: 1.0)")
-    p.add_argument("--max-len-a", type=float, default=0.0, help="fairseq-generate's --max-len-a (default: 0)")
-    p.add_argument("--max-len-b", type=int, default=200, help="fairseq-generate's --max-len-b (default: 200)")
-    p.add_argument("--batch-size", type=int, default=64, help="sentences per generate call (default: 64)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
-    p.add_argument("--reference", help="raw reference translations: print sacreBLEU (default: no score)")
-    p.add_argument("--fairseq-output", help="a fairseq-generate output of the same sentences to compare with")
-    p.add_argument("--fairseq-log", help="that run's log (stderr), for its tokens/s (default: no speed comparison)")
+    add_options(p, "generate call")
     return p
 
 
