@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +27,7 @@ from deepinit_tools.matrix.common import BLEU_RE, TEST_SETS, log
 from deepinit_tools.matrix.decode import DecodeDeadline, translate
 from deepinit_tools.matrix.logs import classify, train_wps, valid_curve
 from deepinit_tools.paths import REPO
-from fairseq_deepinit.compare.process import run_logged
+from fairseq_deepinit.compare.process import cpu_name, run_logged
 
 
 def device_name(device: str) -> str:
@@ -37,13 +36,7 @@ def device_name(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 EMPTY_DECODED = {"probe": None, "test2016_bleu": None, "test2017_bleu": None, "bleu_signature": None}

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -34,6 +33,7 @@ from ..errors import DeepInitConfigError
 from . import candidates as cands
 from . import plots, report, runner
 from .command import Setting, check_user_args
+from .process import cpu_name
 
 PROG = "deepinit-compare"
 CONFIG = "config.json"
@@ -89,13 +89,7 @@ def device_name(cpu: bool) -> str:
 
         if torch.cuda.is_available():
             return f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def configuration(a: argparse.Namespace, fairseq_args: Sequence[str], task: cands.Task, size: str) -> dict:

@@ -1,11 +1,13 @@
 """Running one ``fairseq-train`` (or any command) as a child process, its output appended to a log file:
 stopped at a deadline (SIGTERM, then SIGKILL: fairseq resumes from ``checkpoint_last.pt``), polled for
 progress while it runs, and measured (peak resident memory, from the kernel's accounting of that child
-alone, ``wait4``). Shared by ``deepinit-compare`` and the Multi30k matrix's cells."""
+alone, ``wait4``), and the CPU it runs on (:func:`cpu_name`). Shared by ``deepinit-compare`` and the Multi30k
+matrix's cells."""
 
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import threading
@@ -17,6 +19,17 @@ from typing import Callable, Dict, Mapping, Sequence
 _procs: Dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
 POLL_S = 5.0
+
+
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s model name) and core count, else what :mod:`platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True)
