@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, List
+from typing import Any, List, Tuple
 
 from .. import harness
 from ..harness.host_reads import HostReads
@@ -28,18 +28,21 @@ MODELS = {
 }
 
 
-def plugin() -> Any:
-    """The tiny trainers' module (imported here, once: it loads fairseq and registers the plugin)."""
+def plugin() -> Tuple[Any, Any]:
+    """The tiny trainers' module and the plugin's ``innermost`` (the torch optimizer inside fairseq's wrappers),
+    imported here, once: they load fairseq and register the plugin."""
+    from fairseq_deepinit.training.param_groups import innermost
+
     from ..harness import tiny
 
-    return tiny
+    return tiny, innermost
 
 
 def measure(kind: str, cli: List[str]) -> dict:
     """Counts for one model and optimizer: the step alone, then a whole update (forward, backward, step)."""
-    tiny = plugin()
+    tiny, innermost = plugin()
     t = tiny.tiny_preln_trainer(kind, *cli)
-    tiny_sample, innermost = tiny.tiny_sample, tiny.innermost
+    tiny_sample = tiny.tiny_sample
     t.train_step([tiny_sample(kind, 0)])  # the optimizer's lazy state
     with OpCounter() as step:
         innermost(t._optimizer).optimizer.step()

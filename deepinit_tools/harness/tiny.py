@@ -14,7 +14,6 @@ from fairseq.trainer import Trainer
 from torch import nn
 
 import fairseq_deepinit  # noqa: F401  (registers the plugin's architectures, tasks and optimizers)
-from fairseq_deepinit.training.param_groups import innermost  # noqa: F401  (the torch optimizer inside fairseq's)
 
 # d=64, FFN 128, 2 heads, 2+2 layers
 TINY_DIMS: List[str] = [
