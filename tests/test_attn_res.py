@@ -321,7 +321,7 @@ def test_stored_arguments_resolve_to_the_same_spec(kind):
 @pytest.mark.parametrize("family, kind", [("attnres", "full"), ("blockattnres", "block")])
 def test_the_export_refuses_every_target_and_says_why(family, kind, lm_):
     from fairseq_deepinit.export.route import TARGETS, classify
-    from fairseq_deepinit.export.table import resolved_args
+    from fairseq_deepinit.family_args import resolved_args
 
     route = classify(resolved_args(family, (), lm_))
     why = (f"--attention-residuals {kind} feeds every sub-layer a learned softmax over the earlier sub-layers' "

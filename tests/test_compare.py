@@ -214,6 +214,28 @@ def test_language_model_commands_set_one_stack_and_the_admin_lm_task(tmp_path):
     assert preln[preln.index("--criterion") + 1] == "cross_entropy_diagnostics"
 
 
+def test_a_candidates_task_is_the_one_its_records_require(monkeypatch):
+    """Admin trains under its profiling task because its record says so; closed-form omega under the user's."""
+    import dataclasses
+
+    from fairseq_deepinit import methods
+    from fairseq_deepinit.family_args import family_spec
+
+    mt, lm = cands.Task(cands.TRANSLATION, "de", "en"), cands.Task(cands.LM, None, None)
+    assert cands.required_task("admin", mt, "iwslt_de_en") == "translation_admin"
+    assert cands.required_task("admin", lm, "lm_tiny") == "language_modeling_admin"
+    assert cands.required_task("admin_closed", mt, "iwslt_de_en") is None
+    assert cands.required_task("preln", mt, "iwslt_de_en") is None
+    closed = cands.Candidate("Admin", "admin", ("--admin-formula", "closed-form"))
+    monkeypatch.setitem(cands.CANDIDATES, "admin", closed)
+    assert cands.required_task("admin", mt, "iwslt_de_en") is None
+    # two records that require different tasks: one line
+    other = dataclasses.replace(methods.METHODS["z_loss"], training_task=lambda p, spec: "translation_deepinit")
+    monkeypatch.setitem(methods.METHODS, "z_loss", other)
+    with pytest.raises(cands.DeepInitConfigError, match="translation_admin, translation_deepinit"):
+        methods.training_task(family_spec("admin", ("--z-loss",)))
+
+
 def test_bad_input_is_one_line_and_status_1(tmp_path, capsys):
     data = fake_translation_bin(tmp_path / "bin")
     out = tmp_path / "out"

@@ -364,7 +364,7 @@ def test_stored_arguments_resolve_to_the_same_spec(kind):
 @pytest.mark.parametrize("family", ["hc", "mhc"])
 def test_the_export_refuses_every_target_and_says_why(family, lm_):
     from fairseq_deepinit.export.route import TARGETS, classify
-    from fairseq_deepinit.export.table import resolved_args
+    from fairseq_deepinit.family_args import resolved_args
 
     route = classify(resolved_args(family, (), lm_))
     why = (f"--hyper-connections {family} carries 4 residual streams per token, mixed by learned weights around "

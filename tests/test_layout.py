@@ -141,11 +141,11 @@ LAYER_MAP = {
     "checkpoints": ("options", "model_config", "errors"),
     "diagnostics": ("modules", "training", "checkpoints", "options", "admin", "patches", "errors"),
     "export": ("modules", "methods", "spec", "axes", "resolve", "options", "model_config", "model", "architectures",
-               "checkpoints", "lm", "errors"),
+               "family_args", "checkpoints", "lm", "errors"),
     "admin": ("modules", "methods", "training", "diagnostics", "export", "errors"),
     "lm": ("modules", "methods", "training", "diagnostics", "admin", "export", "checkpoints", "plan", "decoder",
            "resolve", "options", "model_config", "architectures", "errors"),
-    "compare": ("methods", "errors"),
+    "compare": ("methods", "family_args", "errors"),
 }  # fmt: skip
 # the periphery's rules: a subpackage never imports these ...
 NOT_IMPORTED = {

@@ -15,24 +15,23 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from ..errors import DeepInitConfigError
-from ..methods.admin import LM_TASK, TRANSLATION_TASK
+from ..family_args import family_spec
+from ..methods import training_task
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """``label`` (the tables'), the family of its ``--arch`` and the options that select it; ``profiles``:
-    its omega is profiled on the first batch, inside the Admin tasks."""
+    """``label`` (the tables'), the family of its ``--arch`` and the options that select it."""
 
     label: str
     family: str
     flags: Tuple[str, ...] = ()
-    profiles: bool = False
 
 
 CANDIDATES: Dict[str, Candidate] = {
     "postln": Candidate("Post-LN", "postln"),
     "preln": Candidate("Pre-LN", "preln"),
-    "admin": Candidate("Admin", "admin", profiles=True),
+    "admin": Candidate("Admin", "admin"),
     "admin_closed": Candidate("Admin closed-form (admin-torch)", "admin_closed"),
     "deepnorm": Candidate("DeepNorm", "deepnorm"),
     "tfixup": Candidate("T-Fixup (no LN)", "tfixup"),
@@ -53,8 +52,9 @@ CANDIDATES: Dict[str, Candidate] = {
 DEFAULT = ("postln", "preln", "admin", "deepnorm", "tfixup", "twt", "b2t", "hc")
 
 TRANSLATION, LM = "translation", "language_modeling"
-# the user's --task -> the Admin task with the same data handling
-ADMIN_TASKS = {"translation": TRANSLATION_TASK, "translation_deepinit": TRANSLATION_TASK, LM: LM_TASK}
+# the user's --task, of those its data handling is fairseq's translation / language-modeling one (a candidate's
+# records may set another of the same data handling: Admin's profiling tasks)
+TASKS = ("translation", "translation_deepinit", LM)
 DEFAULT_SIZE = {TRANSLATION: "iwslt_de_en", LM: "lm"}
 
 
@@ -104,8 +104,8 @@ def detect_task(data: Path, user_task: str | None, source: str | None, target: s
                 f"{data} holds neither dict.txt (a language model's data-bin) nor train.SRC-TGT.* files (a "
                 f"translation data-bin); give a fairseq-preprocess output folder"
             )
-    if kind not in ADMIN_TASKS:
-        raise DeepInitConfigError(f"--task {kind}: deepinit-compare trains {', '.join(ADMIN_TASKS)}; drop --task")
+    if kind not in TASKS:
+        raise DeepInitConfigError(f"--task {kind}: deepinit-compare trains {', '.join(TASKS)}; drop --task")
     if kind == LM:
         return Task(LM, None, None)
     if source is None or target is None:
@@ -120,14 +120,21 @@ def detect_task(data: Path, user_task: str | None, source: str | None, target: s
     return Task(TRANSLATION, source, target)
 
 
-def method_flags(name: str, task: Task, user_task: str | None, size: str) -> List[str]:
-    """The options that select candidate ``name`` for ``task`` (its ``--arch``, and the Admin task
-    where it profiles)."""
+def required_task(name: str, task: Task, size: str) -> str | None:
+    """The ``--task`` candidate ``name`` trains under by its records (:func:`fairseq_deepinit.methods.training_task`
+    of its spec at ``size``: Admin's profiling task while omega is profiled), None: the user's."""
     c = CANDIDATES[name]
-    arch = f"{c.family}_{size}"
-    out = ["--arch", arch, *c.flags]
-    if c.profiles:
-        out += ["--task", ADMIN_TASKS[user_task or task.kind]]
+    return training_task(family_spec(c.family, c.flags, lm=task.kind == LM, size=size))
+
+
+def method_flags(name: str, task: Task, user_task: str | None, size: str) -> List[str]:
+    """The options that select candidate ``name`` for ``task``: its ``--arch``, and the task its records
+    require (:func:`required_task`) or a language model's."""
+    c = CANDIDATES[name]
+    out = ["--arch", f"{c.family}_{size}", *c.flags]
+    need = required_task(name, task, size)
+    if need is not None:
+        out += ["--task", need]
     elif user_task is None and task.kind == LM:
         out += ["--task", LM]
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+from ..errors import DeepInitConfigError
 from . import (
     admin,
     attention_residuals,
@@ -96,6 +97,8 @@ def _by_name(kind: str) -> dict:
 INIT_SCHEMES: Dict[str, InitScheme] = _by_name("init_schemes")
 RESIDUAL_SCALINGS: Dict[str, ResidualScaling] = _by_name("residual_scalings")
 LAYER_TYPES: Dict[str, LayerType] = _by_name("layer_types")
+TRAINING_HOOKS = ("check_training", "param_groups", "after_step", "loss_term")
+"""The :class:`Method` hooks fairseq's trainer and criterion run (:mod:`.record`), not the model's build."""
 
 
 def declaring(value: InitScheme | ResidualScaling | LayerType) -> Method:
@@ -111,4 +114,15 @@ def enabled(spec: Any) -> List[Tuple[Method, Any]]:
     return [(METHODS[name], p) for name, p in spec.features.items()]
 
 
-__all__ = ["INIT_SCHEMES", "LAYER_TYPES", "METHODS", "RESIDUAL_SCALINGS", "Method", "Option", "declaring", "enabled"]
+def training_task(spec: Any) -> str | None:
+    """The fairseq ``--task`` the methods on in ``spec`` train under (each record's ``training_task``), None: any."""
+    tasks = sorted({t for m, p in enabled(spec) if m.training_task is not None and (t := m.training_task(p, spec))})
+    if len(tasks) > 1:
+        raise DeepInitConfigError(f"the methods of this model train under different tasks ({', '.join(tasks)})")
+    return tasks[0] if tasks else None
+
+
+__all__ = [
+    "INIT_SCHEMES", "LAYER_TYPES", "METHODS", "RESIDUAL_SCALINGS", "TRAINING_HOOKS", "Method", "Option", "declaring",
+    "enabled", "training_task",
+]  # fmt: skip

@@ -197,6 +197,13 @@ def derive_output_change(p, layers) -> dict:
     return {}
 
 
+def profiling_task(p, spec) -> str | None:
+    """The task a run trains under: a profiling task while omega is profiled (closed-form omega: the user's)."""
+    if p.admin_formula == CLOSED_FORM:
+        return None
+    return TRANSLATION_TASK if spec.encoder is not None else LM_TASK
+
+
 def describe_admin(p) -> str:
     closed = f",{p.admin_output_change}" if p.admin_formula == CLOSED_FORM else ""
     return f"admin={p.admin_formula}{closed}" + (",frozen" if p.admin_freeze_omega else "")
@@ -242,6 +249,7 @@ METHOD = Method(
     derive=derive_output_change,
     validate=validate_admin_args,
     describe=describe_admin,
+    training_task=profiling_task,
     post_init=set_closed_form_omega,
     export=EXPORT_NEUTRAL,  # formula, profiling, freezing: how omega is found; the fold reads omega itself
     families={

@@ -315,7 +315,9 @@ class Method:
       word embedding / output layer;
     - ``validate`` (:class:`Validate`);
     - training hooks: ``check_training`` (:class:`CheckTraining`), ``param_groups`` (:class:`ParamGroups`),
-      ``after_step`` (:class:`AfterStep`), ``loss_term`` (:class:`LossTerm`);
+      ``after_step`` (:class:`AfterStep`), ``loss_term`` (:class:`LossTerm`); ``training_task(p, spec)``: the
+      fairseq ``--task`` a run of the model trains under (Admin's profiling task while omega is profiled),
+      None: the user's;
     - ``families`` (``<family>_<size>`` -> axes), ``architectures`` (name -> ``(fairseq size, axes)``);
     - ``export``: what an exporter needs (:class:`~.exporting.Export`: the targets that cannot carry it and
       why, how its constants fold into stock weights); :data:`~.exporting.EXPORT_NEUTRAL` where it changes
@@ -352,6 +354,7 @@ class Method:
     param_groups: ParamGroups | None = None
     after_step: AfterStep | None = None
     loss_term: LossTerm | None = None
+    training_task: Callable[[Any, Any], str | None] | None = None
     families: Mapping[str, dict] = field(default_factory=dict)
     architectures: Mapping[str, Tuple[str, dict]] = field(default_factory=dict)
     export: Export | None = None
