@@ -25,7 +25,7 @@ import cli_fork
 import pytest
 from cli_fork import run_forked
 
-from deepinit_tools.harness.tiny import TINY_DIMS, make_dictionary, tiny_batch, tiny_preln_trainer, tiny_sample  # noqa: F401
+from deepinit_tools.harness.tiny import TINY_DIMS, make_dictionary, tiny_batch, tiny_sample, tiny_trainer  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_deepinit")

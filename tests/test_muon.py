@@ -21,7 +21,7 @@ import pytest
 import torch
 from ports import muon as port
 
-from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_preln_trainer, tiny_sample
+from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_sample, tiny_trainer
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import muon
 from fairseq_deepinit.training.param_groups import GroupScale, tag_parameter
@@ -127,7 +127,7 @@ def test_newton_schulz_output_is_near_orthogonal():
 
 def build(kind: str, *cli: str):
     """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (no dropout) with ``--optimizer muon``."""
-    return tiny_preln_trainer(kind, "--optimizer", "muon", *cli)
+    return tiny_trainer(kind, "--optimizer", "muon", *cli)
 
 
 @pytest.mark.parametrize("kind, cli", [("mt", ()), ("mt", ("--share-all-embeddings",)), ("lm", ())])

@@ -23,7 +23,7 @@ from fairseq.logging import metrics
 from fairseq.modules.multihead_attention import MultiheadAttention
 from ports import qk_clip as port
 
-from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_preln_trainer, tiny_sample
+from conftest import TINY_DIMS, USER_DIR, run_cli, tiny_sample, tiny_trainer
 from fairseq_deepinit.errors import DeepInitConfigError
 from fairseq_deepinit.training import qk_clip
 
@@ -40,7 +40,7 @@ def build(kind: str, *cli: str):
                 if isinstance(m, MultiheadAttention):
                     m.q_proj.weight[: m.head_dim] *= BOOST
 
-    return tiny_preln_trainer(kind, "--optimizer", "adam", *cli, before=boost)
+    return tiny_trainer(kind, "--optimizer", "adam", *cli, before=boost)
 
 
 class Recorder:

@@ -6,7 +6,9 @@ Every architecture is every family of ``fairseq_deepinit.architectures.FAMILIES`
 schemes, MAtt, Admin and the successors Sub-LN, B2T, NormFormer, closed-form Admin, torchscale's
 DeepNorm) as a translation model, every family of ``fairseq_deepinit.lm.architectures.LM_FAMILIES``
 as a decoder-only language model, and stock fairseq ``transformer`` / ``transformer_lm`` beside
-them as references. Each is built exactly as ``fairseq-train`` builds it
+them as references (then the training rows: every optimizer of the plugin and every method with a training
+hook, stepped by fairseq's own ``Trainer``, :mod:`deepinit_tools.bench.smoke_training`). Each architecture is
+built exactly as ``fairseq-train`` builds it
 (deepinit_tools/harness/fairseq_train.py) at small dimensions and, per precision:
 
 - **trains** ``--steps`` steps on one fixed fairseq batch (sources left-padded, targets
@@ -30,8 +32,8 @@ them as references. Each is built exactly as ``fairseq-train`` builds it
 - records the **peak memory** (CUDA ``max_memory_allocated`` growth over build + train + decode;
   null on the CPU) and the seconds it took.
 
-fp16 needs CUDA (fairseq has no CPU half-precision training): on ``--device cpu`` the fp16 pass
-runs in fp32 and every such row says ``fp32 (fp16 needs CUDA)``. The JSON (``--out-dir``/smoke.json)
+fp16 here is fairseq's ``FP16Optimizer`` with its flat fp32 master, which needs CUDA: on ``--device cpu`` the
+fp16 pass runs in fp32 and every such row says ``fp32 (fp16 needs CUDA)``. The JSON (``--out-dir``/smoke.json)
 is rewritten after every architecture and precision, so a run cut by a time limit keeps what
 finished. Usage::
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -52,18 +55,19 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from deepinit_tools import fairseq_argv as fa
 from deepinit_tools import harness
 from deepinit_tools.bench.readiness_table import model_products_off
 from deepinit_tools.bench.smoke_counts import _Recorder, count_host_syncs, record_attention
+from deepinit_tools.bench.smoke_data import lm_batch, on_device, translation_batch, write_dictionaries
+from deepinit_tools.bench.smoke_training import SETUPS, smoke_training_one
 from deepinit_tools.harness.fairseq_train import USER_DIR, Run, Variant, fairseq_config, setup_task
 from deepinit_tools.harness.op_counters import MatmulDtypeAudit
 from deepinit_tools.paths import import_plugin
 
 PRECISIONS = ("fp16", "bf16-autocast")
-N_SYMBOLS = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,91 +83,35 @@ class Arch:
 
 
 def plugin():
-    """Every import from fairseq_deepinit in this script: the families and the autocast criterion."""
+    """Every import from fairseq_deepinit in this script: the families, the autocast criterion and the task a
+    family's records require."""
     import_plugin()
     from fairseq_deepinit.architectures import FAMILIES
+    from fairseq_deepinit.family_args import family_spec
     from fairseq_deepinit.lm.architectures import LM_FAMILIES
+    from fairseq_deepinit.methods import training_task
     from fairseq_deepinit.training.autocast import AutocastCriterion
 
-    return FAMILIES, LM_FAMILIES, AutocastCriterion
+    def required_task(family: str, lm: bool) -> str | None:
+        return training_task(family_spec(family, lm=lm))
+
+    return FAMILIES, LM_FAMILIES, AutocastCriterion, required_task
 
 
-def architectures() -> List[Arch]:
-    """Stock references first, then every translation family, then every language-model family."""
-    families, lm_families, _ = plugin()
+@functools.lru_cache(maxsize=1)
+def architectures() -> Tuple[Arch, ...]:
+    """Stock references first, then every translation family, then every language-model family, each under
+    the task its records require (Admin's profiling tasks, which have ``--autocast-bf16`` too) or fairseq's."""
+    families, lm_families, _, required_task = plugin()
     out = [Arch("stock", False, "transformer", "translation", "translation_deepinit", plugin=False)]
     for f in families:
-        admin = f.startswith("admin")
-        out.append(
-            Arch(f, False, f"{f}_iwslt_de_en", "translation_admin" if admin else "translation",
-                 "translation_admin" if admin else "translation_deepinit")
-        )  # fmt: skip
+        need = required_task(f, lm=False)
+        out.append(Arch(f, False, f"{f}_iwslt_de_en", need or "translation", need or "translation_deepinit"))
     out.append(Arch("lm:stock", True, "transformer_lm", "language_modeling", None, plugin=False))
     for f in lm_families:
-        admin = f.startswith("admin")
-        task = "language_modeling_admin" if admin else "language_modeling"
-        out.append(Arch(f"lm:{f}", True, f"{f}_lm_tiny", task, task if admin else None))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# the data
-
-
-def write_dictionaries(folder: Path) -> Path:
-    """Dictionaries fairseq's tasks load (``dict.src.txt``, ``dict.tgt.txt``, ``dict.txt``); no corpus."""
-    from fairseq.data import Dictionary
-
-    d = Dictionary()
-    for i in range(N_SYMBOLS):
-        d.add_symbol(f"w{i}", n=N_SYMBOLS - i)
-    for name in ("dict.src.txt", "dict.tgt.txt", "dict.txt"):
-        d.save(str(folder / name))
-    return folder
-
-
-def translation_batch(task, bsz: int, seed: int) -> dict:
-    """A fairseq-collated batch of ``bsz`` pairs of varied lengths (fairseq's LanguagePairDataset)."""
-    import torch
-    from fairseq.data import LanguagePairDataset
-
-    g = torch.Generator().manual_seed(seed)
-    src_d, tgt_d = task.source_dictionary, task.target_dictionary
-    lo = src_d.nspecial
-
-    def sentence(n: int, d) -> torch.Tensor:
-        return torch.cat([torch.randint(lo, len(d), (n,), generator=g), torch.tensor([d.eos()])])
-
-    src = [sentence(4 + (3 * i) % 9, src_d) for i in range(bsz)]
-    tgt = [sentence(3 + (5 * i) % 10, tgt_d) for i in range(bsz)]
-    ds = LanguagePairDataset(src, [len(s) for s in src], src_d, tgt, [len(t) for t in tgt], tgt_d)
-    return ds.collater([ds[i] for i in range(bsz)])
-
-
-def lm_batch(task, bsz: int, seed: int) -> dict:
-    """A right-padded language-modeling batch (``src_tokens`` = eos + tokens, target = tokens + eos)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    d = task.source_dictionary
-    rows = [torch.randint(d.nspecial, len(d), (4 + (5 * i) % 12,), generator=g) for i in range(bsz)]
-    width = max(len(r) for r in rows) + 1
-    src = torch.full((bsz, width), d.pad())
-    tgt = torch.full((bsz, width), d.pad())
-    for i, r in enumerate(rows):
-        src[i, : len(r) + 1] = torch.cat([torch.tensor([d.eos()]), r])
-        tgt[i, : len(r) + 1] = torch.cat([r, torch.tensor([d.eos()])])
-    lengths = torch.tensor([len(r) + 1 for r in rows])
-    return {"id": torch.arange(bsz), "nsentences": bsz, "ntokens": int(lengths.sum()), "target": tgt,
-            "net_input": {"src_tokens": src, "src_lengths": lengths}}  # fmt: skip
-
-
-def on_device(sample: dict, device: str) -> dict:
-    if device != "cuda":
-        return sample
-    from fairseq import utils
-
-    return utils.move_to_cuda(sample)
+        need = required_task(f, lm=True)
+        out.append(Arch(f"lm:{f}", True, f"{f}_lm_tiny", need or "language_modeling", need))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +149,7 @@ def smoke_one(a: Arch, precision: str, data: Path, opts) -> dict:
     ran = precision if (precision != "fp16" or opts.device == "cuda") else "fp32"
     out: dict = {"arch": a.name, "fairseq_arch": a.arch, "precision": precision, "ran_as": ran}
     if ran != precision:
-        out["note"] = "fp32 (fp16 needs CUDA: fairseq has no CPU half-precision training)"
+        out["note"] = "fp32 (fp16 needs CUDA: fairseq's flat fp16 master is CUDA-only)"
     elif precision == "bf16-autocast" and not a.bf16_task:
         out["note"] = "autocast through AutocastCriterion (no task with --autocast-bf16 for this model)"
     t0 = time.perf_counter()
@@ -347,16 +295,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     if opts.device == "cuda" and not torch.cuda.is_available():
         harness.fail("--device cuda: no CUDA device is visible to torch")
-    archs = architectures()
+    archs, setups = list(architectures()), list(SETUPS)
     if opts.list:
         print("\n".join(f"{a.name:<26} --arch {a.arch}" for a in archs))
+        print("\n".join(f"{s.name:<26} --arch {s.family}_iwslt_de_en {' '.join(s.flags)}" for s in setups))
         return {}
     if opts.only:
         wanted = [x for x in opts.only.split(",") if x]
-        unknown = sorted(set(wanted) - {a.name for a in archs})
+        unknown = sorted(set(wanted) - {a.name for a in archs} - {s.name for s in setups})
         if unknown:
             p.error(f"--only: unknown architecture(s) {', '.join(unknown)}; --list shows them")
-        archs = [a for a in archs if a.name in wanted]
+        archs, setups = [a for a in archs if a.name in wanted], [s for s in setups if s.name in wanted]
     meta = harness.environment(opts.device, "gpu_smoke.py", list(argv if argv is not None else sys.argv[1:]))
     meta.update(dims=f"{opts.layers} layers, d {opts.dim}, FFN {opts.ffn}, {opts.heads} heads", batch=opts.batch,
                 steps=opts.steps, beam=opts.beam, attention_impl=opts.attention_impl,
@@ -367,13 +316,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data = write_dictionaries(Path(tmp))
-        for a in archs:
-            for precision in precisions:
-                row = smoke_one(a, precision, data, opts)
-                rows.append(row)
-                print(f"{a.name} {row['ran_as']}: {row['status']} {row.get('error', '')}", file=sys.stderr, flush=True)
-                with lock:
-                    _write(opts.out_dir, meta, rows, time.perf_counter() - start, done=False)
+        runs = [(a.name, lambda a=a, p=p: smoke_one(a, p, data, opts)) for a in archs for p in precisions]
+        runs += [(s.name, lambda s=s, p=p: smoke_training_one(s, p, opts)) for s in setups for p in precisions]
+        for name, run in runs:
+            row = run()
+            rows.append(row)
+            print(f"{name} {row['ran_as']}: {row['status']} {row.get('error', '')}", file=sys.stderr, flush=True)
+            with lock:
+                _write(opts.out_dir, meta, rows, time.perf_counter() - start, done=False)
     doc = _write(opts.out_dir, meta, rows, time.perf_counter() - start, done=True)
     print(harness.provenance(meta))
     print(summary(rows))

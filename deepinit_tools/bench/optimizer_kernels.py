@@ -41,7 +41,7 @@ def plugin() -> Tuple[Any, Any]:
 def measure(kind: str, cli: List[str]) -> dict:
     """Counts for one model and optimizer: the step alone, then a whole update (forward, backward, step)."""
     tiny, innermost = plugin()
-    t = tiny.tiny_preln_trainer(kind, *cli)
+    t = tiny.tiny_trainer(kind, *cli)
     tiny_sample = tiny.tiny_sample
     t.train_step([tiny_sample(kind, 0)])  # the optimizer's lazy state
     with OpCounter() as step:

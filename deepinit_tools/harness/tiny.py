@@ -1,5 +1,6 @@
-"""A tiny Pre-LN model in a fairseq ``Trainer`` on the CPU, and random batches for it: what the optimizer tests and
-``benchmarks/optimizer_kernels.py`` step (translation 2+2 layers or a 6-layer language model, d 64)."""
+"""A tiny model (Pre-LN unless told) in a fairseq ``Trainer``, and random batches for it: what the optimizer tests,
+``benchmarks/optimizer_kernels.py`` and gpu_smoke.py's training rows step (translation 2+2 layers or a 6-layer
+language model, d 64)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch
 from fairseq import options, tasks
 from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq.tasks.translation import TranslationTask
 from fairseq.trainer import Trainer
 from torch import nn
 
@@ -52,19 +52,21 @@ def tiny_sample(kind: str, seed: int = 0) -> dict:
     return {"net_input": net, "target": target, "ntokens": target.numel(), "nsentences": 3, "id": torch.arange(3)}
 
 
-def tiny_preln_trainer(kind: str, *cli: str, before: Callable[[nn.Module], None] | None = None) -> Trainer:
-    """A fairseq ``Trainer`` on the CPU for a tiny Pre-LN model (``kind`` ``mt``: translation, ``lm``: a language
-    model; no dropout, lr 1e-2, label-smoothed cross-entropy) with the options ``cli`` (``--optimizer`` among them);
-    ``before(model)`` runs on the built model before the trainer takes it."""
+def tiny_trainer(kind: str, *cli: str, family: str = "preln", cpu: bool = True,
+                 before: Callable[[nn.Module], None] | None = None) -> Trainer:  # fmt: skip
+    """A fairseq ``Trainer`` for a tiny model of ``family`` (``kind`` ``mt``: translation 2+2 layers, ``lm``: a
+    6-layer language model; no dropout, lr 1e-2, label-smoothed cross-entropy) with the options ``cli``
+    (``--optimizer`` among them; a ``--task`` there replaces the kind's); on the CPU, or where fairseq puts it
+    (CUDA when visible) with ``cpu=False``; ``before(model)`` runs on the built model before the trainer takes it."""
     if kind == "mt":
-        argv = ["--task", "translation", "--arch", "preln_iwslt_de_en", "-s", "src", "-t", "tgt", *TINY_DIMS]
+        argv = ["--task", "translation", "--arch", f"{family}_iwslt_de_en", "-s", "src", "-t", "tgt", *TINY_DIMS]
     else:
-        argv = ["--task", "language_modeling", "--arch", "preln_lm_tiny"]
+        argv = ["--task", "language_modeling", "--arch", f"{family}_lm_tiny"]
     args = options.parse_args_and_arch(options.get_training_parser(), ["/nonexistent", *argv, "--dropout", "0",
-        "--attention-dropout", "0", "--lr", "1e-2", "--cpu", "--seed", "1",
+        "--attention-dropout", "0", "--lr", "1e-2", *(["--cpu"] if cpu else []), "--seed", "1",
         "--criterion", "label_smoothed_cross_entropy", *cli])  # fmt: skip
     d = make_dictionary(50)
-    task = TranslationTask(args, d, d) if kind == "mt" else tasks.TASK_REGISTRY[args.task](args, d, d)
+    task = tasks.TASK_REGISTRY[args.task](args, d, d)
     torch.manual_seed(1)
     model = task.build_model(args)
     if before is not None:

@@ -126,10 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
     budget = Budget(a.t0, a.budget_min, quick=a.quick)
     if a.plan:
-        from deepinit_tools.bench.gpu_smoke import architectures
+        from deepinit_tools.bench.gpu_smoke import SETUPS, architectures
         from deepinit_tools.session.plan import plan
 
-        rows = 2 * len(architectures())
+        # a training row (3 updates of a 2+2-layer d-64 model, no decoding) as half an architecture row
+        rows = 2 * len(architectures()) + len(SETUPS)
         print(plan(a.stage_list, budget, rows, a.jobs or len(a.methods), a.rehearsal))
         return 0
     if a.device == "cuda":

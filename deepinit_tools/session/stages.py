@@ -50,7 +50,8 @@ STAGES = {
     s.name: s
     for s in (
         Stage("smoke", "CUDA smoke test of every architecture: fp16 and bf16 steps, beam-4 decode, SDPA backend "
-              "per attention kind, host syncs, matmul dtypes", 2.6, 3.0, "smoke.json", ("smoke.md",)),
+              "per attention kind, host syncs, matmul dtypes; every optimizer and training hook through fairseq's "
+              "Trainer", 2.9, 3.0, "smoke.json", ("smoke.md",)),
         Stage("speed6", "6-layer speed rows (stock fp16/fp32 and the plugin's paths, transformer base, equal batch, "
               "interleaved) and the loss-curve check", 3.2, 1.0, "gpu-6l.json", ("gpu-6l.md",)),
         Stage("cells18", "the 18-layer paper cells trained side by side, each in its paper's regime", 2.5, 1.0,
