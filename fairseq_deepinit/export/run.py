@@ -86,7 +86,8 @@ def check_only(route: Route, only: Only) -> None:
 
 
 def prepare(src: str, dst: str, target: str, only: Only | None = None, force: bool = False, tolerance: float = 1e-4):
-    """``(state, args, route)`` of ``src`` once every check before the model is built has passed.
+    """``(state, args, spec, route)`` of ``src`` once every check before the model is built has passed (``spec``:
+    the model's, resolved from the checkpoint's arguments once).
 
     ``only``: what a narrower command takes (:class:`Only`); ``force``: replace an existing output
     (:func:`.output.check_destination` says which).
@@ -100,13 +101,14 @@ def prepare(src: str, dst: str, target: str, only: Only | None = None, force: bo
     state, args = source.load_checkpoint(src)
     if only is not None:
         check_kind(args, only, src)
-    route = routes.classify(args, source.model_spec(args))
+    spec = source.model_spec(args)
+    route = routes.classify(args, spec)
     if only is not None:
         check_only(route, only)
     route.check(target)
     source.check_profiled(state, src, "decoder" if route.lm else "encoder")
     source.check_finite(state["model"], src)
-    return state, args, route
+    return state, args, spec, route
 
 
 def export_fairseq(
@@ -114,7 +116,7 @@ def export_fairseq(
 ) -> dict:
     """``--to fairseq``: a stock ``transformer`` / ``transformer_lm`` checkpoint (``only``: what a narrower
     command takes); returns a summary."""
-    state, args, route = prepare(src, dst, routes.FAIRSEQ, only, force, tolerance)
+    state, args, _spec, route = prepare(src, dst, routes.FAIRSEQ, only, force, tolerance)
     model = source.build_plugin_model(state["model"], args, torch.float64)
     plain, changes = plain_state_dict(model, args, route)
     summary = {"route": route, "changes": changes, "arch": to_fairseq.stock_args(args, changes)["_name"]}
@@ -146,7 +148,7 @@ def export_ct2(
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ExportError(f"unknown --quantization {quantization}; choose from {', '.join(QUANTIZATIONS)}")
-    state, args, route = prepare(src, dst, routes.CTRANSLATE2, force=force, tolerance=tolerance)
+    state, args, _spec, route = prepare(src, dst, routes.CTRANSLATE2, force=force, tolerance=tolerance)
     dicts = source.load_dictionaries(state, args, data)
     vocabularies: List[List[str]] = [to_ct2.vocabulary(d) for d in dicts[: 1 if route.lm else 2]]
     model = source.build_plugin_model(state["model"], args, torch.float64)
@@ -200,7 +202,7 @@ def export_hf(
     ``save_pretrained``, reloaded with transformers' auto class and compared with the plugin model in float64
     (:func:`.to_hf.check_hf_dir`) before the folder is renamed into place.
     """
-    state, args, route = prepare(src, dst, routes.HUGGINGFACE, force=force, tolerance=tolerance)
+    state, args, spec, route = prepare(src, dst, routes.HUGGINGFACE, force=force, tolerance=tolerance)
     files = source.dictionary_files(state, args, data)
     dicts = list(source.load_dictionaries(state, args, data))[: len(files)]
     model = source.build_plugin_model(state["model"], args, torch.float64, dicts[0], dicts[-1])
@@ -224,7 +226,6 @@ def export_hf(
             tokenizers = hf_tokenizer.write_tokenizer(tmp, dicts[0], dicts[-1], pipeline, model_max_length=positions)
         if check:
             summary["max_abs_diff"] = to_hf.check_hf_dir(tmp, model, tolerance)
-        spec = source.model_spec(args)
         diff = summary.get("max_abs_diff")
         target = [os.path.relpath(t, tmp) for t in tokenizers[1:]]
         model_card.write_card(tmp, src, state, args, spec, route, hf, auto, pipeline is not None, names, diff, target)
