@@ -39,6 +39,21 @@ def test_every_family_is_an_architecture_of_the_smoke_test():
     assert lm.lm and lm.bf16_task is None  # no language-model task with --autocast-bf16 but Admin's
 
 
+def test_every_architecture_row_builds_with_the_smoke_tests_flags(tmp_path):
+    """What a CPU run of a subset cannot show: no family refuses what the smoke test adds (its attention path,
+    its tasks, the precisions' flags); a family that refuses ``--attention-impl sdpa`` keeps its own and says so."""
+    from deepinit_tools.harness.fairseq_train import fairseq_config, setup_task
+
+    opts = gpu_smoke.build_parser().parse_args(["--device", "cpu", *TINY])
+    data = gpu_smoke.write_dictionaries(tmp_path)
+    for a in gpu_smoke.architectures():  # bf16's flags: the model's of every pass, and the autocast task's
+        fcfg = fairseq_config(gpu_smoke.train_argv(a, data, "bf16-autocast", opts))
+        setup_task(fcfg).build_model(fcfg.model)
+    refusing = [a for a in gpu_smoke.architectures() if a.sdpa_refused]
+    assert {a.name for a in refusing} == {"attnsoftcap", "lm:attnsoftcap"}
+    assert "--attention-impl" not in gpu_smoke.train_argv(refusing[0], data, "fp32", opts)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")

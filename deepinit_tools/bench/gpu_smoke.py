@@ -80,6 +80,7 @@ class Arch:
     task: str  # the task of the fp16 / fp32 pass
     bf16_task: str | None  # the task that has --autocast-bf16; None: AutocastCriterion around the criterion
     plugin: bool = True
+    sdpa_refused: str | None = None  # why the family refuses --attention-impl sdpa (it keeps its own attention)
 
 
 def plugin():
@@ -87,30 +88,38 @@ def plugin():
     family's records require."""
     import_plugin()
     from fairseq_deepinit.architectures import FAMILIES
+    from fairseq_deepinit.errors import DeepInitConfigError
     from fairseq_deepinit.family_args import family_spec
     from fairseq_deepinit.lm.architectures import LM_FAMILIES
     from fairseq_deepinit.methods import training_task
     from fairseq_deepinit.training.autocast import AutocastCriterion
 
-    def required_task(family: str, lm: bool) -> str | None:
-        return training_task(family_spec(family, lm=lm))
+    def facts(family: str, lm: bool) -> Tuple[str | None, str | None]:
+        """The task the family's records require, and why it refuses ``--attention-impl sdpa`` (None: it takes it)."""
+        try:
+            family_spec(family, ("--attention-impl", "sdpa"), lm=lm)
+            refused = None
+        except DeepInitConfigError as e:
+            refused = str(e)
+        return training_task(family_spec(family, lm=lm)), refused
 
-    return FAMILIES, LM_FAMILIES, AutocastCriterion, required_task
+    return FAMILIES, LM_FAMILIES, AutocastCriterion, facts
 
 
 @functools.lru_cache(maxsize=1)
 def architectures() -> Tuple[Arch, ...]:
     """Stock references first, then every translation family, then every language-model family, each under
     the task its records require (Admin's profiling tasks, which have ``--autocast-bf16`` too) or fairseq's."""
-    families, lm_families, _, required_task = plugin()
+    families, lm_families, _, facts = plugin()
     out = [Arch("stock", False, "transformer", "translation", "translation_deepinit", plugin=False)]
     for f in families:
-        need = required_task(f, lm=False)
-        out.append(Arch(f, False, f"{f}_iwslt_de_en", need or "translation", need or "translation_deepinit"))
+        need, refused = facts(f, lm=False)
+        out.append(Arch(f, False, f"{f}_iwslt_de_en", need or "translation", need or "translation_deepinit",
+                        sdpa_refused=refused))  # fmt: skip
     out.append(Arch("lm:stock", True, "transformer_lm", "language_modeling", None, plugin=False))
     for f in lm_families:
-        need = required_task(f, lm=True)
-        out.append(Arch(f"lm:{f}", True, f"{f}_lm_tiny", need or "language_modeling", need))
+        need, refused = facts(f, lm=True)
+        out.append(Arch(f"lm:{f}", True, f"{f}_lm_tiny", need or "language_modeling", need, sdpa_refused=refused))
     return tuple(out)
 
 
@@ -131,7 +140,7 @@ def train_argv(a: Arch, data: Path, precision: str, opts) -> List[str]:
         argv += ["-s", "src", "-t", "tgt", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
     if a.plugin or bf16:
         argv += ["--user-dir", USER_DIR]
-    if a.plugin and opts.attention_impl != "fairseq":
+    if a.plugin and opts.attention_impl != "fairseq" and not a.sdpa_refused:
         argv += ["--attention-impl", opts.attention_impl]
     if bf16 and a.bf16_task:
         argv += fa.precision_flags("bf16", has_task=True)  # the family's own bf16 task, selected above
@@ -148,10 +157,15 @@ def smoke_one(a: Arch, precision: str, data: Path, opts) -> dict:
 
     ran = precision if (precision != "fp16" or opts.device == "cuda") else "fp32"
     out: dict = {"arch": a.name, "fairseq_arch": a.arch, "precision": precision, "ran_as": ran}
+    notes = []
     if ran != precision:
-        out["note"] = "fp32 (fp16 needs CUDA: fairseq's flat fp16 master is CUDA-only)"
+        notes.append("fp32 (fp16 needs CUDA: fairseq's flat fp16 master is CUDA-only)")
     elif precision == "bf16-autocast" and not a.bf16_task:
-        out["note"] = "autocast through AutocastCriterion (no task with --autocast-bf16 for this model)"
+        notes.append("autocast through AutocastCriterion (no task with --autocast-bf16 for this model)")
+    if a.sdpa_refused and opts.attention_impl != "fairseq":
+        notes.append(f"its own attention: --attention-impl {opts.attention_impl} refused ({a.sdpa_refused})")
+    if notes:
+        out["note"] = "; ".join(notes)
     t0 = time.perf_counter()
     rec = _Recorder()
     try:
